@@ -1,0 +1,218 @@
+"""Argument checks for a KDA decode step, shared by the reference and the kernels.
+
+Every check raises ``ValueError`` naming the argument, before anything is written.
+The value checks (slots, accepted) read the index tensors on the host; kernels call
+them before a launch outside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HEAD_DIM = 128
+MAX_TOKENS = 8
+CONV_TAPS = 4
+GATE_RANK = 128
+
+_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Static shape of a step: requests, tokens, local heads, channels, window, pools."""
+
+    requests: int
+    tokens: int
+    heads: int
+    window: int
+    state_pages: int
+    conv_pages: int
+    has_bias: bool
+    record: bool
+    conv_dim_first: bool
+
+    @property
+    def dim(self) -> int:
+        return self.heads * HEAD_DIM
+
+    @property
+    def rows(self) -> int:
+        return self.requests * self.tokens
+
+
+def _tensor(name, t, dtypes, ndim=None, shape=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}); got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}; got {t.device}")
+
+
+def check_decode(
+    x,
+    conv_weight,
+    conv_bias,
+    conv_state,
+    f_a,
+    beta,
+    a_log,
+    dt_bias,
+    slots,
+    state,
+    gate,
+    norm_weight,
+    f_b,
+    *,
+    accepted=None,
+    conv_dim_first=True,
+    records=None,
+    check_values=True,
+) -> DecodeShape:
+    """Validate a decode step's arguments; returns its ``DecodeShape``."""
+    _tensor("state", state, (torch.float32,), ndim=4)
+    pages, heads, rows_v, keys = state.shape
+    if rows_v != HEAD_DIM or keys != HEAD_DIM:
+        raise ValueError(f"state must be [S, H, 128, 128] (head dim 128); got {tuple(state.shape)}")
+    if heads < 1 or pages < 1:
+        raise ValueError(
+            f"state must have at least one page and one head; got {tuple(state.shape)}"
+        )
+    device = state.device
+    dim = heads * HEAD_DIM
+
+    _tensor("slots", slots, (torch.int32,), device=device)
+    if slots.dim() not in (1, 2) or slots.shape[0] < 1:
+        raise ValueError(f"slots must be [B] or [B, >= T] with B >= 1; got {tuple(slots.shape)}")
+    requests = slots.shape[0]
+    _tensor("x", x, (torch.bfloat16,), ndim=2, device=device)
+    if x.shape[1] != 3 * dim:
+        raise ValueError(f"x must be [B*T, 3*H*128] = [*, {3 * dim}]; got {tuple(x.shape)}")
+    if x.shape[0] % requests != 0 or x.shape[0] == 0:
+        raise ValueError(f"x rows ({x.shape[0]}) must be a multiple of the requests ({requests})")
+    tokens = x.shape[0] // requests
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens per request (x rows / requests) must be in 1..8; got {tokens}")
+    if slots.dim() == 1 and tokens != 1:
+        raise ValueError(f"slots must be [B, >= T] for T = {tokens} > 1; got {tuple(slots.shape)}")
+    if slots.dim() == 2 and slots.shape[1] < tokens:
+        raise ValueError(f"slots must have >= T = {tokens} columns; got {tuple(slots.shape)}")
+    rows = requests * tokens
+
+    _tensor("conv_weight", conv_weight, _FLOAT_IN, shape=(3, CONV_TAPS, dim), device=device)
+    if conv_bias is not None:
+        _tensor("conv_bias", conv_bias, _FLOAT_IN, shape=(3 * dim,), device=device)
+    _tensor("conv_state", conv_state, (torch.bfloat16, torch.float32), ndim=3, device=device)
+    if conv_dim_first:
+        conv_pages, channels, window = conv_state.shape
+    else:
+        conv_pages, window, channels = conv_state.shape
+    if channels != 3 * dim:
+        layout = "[S, 3D, W]" if conv_dim_first else "[S, W, 3D]"
+        raise ValueError(
+            f"conv_state must be {layout} with 3D = {3 * dim}; got {tuple(conv_state.shape)}"
+        )
+    if window < tokens + 2:
+        raise ValueError(f"conv_state window W = {window} must be >= T + 2 = {tokens + 2}")
+    _tensor("f_a", f_a, (torch.bfloat16,), shape=(rows, GATE_RANK), device=device)
+    _tensor("beta", beta, _FLOAT_IN, shape=(rows, heads), device=device)
+    _tensor("a_log", a_log, (torch.float32,), shape=(heads,), device=device)
+    _tensor("dt_bias", dt_bias, (torch.float32,), shape=(dim,), device=device)
+    _tensor("gate", gate, (torch.bfloat16,), shape=(rows, dim), device=device)
+    _tensor("norm_weight", norm_weight, _FLOAT_IN, shape=(HEAD_DIM,), device=device)
+    _tensor("f_b", f_b, (torch.bfloat16,), shape=(dim, GATE_RANK), device=device)
+
+    if accepted is not None:
+        if tokens == 1:
+            raise ValueError("accepted must be None for single-token decode (T = 1)")
+        _tensor("accepted", accepted, (torch.int32,), shape=(requests,), device=device)
+    elif tokens > 1:
+        raise ValueError(f"accepted ([B] int32) is required for verify steps (T = {tokens})")
+    record = records is not None
+    if record:
+        if tokens == 1:
+            raise ValueError("records must be None for single-token decode (T = 1)")
+        if not isinstance(records, tuple | list) or len(records) != 2:
+            raise ValueError("records must be a (v_records, kg_records) pair")
+        v_records, kg_records = records
+        _tensor(
+            "v_records",
+            v_records,
+            (torch.float32,),
+            shape=(requests, heads, tokens, HEAD_DIM),
+            device=device,
+        )
+        _tensor(
+            "kg_records",
+            kg_records,
+            (torch.bfloat16,),
+            shape=(requests, heads, tokens, 2 * HEAD_DIM),
+            device=device,
+        )
+
+    if check_values:
+        check_slot_values(slots, accepted, tokens, pages, conv_pages)
+    return DecodeShape(
+        requests=requests,
+        tokens=tokens,
+        heads=heads,
+        window=window,
+        state_pages=pages,
+        conv_pages=conv_pages,
+        has_bias=conv_bias is not None,
+        record=record,
+        conv_dim_first=bool(conv_dim_first),
+    )
+
+
+def step_slots(slots, accepted, tokens):
+    """Per request: (state slot read, conv slot, window offset) as CPU int64 tensors."""
+    s = slots.detach().to("cpu", torch.int64)
+    if tokens == 1:
+        slot = s if s.dim() == 1 else s[:, 0]
+        return slot, slot.clone(), torch.zeros_like(slot)
+    offset = accepted.detach().to("cpu", torch.int64) - 1
+    slot = s.gather(1, offset.clamp(0, s.shape[1] - 1)[:, None])[:, 0]
+    return slot, s[:, 0].clone(), offset
+
+
+def check_slot_values(slots, accepted, tokens, state_pages, conv_pages):
+    """Range checks of ``accepted`` and every slot value (host read)."""
+    if accepted is not None:
+        acc = accepted.detach().to("cpu", torch.int64)
+        bad = (acc < 1) | (acc > tokens)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"accepted[{b}] = {int(acc[b])} is outside 1..T = 1..{tokens}")
+    s = slots.detach().to("cpu", torch.int64)
+    used = s if s.dim() == 1 else s[:, :tokens]
+    over = used >= state_pages
+    if bool(over.any()):
+        idx = tuple(int(i) for i in over.nonzero()[0])
+        raise ValueError(
+            f"slots{list(idx)} = {int(used[idx])} is past the state pool ({state_pages})"
+        )
+    slot, conv_slot, _ = step_slots(slots, accepted, tokens)
+    live = slot > 0
+    dead_conv = live & (conv_slot <= 0)
+    if bool(dead_conv.any()):
+        b = int(dead_conv.nonzero()[0, 0])
+        raise ValueError(
+            f"slots[{b}, 0] = {int(conv_slot[b])} but request {b} is live "
+            f"(state slot {int(slot[b])}): a live request needs a conv page"
+        )
+    past = live & (conv_slot >= conv_pages)
+    if bool(past.any()):
+        b = int(past.nonzero()[0, 0])
+        raise ValueError(
+            f"slots[{b}, 0] = {int(conv_slot[b])} is past the conv pool ({conv_pages})"
+        )

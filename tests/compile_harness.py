@@ -1,0 +1,40 @@
+"""CPU compile-check harness: compile a CuTe DSL kernel for a given arch, no GPU needed.
+
+Kernels join by writing a test that calls ``compile_for(arch, jit_fn, *fake_args)``
+with fake tensors from ``fake_tensor``; the test is marked ``compile`` and skips cleanly
+when the ``cu13`` extra (nvidia-cutlass-dsl) is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def require_dsl():
+    """Import and return ``cutlass.cute``, or skip the calling test."""
+    pytest.importorskip("cutlass")
+    return pytest.importorskip("cutlass.cute")
+
+
+def fake_tensor(dtype, shape, stride_order=None, align=16):
+    """A compile-only compact tensor (global memory, ``align``-byte aligned)."""
+    cute = require_dsl()
+    order = tuple(stride_order) if stride_order is not None else tuple(range(len(shape)))[::-1]
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, tuple(shape), stride_order=order, assumed_align=align
+    )
+
+
+def fake_stream():
+    cute = require_dsl()
+    return cute.runtime.make_fake_stream()
+
+
+def compile_for(arch: str, fn, *args, **kwargs):
+    """``cute.compile(fn, *args)`` for ``arch`` (e.g. ``sm_90a``); returns the compiled object."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}; got {arch!r}")
+    cute = require_dsl()
+    return cute.compile(fn, *args, options=f"--gpu-arch {arch}", **kwargs)

@@ -1,0 +1,355 @@
+"""kda.reference: against an independent float64 loop, and its step semantics."""
+
+import math
+
+import pytest
+import torch
+
+from kda import reference as R
+from kda import testing as kt
+
+
+def naive_step(layer, step, records=False):
+    """Per (request, head, token) float64 loop of the SPEC's step, bf16 only where the SPEC
+    rounds to bf16. Returns (output, state, conv_state) as new tensors."""
+    state = layer.state.double().clone()
+    conv = layer.conv_state.clone()
+    if not layer.conv_dim_first:
+        conv = conv.transpose(1, 2)
+    conv_new = conv.clone()
+    B = step.slots.shape[0]
+    T = step.tokens
+    H = layer.heads
+    D = H * 128
+    out = torch.zeros(B * T, D, dtype=torch.bfloat16)
+
+    def bf(v):
+        return float(torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).double())
+
+    def sig(v):
+        return 1.0 / (1.0 + math.exp(-v))
+
+    w = layer.conv_weight.double()
+    bias = None if layer.conv_bias is None else layer.conv_bias.double()
+    for b in range(B):
+        if T == 1:
+            slot = int(step.slots[b])
+            cslot, off = slot, 0
+        else:
+            off = int(step.accepted[b]) - 1
+            slot, cslot = int(step.slots[b, off]), int(step.slots[b, 0])
+        if slot <= 0:
+            continue
+        for h in range(H):
+            qkv = torch.zeros(3, T, 128, dtype=torch.float64)
+            for p in range(3):
+                for c in range(128):
+                    ch = p * D + h * 128 + c
+                    win = [float(conv[cslot, ch, off + j]) for j in range(3)]
+                    win += [float(step.x[b * T + t, ch]) for t in range(T)]
+                    for t in range(T):
+                        acc = 0.0 if bias is None else float(bias[ch])
+                        for i in range(4):
+                            acc += win[t + i] * float(w[p, i, h * 128 + c])
+                        qkv[p, t, c] = bf(acc * sig(acc))
+                    for j, val in enumerate(win[1:]):
+                        conv_new[cslot, ch, j] = val
+            S = state[slot, h].clone()
+            for t in range(T):
+                row = b * T + t
+                fa = step.f_a[row].double()
+                raw = torch.tensor([bf(float(fa @ layer.f_b[h * 128 + c].double()))
+                                    for c in range(128)], dtype=torch.float64)  # fmt: skip
+                g = math.exp(float(layer.a_log[h])) * (
+                    raw + layer.dt_bias[h * 128 : h * 128 + 128].double()
+                )
+                decay = torch.exp(-5.0 * torch.sigmoid(g))
+                q, k, v = qkv[0, t], qkv[1, t], qkv[2, t]
+                qn = q / math.sqrt(float(q @ q) + 1e-6) * 128**-0.5
+                kn = k / math.sqrt(float(k @ k) + 1e-6)
+                bt = sig(float(step.beta[row, h]))
+                S = S * decay[None, :]
+                v_new = (v - S @ kn) * bt
+                S = S + v_new[:, None] * kn[None, :]
+                o = torch.tensor([bf(float(x)) for x in S @ qn], dtype=torch.float64)
+                if not records:
+                    target = slot if T == 1 else int(step.slots[b, t])
+                    if target > 0:
+                        state[target, h] = S
+                rstd = 1.0 / math.sqrt(float(o @ o) / 128 + 1e-6)
+                gate = torch.sigmoid(step.gate[row, h * 128 : h * 128 + 128].double())
+                out[row, h * 128 : h * 128 + 128] = (
+                    o * rstd * layer.norm_weight.double() * gate
+                ).to(torch.bfloat16)
+    if not layer.conv_dim_first:
+        conv_new = conv_new.transpose(1, 2)
+    return out, state.float(), conv_new
+
+
+def bf16_ulp(x):
+    """The bf16 ulp of each element of x (fp32 tensor)."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
+    return torch.pow(2.0, e - 7)
+
+
+FLOAT64_CASES = [
+    (1, True, True, torch.bfloat16),
+    (2, False, False, torch.float32),
+    (3, True, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("T,dim_first,bias,conv_dtype", FLOAT64_CASES)
+def test_against_float64_loop(T, dim_first, bias, conv_dtype):
+    H, B = 2, 3
+    pages = 1 + B * T
+    layer = kt.make_layer(
+        H, pages, conv_dim_first=dim_first, bias=bias, conv_dtype=conv_dtype, seed=1
+    )
+    step = kt.make_step(B, T, H, pages=pages, padding=(1,), seed=2)
+    ref_out, ref_state, ref_conv = naive_step(layer, step)
+    got_layer = layer.clone()
+    out = kt.run_reference(got_layer, step)
+    # The loop rounds to bf16 where the SPEC does but computes the rest in float64, so an
+    # intermediate bf16 value (a SiLU output, o) can round the other way now and then:
+    # nearly every output is within one bf16 ulp and the state within 1e-3 of its page.
+    diff = (out.float() - ref_out.float()).abs()
+    ulp = bf16_ulp(ref_out.float())
+    assert (diff <= ulp).float().mean() > 0.99
+    assert (diff / ulp).mean() < 0.05
+    scale = ref_state.abs().amax(dim=(2, 3), keepdim=True).clamp_min(1e-6)
+    assert ((got_layer.state - ref_state).abs() / scale).max() < 1e-3
+    assert torch.equal(got_layer.conv_state.float(), ref_conv.float())
+
+
+def _inputs(T, B=4, H=2, dim_first=True, seed=3, padding=(), accepted=None):
+    pages = 1 + B * T + 2
+    layer = kt.make_layer(H, pages, conv_dim_first=dim_first, seed=seed)
+    step = kt.make_step(B, T, H, pages=pages, padding=padding, accepted=accepted, seed=seed + 1)
+    return layer, step
+
+
+@pytest.mark.parametrize("T", [2, 4, 8])
+def test_verify_equals_single_token_steps(T):
+    B, H = 3, 2
+    accepted = torch.tensor([1, T, max(1, T // 2)], dtype=torch.int32)
+    layer, step = _inputs(T, B, H, accepted=accepted)
+    verify = layer.clone()
+    out_v = kt.run_reference(verify, step)
+    for b in range(B):
+        a = int(accepted[b])
+        src = int(step.slots[b, a - 1])
+        cslot = int(step.slots[b, 0])
+        single = layer.clone()
+        page = single.state.shape[0] - 1  # a spare page for the single-token chain
+        single.state[page] = layer.state[src]
+        single.conv_state[page, :, :3] = layer.conv_state[cslot, :, a - 1 : a + 2]
+        for t in range(T):
+            row = b * T + t
+            one = kt.Step(
+                x=step.x[row : row + 1], f_a=step.f_a[row : row + 1], beta=step.beta[row : row + 1],
+                gate=step.gate[row : row + 1], slots=torch.tensor([page], dtype=torch.int32),
+            )  # fmt: skip
+            o = kt.run_reference(single, one)
+            assert torch.equal(o, out_v[row : row + 1])
+            assert torch.equal(single.state[page], verify.state[int(step.slots[b, t])])
+        # The next step (accepted = T) reads window positions T-1 .. T+1.
+        assert torch.equal(
+            single.conv_state[page, :, :3], verify.conv_state[cslot, :, T - 1 : T + 2]
+        )
+
+
+@pytest.mark.parametrize("T", [2, 5])
+def test_record_and_recover_equal_direct_verify(T):
+    B, H = 4, 2
+    layer, step = _inputs(T, B, H, padding=(2,))
+    direct = layer.clone()
+    out_d = kt.run_reference(direct, step)
+    recorded = layer.clone()
+    v_rec = torch.full((B, H, T, 128), float("nan"))
+    kg_rec = torch.full((B, H, T, 256), float("nan"), dtype=torch.bfloat16)
+    out_r = kt.run_reference(recorded, step, records=(v_rec, kg_rec))
+    assert torch.equal(out_r, out_d)
+    assert torch.equal(recorded.state, layer.state)  # record mode writes no state
+    assert torch.equal(recorded.conv_state, direct.conv_state)  # conv written in record mode
+    assert torch.isnan(v_rec[2]).all() and torch.isnan(kg_rec[2].float()).all()  # padding
+    n = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    R.recover(
+        recorded.state, step.slots, v_rec, kg_rec, layer.a_log, layer.dt_bias, n, step.accepted,
+        lower_bound=kt.LOWER_BOUND,
+    )  # fmt: skip
+    touched = set()
+    for b in range(B):
+        if b == 2:
+            continue
+        for t in range(int(n[b])):
+            slot = int(step.slots[b, t])
+            touched.add(slot)
+            assert torch.equal(recorded.state[slot], direct.state[slot])
+    for page in range(layer.state.shape[0]):
+        if page not in touched:
+            assert torch.equal(recorded.state[page], layer.state[page])
+
+
+def test_padding_and_untouched_pages_bitwise():
+    T, B, H = 3, 4, 2
+    layer, step = _inputs(T, B, H, padding=(0, 3))
+    after = layer.clone()
+    out = kt.run_reference(after, step)
+    assert (out.view(B, T, -1)[[0, 3]] == 0).all()
+    written = {int(s) for b in (1, 2) for s in step.slots[b]}
+    conv_written = {int(step.slots[b, 0]) for b in (1, 2)}
+    for page in range(layer.state.shape[0]):
+        if page not in written:
+            assert torch.equal(after.state[page], layer.state[page])
+        if page not in conv_written:
+            assert torch.equal(after.conv_state[page], layer.conv_state[page])
+        else:  # window positions past T + 1 untouched
+            assert torch.equal(
+                after.conv_state[page, :, T + 2 :], layer.conv_state[page, :, T + 2 :]
+            )
+
+
+def test_all_padding_step_touches_nothing():
+    layer, step = _inputs(1, 3, 2, padding=(0, 1, 2))
+    after = layer.clone()
+    out = kt.run_reference(after, step)
+    assert (out == 0).all()
+    assert torch.equal(after.state, layer.state) and torch.equal(after.conv_state, layer.conv_state)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_conv_layouts_agree(T):
+    first, step = _inputs(T, dim_first=True)
+    second = first.clone()
+    second.conv_state = first.conv_state.transpose(1, 2).contiguous()
+    second.conv_dim_first = False
+    out1 = kt.run_reference(first, step)
+    out2 = kt.run_reference(second, step)
+    assert torch.equal(out1, out2)
+    assert torch.equal(first.state, second.state)
+    assert torch.equal(first.conv_state, second.conv_state.transpose(1, 2))
+
+
+def test_zero_bias_equals_no_bias():
+    layer, step = _inputs(2)
+    layer.conv_bias = None
+    zero = layer.clone()
+    zero.conv_bias = torch.zeros(3 * layer.heads * 128, dtype=torch.bfloat16)
+    assert torch.equal(kt.run_reference(layer, step), kt.run_reference(zero, step))
+
+
+def test_sharded_heads_give_the_same_bits():
+    """A head's results do not depend on which shard it is computed in."""
+    T, B, H = 2, 3, 4
+    layer, step = _inputs(T, B, H)
+    full = layer.clone()
+    out_full = kt.run_reference(full, step)
+    for first in (0, 2):
+        shard = kt.shard_layer(layer, first, 2)
+        out = kt.run_reference(shard, kt.shard_step(step, H, first, 2))
+        assert torch.equal(out, out_full[:, first * 128 : (first + 2) * 128])
+        assert torch.equal(shard.state, full.state[:, first : first + 2])
+
+
+# --- bad inputs: ValueError naming the argument, nothing written ----------------------
+
+
+def _args(layer, step):
+    return dict(
+        x=step.x, conv_weight=layer.conv_weight, conv_bias=layer.conv_bias,
+        conv_state=layer.conv_state, f_a=step.f_a, beta=step.beta, a_log=layer.a_log,
+        dt_bias=layer.dt_bias, slots=step.slots, state=layer.state, gate=step.gate,
+        norm_weight=layer.norm_weight, f_b=step.f_b if hasattr(step, "f_b") else layer.f_b,
+    )  # fmt: skip
+
+
+def _call(args, **kw):
+    a = dict(args)
+    names = ("x", "conv_weight", "conv_bias", "conv_state", "f_a", "beta", "a_log", "dt_bias",
+             "slots", "state", "gate", "norm_weight", "f_b")  # fmt: skip
+    pos = [a.pop(n) for n in names]
+    kw.setdefault("lower_bound", -5.0)
+    kw.setdefault("scale", 128**-0.5)
+    kw.setdefault("eps", 1e-6)
+    return R.decode(*pos, **kw)
+
+
+BAD = [
+    ("x", lambda a, s: a.update(x=a["x"].float()), {}),
+    ("x", lambda a, s: a.update(x=a["x"][:, :-8]), {}),
+    ("x", lambda a, s: a.update(x=a["x"].t().contiguous().t()), {}),
+    (
+        "tokens",
+        lambda a, s: a.update(x=torch.zeros(9 * 4, a["x"].shape[1], dtype=torch.bfloat16)),
+        {},
+    ),
+    ("conv_state", lambda a, s: a.update(conv_state=a["conv_state"][:, :, :3].contiguous()), {}),
+    ("conv_state", lambda a, s: a.update(conv_state=a["conv_state"].half()), {}),
+    ("state", lambda a, s: a.update(state=a["state"][:, :, :64].contiguous()), {}),
+    ("state", lambda a, s: a.update(state=a["state"].double()), {}),
+    ("a_log", lambda a, s: a.update(a_log=a["a_log"].half()), {}),
+    ("f_b", lambda a, s: a.update(f_b=a["f_b"][:, :64].contiguous()), {}),
+    ("beta", lambda a, s: a.update(beta=a["beta"][:, :1].contiguous()), {}),
+    ("gate", lambda a, s: a.update(gate=a["gate"][:-1]), {}),
+    ("slots", lambda a, s: a.update(slots=a["slots"].long()), {}),
+    ("slots", lambda a, s: a["slots"].__setitem__((0, 1), 10_000), {}),
+    ("slots[1, 0]", lambda a, s: a["slots"].__setitem__((1, 0), 0), {}),
+    ("accepted", lambda a, s: None, {"accepted": torch.tensor([1, 2, 3, 5], dtype=torch.int32)}),
+    ("accepted", lambda a, s: None, {"accepted": torch.tensor([1, 0, 3, 1], dtype=torch.int32)}),
+    ("accepted", lambda a, s: None, {"accepted": None}),
+    ("records", lambda a, s: None, {"records": (torch.zeros(1), torch.zeros(1))}),
+    (
+        "v_records",
+        lambda a, s: None,
+        {
+            "records": (
+                torch.zeros(4, 2, 4, 128, dtype=torch.bfloat16),
+                torch.zeros(4, 2, 4, 256, dtype=torch.bfloat16),
+            )
+        },
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("name,mutate,kw", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs_raise_before_any_write(name, mutate, kw):
+    layer, step = _inputs(4, B=4, H=2)
+    args = _args(layer, step)
+    args["slots"] = args["slots"].clone()
+    mutate(args, step)
+    kw.setdefault("accepted", step.accepted)
+    state0, conv0 = args["state"].clone(), args["conv_state"].clone()
+    with pytest.raises(ValueError, match=name.split("[")[0]):
+        _call(args, **kw)
+    assert torch.equal(args["state"], state0) and torch.equal(args["conv_state"], conv0)
+
+
+def test_bad_inputs_single_token():
+    layer, step = _inputs(1, B=2, H=2)
+    args = _args(layer, step)
+    with pytest.raises(ValueError, match="accepted"):
+        _call(args, accepted=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="records"):
+        _call(args, records=(torch.zeros(2, 2, 1, 128), torch.zeros(2, 2, 1, 256)))
+    with pytest.raises(ValueError, match="head dim"):
+        _call(dict(args, state=torch.zeros(3, 2, 64, 64)))
+
+
+def test_recover_validates():
+    T, B, H = 3, 2, 2
+    layer, step = _inputs(T, B, H)
+    v = torch.zeros(B, H, T, 128)
+    kg = torch.zeros(B, H, T, 256, dtype=torch.bfloat16)
+    n = torch.ones(B, dtype=torch.int32)
+    state0 = layer.state.clone()
+    with pytest.raises(ValueError, match="accepted"):
+        R.recover(layer.state, step.slots, v, kg, layer.a_log, layer.dt_bias, n * 4, step.accepted,
+                  lower_bound=-5.0)  # fmt: skip
+    with pytest.raises(ValueError, match="kg_records"):
+        R.recover(layer.state, step.slots, v, kg.float(), layer.a_log, layer.dt_bias, n,
+                  step.accepted, lower_bound=-5.0)  # fmt: skip
+    with pytest.raises(ValueError, match="checkpoint"):
+        R.recover(layer.state, step.slots, v, kg, layer.a_log, layer.dt_bias, n, n * 0,
+                  lower_bound=-5.0)  # fmt: skip
+    assert torch.equal(layer.state, state0)

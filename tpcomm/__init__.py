@@ -1,0 +1,1 @@
+"""tpcomm: symmetric memory, mailboxes and the o-projection all-reduce."""

@@ -1,0 +1,1 @@
+"""O-projection all-reduce: reference, producer, consumer."""
