@@ -1,0 +1,129 @@
+"""Device math shared by the KDA kernels (KdaWide, KdaStream), in one place.
+
+Thread layout (both kernels): 256 threads = 8 warps per (request, head) item. Thread
+``tid`` owns value rows ``tid // LANES`` and ``tid // LANES + 64`` of the head's fp32
+state, keys ``4 * (tid % LANES + LANES * c) + [0, 4)`` for chunk ``c`` in 0..KCHUNKS-1
+(a quarter of two rows), ``ROWS * KCHUNKS * 4 = 64`` registers. The LANES threads of a
+row are adjacent lanes, so a row's dot product is a butterfly over LANES lanes.
+
+Numerics (the reference's rounding points; only fp32 reduction order differs):
+- SiLU ``x / (1 + exp(-x))`` (IEEE division, CUDA's expf, ``add.rn`` so that the
+  compiler cannot fuse expf's last multiply with the ``1 +``) rounded to bf16;
+- decay ``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``;
+- ``rsqrt(s)`` as ``1 / sqrt(s)`` (both correctly rounded);
+- recurrence products with ``fma2`` / ``mul2`` on pairs of keys: Blackwell's packed
+  ``fma.rn.f32x2`` / ``mul.rn.f32x2`` when ``packed`` (sm_100a), else two scalar
+  ``fma.rn.f32`` / ``mul.rn.f32`` in the same per-element order (sm_90a has no f32x2).
+Dot products: ACCUMULATORS pairs of partial sums per row, ``(2c + p) % ACCUMULATORS``
+picks the pair of key pair ``p`` of chunk ``c``; the pairs are tree-summed, then
+butterfly-summed over the row's LANES lanes.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+from .dispatch import has_packed_fma  # noqa: F401  (the compile-time arch switch)
+
+THREADS = 256  # 8 warps per item
+LANES = 4  # threads per state row
+ROWS = 2  # value rows per thread (r and r + 64)
+KCHUNKS = 8  # 16-byte key chunks per row per thread
+ACCUMULATORS = 4  # pairs of partial dot-product sums per row
+CTAS_PER_SM = 2
+HEAD_DIM = 128
+
+
+def fma2(a, b, c, packed: bool):
+    """Element-wise ``fma(a[i], b[i], c[i])`` on a pair (packed on Blackwell)."""
+    if packed:
+        return cute.arch.fma_packed_f32x2(a, b, c)
+    return (cute.math.fma(a[0], b[0], c[0]), cute.math.fma(a[1], b[1], c[1]))
+
+
+def mul2(a, b, packed: bool):
+    """Element-wise ``a[i] * b[i]`` on a pair (packed on Blackwell)."""
+    if packed:
+        return cute.arch.mul_packed_f32x2(a, b)
+    return (a[0] * b[0], a[1] * b[1])
+
+
+def to_bf16_f32(value):
+    """Round an fp32 value to bf16 (nearest even) and back."""
+    return Float32(BFloat16(value))
+
+
+def exp_f32(value):
+    return cute.math.exp(Float32(value))
+
+
+def add_rn(a, b):
+    """``a + b`` as ``add.rn.f32``: never contracted into an FMA with the product that
+    feeds it (the reference rounds the product first, e.g. ``1 + exp(-x)``)."""
+    return cute.arch.inline_ptx(
+        "add.rn.f32 {$w0}, {$r0}, {$r1};",
+        write_only_types=[Float32],
+        read_only_args=[Float32(a), Float32(b)],
+    )
+
+
+def sigmoid(value):
+    """``1 / (1 + exp(-x))``."""
+    return Float32(1.0) / add_rn(Float32(1.0), exp_f32(-value))
+
+
+def silu_bf16(value):
+    """The convolution's SiLU ``x / (1 + exp(-x))``, rounded to bf16 (returned as fp32)."""
+    return to_bf16_f32(value / add_rn(Float32(1.0), exp_f32(-value)))
+
+
+def rsqrt_f32(value):
+    """``1 / sqrt(x)`` with both operations correctly rounded."""
+    return Float32(1.0) / cute.math.sqrt(value)
+
+
+def decay(a_log, raw_g, dt, lower_bound):
+    """``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``."""
+    return exp_f32(lower_bound * sigmoid(exp_f32(a_log) * (raw_g + dt)))
+
+
+def tree_sum(values):
+    """Pairwise (tree) sum of a power-of-two list of partial sums."""
+    values = list(values)
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def quad_sum(r):
+    """The four warps' partial sums of a 128-channel head: ``(w0 + w2) + (w1 + w3)``."""
+    return (r[0] + r[2]) + (r[1] + r[3])
+
+
+def mma_bf16_16816(a, b, c):
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: D = A B + C for one warp;
+    ``a`` four, ``b`` two 32-bit bf16x2 words, ``c`` four fp32 (fragment order of the PTX
+    ISA). Register-only: no memory access."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+        "{{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4,
+        read_only_args=[*a, *b, *c],
+    )
+
+
+def gate_projection(weights, activations, gate_mode: int):
+    """A warp's raw gate tile D[16 features, 8 tokens] over K = 128 (eight k16 chunks):
+    ``gate_mode`` 0 one chain of eight MMAs; 1 four chains of two, added in chain order
+    after a leading ``0 +``. Returns the four fp32 accumulators of the thread."""
+    zero = Float32(0.0)
+    chains = 4 if gate_mode == 1 else 1
+    acc = [[zero] * 4 for _ in range(chains)]
+    for chunk in range(8):
+        chain = chunk // 2 if gate_mode == 1 else 0
+        acc[chain] = list(mma_bf16_16816(weights[chunk], activations[chunk], acc[chain]))
+    if gate_mode == 0:
+        return acc[0]
+    return [zero + (((acc[0][e] + acc[1][e]) + acc[2][e]) + acc[3][e]) for e in range(4)]

@@ -1,0 +1,188 @@
+"""Host entry of the KDA decode kernels: ``kda.decode(...)``.
+
+Same arguments as ``kda.reference.decode`` plus:
+
+- ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"`` or ``"stream"``;
+- ``gate_mode``: the raw gate's reduction: 0 (default) / 1 the seed's mma.sync chain
+  orders (one chain of eight, four chains of two), which differ from the exact dot in the
+  last fp32 bit and so flip a raw gate's bf16 rounding now and then; 2 the exactly
+  rounded dot (fp64 accumulation: bitwise the reference's raw gate, slower);
+- ``pdl``: launch with programmatic dependent launch (the kernels read the state and
+  conv pages before ``griddepcontrol.wait``, so the kernel right before must not
+  write them);
+- ``out``: a preallocated ``[B*T, D]`` bf16 output (every row is written).
+
+Validation (``kda.validate.check_decode``) raises ``ValueError`` before any launch; the
+slot-value checks read the index tensors on the host and are skipped while the current
+stream is capturing a CUDA graph. Compiled kernels are cached by (kernel, config, dtypes,
+layout, arch); every launch goes to ``torch.cuda.current_stream()``, so a step can be
+captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .validate import HEAD_DIM, check_decode
+
+_CACHE: dict = {}
+_DUMMIES: dict = {}
+_SM_COUNT: dict = {}
+_VECTOR_ALIGNED = ("x", "f_a", "f_b", "state", "gate", "out")
+
+
+def _dummy(device, dtype):
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(16, dtype=dtype, device=device)
+    return _DUMMIES[key]
+
+
+def _cute_dtype(dtype):
+    from cutlass import BFloat16, Float16, Float32, Int32
+
+    return {
+        torch.bfloat16: BFloat16,
+        torch.float16: Float16,
+        torch.float32: Float32,
+        torch.int32: Int32,
+    }[dtype]
+
+
+def _to_cute(t, leading_dim=None, align=None):
+    from cutlass.cute.runtime import from_dlpack
+
+    if align is None:
+        align = t.element_size()
+    if leading_dim is None:
+        leading_dim = t.dim() - 1
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=leading_dim)
+
+
+def _sms(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def plan(requests, heads, tokens, device, kernel="auto"):
+    """The dispatcher's ``Choice`` for a step on ``device`` (says why)."""
+    return dispatch.choose(requests, heads, tokens, sms=_sms(torch.device(device)), kernel=kernel)
+
+
+def decode(
+    x,
+    conv_weight,
+    conv_bias,
+    conv_state,
+    f_a,
+    beta,
+    a_log,
+    dt_bias,
+    slots,
+    state,
+    gate,
+    norm_weight,
+    f_b,
+    *,
+    lower_bound,
+    scale,
+    eps,
+    accepted=None,
+    conv_dim_first=True,
+    records=None,
+    kernel="auto",
+    gate_mode=0,
+    pdl=False,
+    out=None,
+):
+    """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16."""
+    if kernel not in dispatch.KERNELS:
+        raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
+    if gate_mode not in (0, 1, 2):
+        raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
+    if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
+        raise ValueError("state must be a CUDA tensor (kda.decode runs the GPU kernels)")
+    capturing = torch.cuda.is_current_stream_capturing()
+    shape = check_decode(
+        x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
+        gate, norm_weight, f_b, accepted=accepted, conv_dim_first=conv_dim_first,
+        records=records, check_values=not capturing,
+    )  # fmt: skip
+    B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
+    device = state.device
+    if out is None:
+        out = torch.empty(B * T, D, dtype=torch.bfloat16, device=device)
+    elif (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != torch.bfloat16
+        or tuple(out.shape) != (B * T, D)
+        or not out.is_contiguous()
+        or out.device != device
+    ):
+        raise ValueError(f"out must be a contiguous [{B * T}, {D}] bf16 tensor on {device}")
+    named = dict(x=x, f_a=f_a, f_b=f_b, state=state, gate=gate, out=out)
+    for name in _VECTOR_ALIGNED:
+        if named[name].data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
+    arch = dispatch.arch_of(torch.cuda.get_device_capability(device))
+    choice = dispatch.choose(B, H, T, sms=_sms(device), kernel=kernel)
+
+    record = records is not None
+    v_records, kg_records = records if record else (None, None)
+    dummy_f32 = _dummy(device, torch.float32)
+    dummy_bf16 = _dummy(device, torch.bfloat16)
+    dummy_i32 = _dummy(device, torch.int32)
+    bias = conv_bias if conv_bias is not None else dummy_bf16
+    conv_view = conv_state if conv_dim_first else conv_state.transpose(1, 2)
+    tensors = [
+        x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, state, out, gate,
+        norm_weight, f_b, accepted if accepted is not None else dummy_i32,
+        v_records if record else dummy_f32, kg_records if record else dummy_bf16,
+    ]  # fmt: skip
+    config = (
+        choice.kernel, H, T, record, gate_mode, conv_bias is not None, bool(conv_dim_first),
+        shape.window, choice.ahead if choice.kernel == "wide" else choice.ctas, pdl, arch,
+    )  # fmt: skip
+    dtypes = tuple(t.dtype for t in tensors)
+    key = (config, dtypes)
+    args = [
+        _to_cute(t, leading_dim=1 if t is conv_view and not conv_dim_first else None,
+                 align=16 if any(t is named[n] for n in _VECTOR_ALIGNED) else None)
+        for t in tensors
+    ]  # fmt: skip
+    from cutlass import Float32
+
+    scalars = [Float32(lower_bound), Float32(scale), Float32(eps)]
+    import cuda.bindings.driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    ordered = [*args[:13], *scalars, *args[13:], stream]
+    compiled = _CACHE.get(key)
+    if compiled is None:
+        import cutlass.cute as cute
+
+        kernel_obj = _build(choice, H, T, record, gate_mode, conv_bias is not None,
+                            bool(conv_dim_first), shape.window, arch, pdl)  # fmt: skip
+        compiled = cute.compile(kernel_obj, *ordered, options=f"--gpu-arch {arch}")
+        _CACHE[key] = compiled
+    compiled(*ordered)
+    return out
+
+
+def _build(choice, heads, tokens, record, gate_mode, has_bias, dim_first, window, arch, pdl):
+    if choice.kernel == "wide":
+        from .wide import KdaWide
+
+        return KdaWide(heads, tokens, record, gate_mode, has_bias, choice.ahead, arch=arch, pdl=pdl)
+    from .stream import KdaStream
+
+    return KdaStream(
+        heads, tokens, record, gate_mode, has_bias, dim_first, window, choice.ctas,
+        arch=arch, pdl=pdl,
+    )  # fmt: skip
+
+
+__all__ = ["decode", "plan", "HEAD_DIM"]

@@ -1,0 +1,361 @@
+"""KdaStream: persistent KdaWide. Each CTA walks a contiguous range of (request, head)
+items and streams item n + 1's state page, conv window and projection rows into shared
+memory (cp.async) while it runs item n's recurrence.
+
+Per item the math is KdaWide's, call for call (same rounding points and fp32 reduction
+order); only where the operands come from differs: the conv taps, x, the output gate
+and f_a are staged in shared memory. Both conv-cache layouts are staged with 16-byte
+copies: dim-first ``[S, 3D, W]`` (the item's 3 x 128 channels x W window, contiguous per
+part) and window-first ``[S, W, 3D]`` (the three tap rows of each part). The kernel takes
+``conv_state`` as the ``[S, 3D, W]`` view either way (``conv_dim_first`` says which memory
+layout is behind it). Padding items (state slot <= 0) write zero outputs only.
+
+PDL: the first item's state page and conv window are staged before
+``griddepcontrol.wait``; every other operand after it.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from tpcomm.cuteutil import cp_async_16, launch, ld_shared_b32x2, smem_tensor
+
+from . import device as dev
+from .device import CTAS_PER_SM, HEAD_DIM, KCHUNKS, ROWS, THREADS
+from .wide import KdaWide
+
+GRANULE = 16  # bytes per cp.async
+SMEM_LIMIT = 113 * 1024  # two CTAs per SM on sm_90 / sm_100 (227 KB per SM)
+
+
+def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
+    """Shared memory of one KdaStream CTA (bytes, without alignment padding)."""
+    conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
+    staged = ROWS * KCHUNKS * THREADS * 16
+    inputs = tokens * 5 * HEAD_DIM * 2
+    work = (4 * tokens + 8) * HEAD_DIM * 4 + 16 * 4 + tokens * 12 * 4
+    return conv + staged + inputs + work
+
+
+class KdaStream(KdaWide):
+    """KdaWide's operands and semantics; ``ctas`` persistent CTAs (two per SM),
+    ``conv_dim_first`` the conv cache's memory layout and ``window`` its length W."""
+
+    def __init__(
+        self,
+        heads,
+        tokens,
+        record,
+        gate_mode,
+        has_bias,
+        conv_dim_first,
+        window,
+        ctas,
+        *,
+        arch="sm_90a",
+        pdl=False,
+    ):
+        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
+        if window < tokens + 2:
+            raise ValueError(f"window W = {window} must be >= T + 2 = {tokens + 2}")
+        if ctas < 1:
+            raise ValueError(f"ctas must be >= 1; got {ctas}")
+        need = stream_smem_bytes(tokens, window, 4, conv_dim_first)
+        if need > SMEM_LIMIT:
+            raise ValueError(
+                f"KdaStream needs {need} bytes of shared memory for W = {window}, "
+                f"T = {tokens}; at most {SMEM_LIMIT} (use kernel='wide')"
+            )
+        self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,
+        conv_weight: cute.Tensor,
+        conv_bias: cute.Tensor,
+        conv_state: cute.Tensor,
+        f_a: cute.Tensor,
+        beta: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        slots: cute.Tensor,
+        state: cute.Tensor,
+        output: cute.Tensor,
+        gate: cute.Tensor,
+        norm_weight: cute.Tensor,
+        lower_bound: Float32,
+        scale: Float32,
+        eps: Float32,
+        f_b: cute.Tensor,
+        accepted: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+        stream,
+    ):
+        call = self.kernel(
+            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
+            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
+            kg_records,
+        )  # fmt: skip
+        launch(
+            call,
+            (self.ctas, 1, 1),
+            (THREADS, 1, 1),
+            stream,
+            use_pdl=self.pdl,
+            min_blocks_per_mp=CTAS_PER_SM,
+            carveout=100,  # all shared: two CTAs of ~85-110 KB per SM
+        )
+
+    @cute.jit
+    def stage_conv(self, conv_state, convs, head, conv_slot, offset):
+        """cp.async the item's conv window: dim-first ``convs[part, channel * W + j]``
+        (the whole window), window-first ``convs[part, tap * 128 + channel]``."""
+        tid, _, _ = cute.arch.thread_idx()
+        dim = self.heads * HEAD_DIM
+        size = conv_state.element_type.width // 8
+        per = GRANULE // size
+        shared0 = Int32(convs.iterator.toint())
+        if cutlass.const_expr(self.conv_dim_first):
+            part_granules = HEAD_DIM * self.window // per
+            total = 3 * part_granules
+            for j in cutlass.range_constexpr((total + THREADS - 1) // THREADS):
+                g = tid + THREADS * j
+                if g < total:
+                    part, k = g // part_granules, g % part_granules
+                    base = conv_state.iterator + cute.crd2idx(
+                        (Int64(conv_slot), part * dim + head * HEAD_DIM, 0), conv_state.layout
+                    )
+                    source = Int64(base.toint()) + Int64(k * GRANULE)
+                    cp_async_16(shared0 + (part * HEAD_DIM * self.window + per * k) * size, source)
+        else:
+            row_granules = HEAD_DIM // per
+            total = 9 * row_granules
+            for j in cutlass.range_constexpr((total + THREADS - 1) // THREADS):
+                g = tid + THREADS * j
+                if g < total:
+                    row, k = g // row_granules, g % row_granules
+                    part, tap = row // 3, row % 3
+                    channel = part * dim + head * HEAD_DIM + per * k
+                    base = conv_state.iterator + cute.crd2idx(
+                        (Int64(conv_slot), channel, offset + tap), conv_state.layout
+                    )
+                    shared = shared0 + (part * 3 * HEAD_DIM + tap * HEAD_DIM + per * k) * size
+                    cp_async_16(shared, Int64(base.toint()))
+
+    @cute.jit
+    def stage_inputs(self, x, gate, f_a, xs, gs, fas, head, request):
+        """cp.async the item's projection rows: x (q, k, v), the output gate, f_a."""
+        tid, _, _ = cute.arch.thread_idx()
+        T = self.tokens
+        dim = self.heads * HEAD_DIM
+        token = request * T
+        total = 5 * 16 * T
+        x0, g0, a0 = (Int64(t.iterator.toint()) for t in (x, gate, f_a))
+        xs0, gs0, fas0 = (Int32(t.iterator.toint()) for t in (xs, gs, fas))
+        for j in cutlass.range_constexpr((total + THREADS - 1) // THREADS):
+            g = tid + THREADS * j
+            if g < total:
+                row, k = g // 16, g % 16
+                t, kind = row // 5, row % 5
+                if kind < 3:
+                    col = kind * dim + head * HEAD_DIM + 8 * k
+                    source = x0 + Int64((token + t) * 3 * dim + col) * 2
+                    cp_async_16(xs0 + ((t * 3 + kind) * HEAD_DIM + 8 * k) * 2, source)
+                elif kind == 3:
+                    source = g0 + Int64((token + t) * dim + head * HEAD_DIM + 8 * k) * 2
+                    cp_async_16(gs0 + (t * HEAD_DIM + 8 * k) * 2, source)
+                else:
+                    source = a0 + Int64((token + t) * HEAD_DIM + 8 * k) * 2
+                    cp_async_16(fas0 + (t * HEAD_DIM + 8 * k) * 2, source)
+
+    @cute.jit
+    def stage_item(self, ops, buffers, item, parity, with_inputs):
+        """Stage an item (state page, conv window, and with ``with_inputs`` its rows and
+        sigmoid(beta) into ``s_beta[parity]``); nothing for a padding item."""
+        x, conv_state, f_a, beta, slots, state, gate, accepted = ops
+        staged, convs, xs, gs, fas, s_beta = buffers
+        tid, _, _ = cute.arch.thread_idx()
+        head, request = item % self.heads, item // self.heads
+        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        if slot > 0:
+            if cutlass.const_expr(not with_inputs):
+                self.stage_state(state, staged, head, slot)
+                self.stage_conv(conv_state, convs, head, conv_slot, offset)
+            else:
+                self.stage_inputs(x, gate, f_a, xs, gs, fas, head, request)
+                if tid < self.tokens:
+                    b = Float32(beta[request * self.tokens + tid, head])
+                    s_beta[parity, tid] = dev.sigmoid(b)
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: cute.Tensor,
+        conv_weight: cute.Tensor,
+        conv_bias: cute.Tensor,
+        conv_state: cute.Tensor,
+        f_a: cute.Tensor,
+        beta: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        slots: cute.Tensor,
+        state: cute.Tensor,
+        output: cute.Tensor,
+        gate: cute.Tensor,
+        norm_weight: cute.Tensor,
+        lower_bound: Float32,
+        scale: Float32,
+        eps: Float32,
+        f_b: cute.Tensor,
+        accepted: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+    ):
+        T, H = self.tokens, self.heads
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        channel, section = tid % 128, tid // 128
+        group, quarter = lane // 4, lane % 4
+        dim = H * HEAD_DIM
+        requests = output.shape[0] // T
+        total = H * requests
+        first = (cta * total) // self.ctas
+        count = ((cta + 1) * total) // self.ctas - first
+
+        smem = cutlass.memory.SmemAllocator()
+        staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
+        conv_type = conv_state.element_type
+        conv_cols = HEAD_DIM * self.window if self.conv_dim_first else 3 * HEAD_DIM
+        convs = smem_tensor(smem, conv_type, (3, conv_cols), align=16)
+        xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
+        gs = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+        fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+        s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
+        s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
+        s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
+        s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+        s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
+        s_beta = smem_tensor(smem, Float32, (2, 8))
+        sums = smem_tensor(smem, Float32, (T, 2, 8))
+        out_sums = smem_tensor(smem, Float32, (T, 4))
+        ops = (x, conv_state, f_a, beta, slots, state, gate, accepted)
+        buffers = (staged, convs, xs, gs, fas, s_beta)
+        nw = Float32(norm_weight[channel])
+        parts = (2 * section, 1)
+
+        # Prologue: the first item's page and window (predecessor-independent), its rows.
+        if count > 0:
+            self.stage_item(ops, buffers, first, 0, False)
+        cute.arch.griddepcontrol_wait()
+        if count > 0:
+            self.stage_item(ops, buffers, first, 0, True)
+        cute.arch.cp_async_commit_group()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        for i in cutlass.range(count, unroll=1):
+            item = first + i
+            head, request = item % H, item // H
+            token = request * T
+            parity = i % 2
+            has_next = i + 1 < count
+            slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if slot <= 0:
+                if tid < HEAD_DIM:
+                    for t in cutlass.range_constexpr(T):
+                        output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+                cute.arch.barrier()
+                if has_next:
+                    self.stage_item(ops, buffers, item + 1, 1 - parity, False)
+                    self.stage_item(ops, buffers, item + 1, 1 - parity, True)
+                cute.arch.cp_async_commit_group()
+            else:
+                # Per-head parameters (L2-resident weights).
+                coeff = []
+                bias = []
+                for s in cutlass.range_constexpr(2):
+                    ch = parts[s] * dim + head * HEAD_DIM + channel
+                    coeff.append(
+                        [
+                            Float32(conv_weight[parts[s], e, head * HEAD_DIM + channel])
+                            for e in range(4)
+                        ]
+                    )
+                    if cutlass.const_expr(self.has_bias):
+                        bias.append(Float32(conv_bias[ch]))
+                    else:
+                        bias.append(Float32(0.0))
+                a = Float32(a_log[head])
+                dt = [
+                    Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * e]) for e in range(2)
+                ]
+                exact_gate = self.gate_mode == 2
+                if cutlass.const_expr(not exact_gate):
+                    weights = self.load_gate_weights(f_b, head)
+
+                # Staged operands.
+                taps = []
+                inputs = []
+                for s in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(self.conv_dim_first):
+                        taps.append(
+                            [convs[parts[s], channel * self.window + offset + j] for j in range(3)]
+                        )
+                    else:
+                        taps.append([convs[parts[s], j * HEAD_DIM + channel] for j in range(3)])
+                    inputs.append([xs[t, parts[s], channel] for t in range(T)])
+                if cutlass.const_expr(not exact_gate):
+                    fas0 = Int32(fas.iterator.toint())
+                    activations = []
+                    for chunk in cutlass.range_constexpr(8):
+                        col = 16 * chunk + 4 * quarter
+                        activations.append(
+                            ld_shared_b32x2(fas0 + ((group % T) * HEAD_DIM + col) * 2)
+                        )
+
+                self.conv_phase(
+                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, kg_records, request, head
+                )
+                self.write_conv(conv_state, conv_slot, head, taps, inputs)
+                if cutlass.const_expr(exact_gate):
+                    self.gate_phase_exact(
+                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
+                    )
+                else:
+                    self.gate_phase(
+                        weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
+                    )
+                cute.arch.barrier()
+                self.normalize_qk(s_q, s_k, sums, scale)
+                history = self.load_history(staged)
+                cute.arch.barrier()  # the stage is free: item n + 1 streams in
+
+                if has_next:
+                    self.stage_item(ops, buffers, item + 1, 1 - parity, False)
+                    self.stage_item(ops, buffers, item + 1, 1 - parity, True)
+                cute.arch.cp_async_commit_group()
+
+                beta_now = s_beta[parity, None]
+                self.recurrence(
+                    history,
+                    (s_q, s_k, s_v, s_decay),
+                    beta_now,
+                    s_o,
+                    slots,
+                    state,
+                    slot,
+                    request,
+                    head,
+                    v_records,
+                )
+                cute.arch.barrier()
+                if section == 0:
+                    self.norm_sums(s_o, out_sums)
+                cute.arch.barrier()
+                self.write_output(s_o, out_sums, gate, nw, eps, output, token, head)

@@ -1,0 +1,575 @@
+"""KdaWide: one CTA per (request, head) item; the head's fp32 state lives in registers.
+
+Contract (SPEC "KDA decode step", seed ``000``): argument order ``x, conv_weight,
+conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, output, gate,
+norm_weight, lower_bound, scale, eps, f_b, accepted, v_records, kg_records, stream``.
+``conv_state`` is passed as a ``[S, 3D, W]`` view (the window-first layout as its
+transposed view, any strides); ``conv_bias`` / ``accepted`` / the records are dummies
+when the configuration has none. Padding: a request whose state slot (``slots[b]``,
+or ``slots[b, accepted[b] - 1]`` for T > 1) is <= 0 gets zero output rows and touches
+no state page, conv page or record. Rounding points: bf16 after the SiLU, on the raw
+gate and on ``o``; everything else fp32 (see ``kda.device``).
+
+PDL: the state page, the conv window and the weights are read before
+``griddepcontrol.wait`` (they must not be written by the immediately preceding kernel);
+x, gate, f_a and beta after it. Dependents are released once those inputs are read.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Float64, Int32, Int64
+
+from tpcomm.cuteutil import (
+    bf16x2_to_f32,
+    cp_async_16,
+    launch,
+    ld_global_b32x4,
+    ld_global_nc_b32x2,
+    ld_shared_b32x4,
+    ld_shared_f32x4,
+    prefetch_l2_bulk,
+    smem_tensor,
+    st_global_f32x4,
+    st_shared_b32x4,
+    warp_sum,
+    xor_sum,
+)
+
+from . import device as dev
+from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+
+STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
+
+
+class KdaWide:
+    """``tokens`` T (1: decode with slots [B]; 2..8: verify with slots [B, >= T] and
+    accepted [B]); ``record``: RecoverSSM verify (state read from the checkpoint slot,
+    not written; records out); ``gate_mode``: the raw gate's reduction (0: mma.sync, one
+    chain of eight; 1: mma.sync, four chains of two; 2: fp64 accumulation, the exactly
+    rounded dot, bitwise the reference's raw gate); ``ahead``: L2-prefetch the state page
+    of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
+    ``pdl``: launch with programmatic dependent launch."""
+
+    def __init__(
+        self,
+        heads,
+        tokens=1,
+        record=False,
+        gate_mode=0,
+        has_bias=False,
+        ahead=0,
+        *,
+        arch="sm_90a",
+        pdl=False,
+    ):
+        if not 1 <= tokens <= 8:
+            raise ValueError(f"KdaWide supports 1-8 tokens per request; got {tokens}")
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1; got {heads}")
+        if gate_mode not in (0, 1, 2):
+            raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode}")
+        if record and tokens == 1:
+            raise ValueError("record mode needs tokens > 1")
+        if ahead < 0:
+            raise ValueError(f"ahead must be >= 0; got {ahead}")
+        self.heads, self.tokens, self.record = heads, tokens, record
+        self.gate_mode, self.has_bias, self.ahead = gate_mode, has_bias, ahead
+        self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,
+        conv_weight: cute.Tensor,
+        conv_bias: cute.Tensor,
+        conv_state: cute.Tensor,
+        f_a: cute.Tensor,
+        beta: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        slots: cute.Tensor,
+        state: cute.Tensor,
+        output: cute.Tensor,
+        gate: cute.Tensor,
+        norm_weight: cute.Tensor,
+        lower_bound: Float32,
+        scale: Float32,
+        eps: Float32,
+        f_b: cute.Tensor,
+        accepted: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+        stream,
+    ):
+        requests = output.shape[0] // self.tokens
+        call = self.kernel(
+            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
+            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
+            kg_records,
+        )  # fmt: skip
+        launch(
+            call,
+            (self.heads, requests, 1),
+            (THREADS, 1, 1),
+            stream,
+            use_pdl=self.pdl,
+            min_blocks_per_mp=CTAS_PER_SM,
+            carveout=100,  # all shared: two CTAs of ~85-110 KB per SM
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def item_slots(self, slots, accepted, request):
+        """(state slot, conv slot, window offset) of a request."""
+        if cutlass.const_expr(self.tokens == 1):
+            slot = Int32(slots[request])
+            return slot, slot, Int32(0)
+        offset = Int32(accepted[request]) - 1
+        return Int32(slots[request, offset]), Int32(slots[request, 0]), offset
+
+    @cute.jit
+    def stage_state(self, state, staged, head, slot):
+        """cp.async the item's [128, 128] fp32 page into the thread-private 16-byte slots
+        ``staged[r * KCHUNKS + c, tid]`` (conflict-free to read back)."""
+        tid, _, _ = cute.arch.thread_idx()
+        base_row, lane_in = tid // LANES, tid % LANES
+        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        source0 = Int64(state.iterator.toint()) + page * 4
+        shared0 = Int32(staged.iterator.toint())
+        for r in cutlass.range_constexpr(ROWS):
+            for c in cutlass.range_constexpr(KCHUNKS):
+                key = 4 * (lane_in + LANES * c)
+                offset = (base_row + 64 * r) * HEAD_DIM + key
+                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
+                cp_async_16(shared, source0 + Int64(offset) * 4)
+
+    @cute.jit
+    def load_history(self, staged):
+        """The staged page into registers: history[r][c][e]."""
+        tid, _, _ = cute.arch.thread_idx()
+        shared0 = Int32(staged.iterator.toint())
+        history = []
+        for r in cutlass.range_constexpr(ROWS):
+            row = []
+            for c in cutlass.range_constexpr(KCHUNKS):
+                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
+                row.append(list(ld_shared_f32x4(shared)))
+            history.append(row)
+        return history
+
+    @cute.jit
+    def load_gate_weights(self, f_b, head):
+        """f_b A fragments of this warp's 16 features, 8 k16 chunks (K permuted within a
+        chunk identically for A and B: thread columns 4q..4q+3 -> k 2q, 2q+1, 2q+8, 2q+9)."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, warp = tid % 32, tid // 32
+        group, quarter = lane // 4, lane % 4
+        base = Int64(f_b.iterator.toint())
+        feature = head * HEAD_DIM + 16 * warp + group
+        weights = []
+        for chunk in cutlass.range_constexpr(8):
+            col = 16 * chunk + 4 * quarter
+            low = ld_global_nc_b32x2(base + Int64(feature * HEAD_DIM + col) * 2)
+            high = ld_global_nc_b32x2(base + Int64((feature + 8) * HEAD_DIM + col) * 2)
+            weights.append((low[0], high[0], low[1], high[1]))
+        return weights
+
+    @cute.jit
+    def load_activations(self, f_a, token):
+        """f_a B fragments: column n = lane // 4 is token n % T (columns >= T repeat)."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane = tid % 32
+        group, quarter = lane // 4, lane % 4
+        base = Int64(f_a.iterator.toint())
+        row = token + group % self.tokens
+        activations = []
+        for chunk in cutlass.range_constexpr(8):
+            col = 16 * chunk + 4 * quarter
+            word = ld_global_nc_b32x2(base + Int64(row * HEAD_DIM + col) * 2)
+            activations.append((word[0], word[1]))
+        return activations
+
+    @cute.jit
+    def convolve(self, taps, coeff, bias, inputs):
+        """Depthwise conv (stock tap order, fp32 FMA) and bf16-rounded SiLU, per token."""
+        results = []
+        for t in cutlass.range_constexpr(self.tokens):
+            acc = bias
+            for i in cutlass.range_constexpr(4):
+                w = t + i
+                term = taps[w] if w < 3 else inputs[w - 3]
+                acc = cute.math.fma(Float32(term), coeff[i], acc)
+            results.append(dev.silu_bf16(acc))
+        return results
+
+    @cute.jit
+    def conv_phase(self, taps, coeff, bias, inputs, shared, sums, kg_records, request, head):
+        """q, k (threads 0-127) and v (128-255) into shared memory; per-warp sums of q^2
+        and k^2; the k record."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, warp = tid % 32, tid // 32
+        channel, section = tid % 128, tid // 128
+        s_q, s_k, s_v = shared
+        first = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
+        second = self.convolve(taps[1], coeff[1], bias[1], inputs[1])
+        for t in cutlass.range_constexpr(self.tokens):
+            squares_q = warp_sum(first[t] * first[t])
+            squares_k = warp_sum(second[t] * second[t])
+            if lane == 0:
+                sums[t, 0, warp] = squares_q
+                sums[t, 1, warp] = squares_k
+            if section == 0:
+                s_q[t, channel] = first[t]
+                s_k[t, channel] = second[t]
+                if cutlass.const_expr(self.record):
+                    kg_records[request, head, t, channel] = BFloat16(second[t])
+            else:
+                s_v[t, channel] = first[t]
+
+    @cute.jit
+    def gate_phase(
+        self, weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
+    ):
+        """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, warp = tid % 32, tid // 32
+        group, quarter = lane // 4, lane % 4
+        acc = dev.gate_projection(weights, activations, self.gate_mode)
+        for e in cutlass.range_constexpr(4):
+            t = 2 * quarter + e % 2
+            feature = 16 * warp + group + 8 * (e // 2)
+            raw_g = dev.to_bf16_f32(acc[e])
+            # s_decay has 8 token rows: columns past T hold unused values.
+            s_decay[t, feature] = dev.decay(a, raw_g, dt[e // 2], lower_bound)
+            if cutlass.const_expr(self.record):  # noqa: SIM102
+                if t < self.tokens:
+                    kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+
+    @cute.jit
+    def gate_phase_exact(
+        self, f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
+    ):
+        """Raw gate as the exactly rounded dot (bf16 x bf16 products are exact in fp32,
+        summed in fp64, rounded to fp32 then bf16): thread (feature = tid % 128) takes
+        tokens tid // 128, + 2, ...; decay into shared, the raw-gate record."""
+        tid, _, _ = cute.arch.thread_idx()
+        feature, parity = tid % 128, tid // 128
+        T = self.tokens
+        per_thread = (T + 1) // 2
+        row0 = Int64(f_b.iterator.toint()) + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2)
+        fas0 = Int32(fas.iterator.toint())
+        tokens = [parity + 2 * i for i in range(per_thread)]
+        reads = [cutlass.min(t, T - 1) for t in tokens]
+        acc = [Float64(0.0) for _ in range(per_thread)]
+        for chunk in cutlass.range_constexpr(16):
+            words = ld_global_nc_b32x2(row0 + chunk * 16)
+            words2 = ld_global_nc_b32x2(row0 + chunk * 16 + 8)
+            weights = []
+            for w in (*words, *words2):
+                weights.extend(bf16x2_to_f32(w))
+            for i in cutlass.range_constexpr(per_thread):
+                act_words = ld_shared_b32x4(fas0 + (reads[i] * HEAD_DIM + 8 * chunk) * 2)
+                for e in cutlass.range_constexpr(4):
+                    low, high = bf16x2_to_f32(act_words[e])
+                    acc[i] = acc[i] + Float64(low * weights[2 * e])
+                    acc[i] = acc[i] + Float64(high * weights[2 * e + 1])
+        a = Float32(a_log[head])
+        dt = Float32(dt_bias[head * HEAD_DIM + feature])
+        for i in cutlass.range_constexpr(per_thread):
+            raw_g = dev.to_bf16_f32(Float32(acc[i]))
+            t = tokens[i]
+            s_decay[t, feature] = dev.decay(a, raw_g, dt, lower_bound)
+            if cutlass.const_expr(self.record):  # noqa: SIM102
+                if t < T:
+                    kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+
+    @cute.jit
+    def load_fa_rows(self, f_a, fas, token):
+        """f_a rows of the request's tokens into shared (threads 0 .. 16 T - 1)."""
+        tid, _, _ = cute.arch.thread_idx()
+        if tid < 16 * self.tokens:
+            row, k = tid // 16, tid % 16
+            source = Int64(f_a.iterator.toint()) + Int64((token + row) * HEAD_DIM + 8 * k) * 2
+            words = ld_global_b32x4(source)
+            st_shared_b32x4(Int32(fas.iterator.toint()) + (row * HEAD_DIM + 8 * k) * 2, words)
+
+    @cute.jit
+    def normalize_qk(self, s_q, s_k, sums, scale):
+        """q^ = q * rsqrt(sum q^2 + 1e-6) * scale, k^ = k * rsqrt(sum k^2 + 1e-6)."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel, section = tid % 128, tid // 128
+        if section == 0:
+            for t in cutlass.range_constexpr(self.tokens):
+                fq = dev.rsqrt_f32(dev.quad_sum([sums[t, 0, w] for w in range(4)]) + 1.0e-6)
+                fk = dev.rsqrt_f32(dev.quad_sum([sums[t, 1, w] for w in range(4)]) + 1.0e-6)
+                s_q[t, channel] = (s_q[t, channel] * fq) * scale
+                s_k[t, channel] = s_k[t, channel] * fk
+
+    @cute.jit
+    def recurrence(
+        self, history, shared, s_beta, s_o, slots, state, slot, request, head, v_records
+    ):
+        """The delta rule per token on the register state; o (bf16) into s_o; the state
+        after token t stored to its page (not in record mode)."""
+        tid, _, _ = cute.arch.thread_idx()
+        base_row, lane_in = tid // LANES, tid % LANES
+        s_q, s_k, s_v, s_decay = shared
+        packed = self.packed
+        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
+        d0 = Int32(s_decay.iterator.toint())
+        state0 = Int64(state.iterator.toint())
+        for t in cutlass.range_constexpr(self.tokens):
+            chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
+            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(ROWS)]
+            for c in cutlass.range_constexpr(KCHUNKS):
+                d4 = ld_shared_f32x4(d0 + chunk_offset[c])
+                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
+                for r in cutlass.range_constexpr(ROWS):
+                    for p in cutlass.range_constexpr(2):
+                        j = (2 * c + p) % ACCUMULATORS
+                        h = history[r][c]
+                        pair = dev.mul2(
+                            (h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed
+                        )
+                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                        acc = dev.fma2(
+                            pair,
+                            (k4[2 * p], k4[2 * p + 1]),
+                            (dots[r][2 * j], dots[r][2 * j + 1]),
+                            packed,
+                        )
+                        dots[r][2 * j], dots[r][2 * j + 1] = acc[0], acc[1]
+            beta_t = s_beta[t]
+            v_new = []
+            for r in cutlass.range_constexpr(ROWS):
+                dot = xor_sum(dev.tree_sum(dots[r]), LANES)
+                value_row = base_row + 64 * r
+                v = (s_v[t, value_row] - dot) * beta_t
+                v_new.append(v)
+                if cutlass.const_expr(self.record):  # noqa: SIM102
+                    if lane_in == 0:
+                        v_records[request, head, t, value_row] = v
+            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(ROWS)]
+            for c in cutlass.range_constexpr(KCHUNKS):
+                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
+                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
+                for r in cutlass.range_constexpr(ROWS):
+                    for p in cutlass.range_constexpr(2):
+                        j = (2 * c + p) % ACCUMULATORS
+                        h = history[r][c]
+                        pair = dev.fma2(
+                            (k4[2 * p], k4[2 * p + 1]),
+                            (v_new[r], v_new[r]),
+                            (h[2 * p], h[2 * p + 1]),
+                            packed,
+                        )
+                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                        acc = dev.fma2(
+                            pair,
+                            (q4[2 * p], q4[2 * p + 1]),
+                            (outs[r][2 * j], outs[r][2 * j + 1]),
+                            packed,
+                        )
+                        outs[r][2 * j], outs[r][2 * j + 1] = acc[0], acc[1]
+            for r in cutlass.range_constexpr(ROWS):
+                o = xor_sum(dev.tree_sum(outs[r]), LANES)
+                if lane_in == 0:
+                    s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
+            if cutlass.const_expr(not self.record):
+                target = slot
+                if cutlass.const_expr(self.tokens > 1):
+                    target = Int32(slots[request, t])
+                if target > 0:
+                    page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+                    for r in cutlass.range_constexpr(ROWS):
+                        for c in cutlass.range_constexpr(KCHUNKS):
+                            offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
+                            st_global_f32x4(state0 + (page + offset) * 4, history[r][c])
+
+    @cute.jit
+    def norm_sums(self, s_o, out_sums):
+        """Per-warp sums of o^2 (threads 0-127, channel c of each token)."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, warp = tid % 32, tid // 32
+        channel = tid % 128
+        for t in cutlass.range_constexpr(self.tokens):
+            o = s_o[t, channel]
+            total = warp_sum(o * o)
+            if lane == 0:
+                out_sums[t, warp] = total
+
+    @cute.jit
+    def write_output(self, s_o, out_sums, gate, nw, eps, output, token, head):
+        """Gated RMSNorm of each token's o (threads 0-127)."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel, section = tid % 128, tid // 128
+        if section == 0:
+            for t in cutlass.range_constexpr(self.tokens):
+                sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
+                rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
+                g = Float32(gate[token + t, head * HEAD_DIM + channel])
+                result = ((s_o[t, channel] * rstd) * nw) * dev.sigmoid(g)
+                output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
+
+    @cute.jit
+    def write_conv(self, conv_state, conv_slot, head, taps, inputs):
+        """Window positions 0..T+1 of the item's channels: [tap1, tap2, x_0 .. x_{T-1}]."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel, section = tid % 128, tid // 128
+        dim = self.heads * HEAD_DIM
+        conv_type = conv_state.element_type
+        for s in cutlass.range_constexpr(2):
+            part = 2 * section + s  # 0 q, 1 k, 2 v (s = 1 only in section 0)
+            if (section == 0) | (s == 0):
+                ch = part * dim + head * HEAD_DIM + channel
+                conv_state[Int64(conv_slot), ch, 0] = conv_type(taps[s][1])
+                conv_state[Int64(conv_slot), ch, 1] = conv_type(taps[s][2])
+                for t in cutlass.range_constexpr(self.tokens):
+                    conv_state[Int64(conv_slot), ch, 2 + t] = conv_type(inputs[s][t])
+
+    @cute.jit
+    def prefetch_next(self, slots, accepted, state, head, request, requests):
+        """L2 prefetch of the state page of the item ``ahead`` CTAs on."""
+        item = head + self.heads * request + self.ahead
+        if item < self.heads * requests:
+            h, r = item % self.heads, item // self.heads
+            slot, _, _ = self.item_slots(slots, accepted, r)
+            if slot > 0:
+                page = (Int64(slot) * self.heads + h) * (HEAD_DIM * HEAD_DIM)
+                prefetch_l2_bulk(Int64(state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: cute.Tensor,
+        conv_weight: cute.Tensor,
+        conv_bias: cute.Tensor,
+        conv_state: cute.Tensor,
+        f_a: cute.Tensor,
+        beta: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        slots: cute.Tensor,
+        state: cute.Tensor,
+        output: cute.Tensor,
+        gate: cute.Tensor,
+        norm_weight: cute.Tensor,
+        lower_bound: Float32,
+        scale: Float32,
+        eps: Float32,
+        f_b: cute.Tensor,
+        accepted: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+    ):
+        T = self.tokens
+        tid, _, _ = cute.arch.thread_idx()
+        head, request, _ = cute.arch.block_idx()
+        _, requests, _ = cute.arch.grid_dim()
+        lane, warp = tid % 32, tid // 32
+        channel, section = tid % 128, tid // 128
+        dim = self.heads * HEAD_DIM
+        token = request * T
+        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        if slot <= 0:
+            cute.arch.griddepcontrol_wait()
+            if tid < HEAD_DIM:
+                for t in cutlass.range_constexpr(T):
+                    output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+            cute.arch.griddepcontrol_launch_dependents()
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
+            s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
+            s_beta = smem_tensor(smem, Float32, (8,))
+            fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+            sums = smem_tensor(smem, Float32, (T, 2, 8))
+            out_sums = smem_tensor(smem, Float32, (T, 4))
+
+            if cutlass.const_expr(self.ahead > 0):  # noqa: SIM102
+                if tid == 0:
+                    self.prefetch_next(slots, accepted, state, head, request, requests)
+
+            # Predecessor-independent: the state page (cp.async), the conv window, weights.
+            self.stage_state(state, staged, head, slot)
+            cute.arch.cp_async_commit_group()
+            parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
+            taps = []
+            coeff = []
+            bias = []
+            for s in cutlass.range_constexpr(2):
+                ch = parts[s] * dim + head * HEAD_DIM + channel
+                taps.append([conv_state[Int64(conv_slot), ch, offset + j] for j in range(3)])
+                coeff.append(
+                    [Float32(conv_weight[parts[s], i, head * HEAD_DIM + channel]) for i in range(4)]
+                )
+                if cutlass.const_expr(self.has_bias):
+                    bias.append(Float32(conv_bias[ch]))
+                else:
+                    bias.append(Float32(0.0))
+            nw = Float32(norm_weight[channel])
+            a = Float32(a_log[head])
+            group = lane // 4
+            dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+            exact_gate = self.gate_mode == 2
+            if cutlass.const_expr(not exact_gate):
+                weights = self.load_gate_weights(f_b, head)
+
+            cute.arch.griddepcontrol_wait()
+            inputs = []
+            for s in cutlass.range_constexpr(2):
+                col = parts[s] * dim + head * HEAD_DIM + channel
+                inputs.append([x[token + t, col] for t in range(T)])
+            if (section == 1) & (channel < T):
+                s_beta[channel] = dev.sigmoid(Float32(beta[token + channel, head]))
+            if cutlass.const_expr(exact_gate):
+                self.load_fa_rows(f_a, fas, token)
+            else:
+                activations = self.load_activations(f_a, token)
+            cute.arch.griddepcontrol_launch_dependents()
+
+            self.conv_phase(
+                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, kg_records, request, head
+            )
+            # The conv page now: frees the taps' and inputs' registers for the recurrence.
+            self.write_conv(conv_state, conv_slot, head, taps, inputs)
+            if cutlass.const_expr(exact_gate):
+                cute.arch.barrier()  # the f_a rows
+                self.gate_phase_exact(
+                    f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
+                )
+            else:
+                self.gate_phase(
+                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
+                )
+            cute.arch.barrier()
+            self.normalize_qk(s_q, s_k, sums, scale)
+            cute.arch.barrier()
+
+            cute.arch.cp_async_wait_group(0)
+            history = self.load_history(staged)
+            self.recurrence(
+                history,
+                (s_q, s_k, s_v, s_decay),
+                s_beta,
+                s_o,
+                slots,
+                state,
+                slot,
+                request,
+                head,
+                v_records,
+            )
+            cute.arch.barrier()
+
+            if section == 0:
+                self.norm_sums(s_o, out_sums)
+            cute.arch.barrier()
+            self.write_output(s_o, out_sums, gate, nw, eps, output, token, head)

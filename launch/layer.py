@@ -1,0 +1,269 @@
+"""One KDA layer's decode step on a TP rank, and the unsharded check of it (host backend).
+
+A ``Model`` is the whole layer (all heads, the full ``w_o``), rebuilt identically from the
+seed on every rank; a rank keeps its head shard and its own state and conv pools. A
+``Schedule`` draws the steps: a first single-token decode step, then verify steps with the
+accepted counts of the previous step, every other one in record mode followed by recover,
+and some padding requests in each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kda import reference as kref
+from kda import testing as kt
+from kda.validate import HEAD_DIM
+from tpcomm.oproj import reference as oref
+
+EPS = 1e-6
+OUT_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int
+    heads: int
+    hidden: int
+    requests: int
+    tokens: int
+    blocks: int
+    steps: int
+    seed: int = 0
+    groups: int = 4
+    conv_dim_first: bool = True
+    padding: float = 0.25
+
+    def validate(self) -> None:
+        if self.heads < 1 or self.heads % self.tp != 0:
+            raise ValueError(f"heads ({self.heads}) must be a positive multiple of TP ({self.tp})")
+        oref.check_hidden(self.hidden)
+        if not 1 <= self.tokens <= 8:
+            raise ValueError(f"tokens must be in 1..8; got {self.tokens}")
+        if not 0 <= self.blocks <= 8:
+            raise ValueError(f"blocks must be in 0..8; got {self.blocks}")
+        if self.requests < 1 or self.steps < 1:
+            raise ValueError("requests and steps must be >= 1")
+        if not 0.0 <= self.padding < 1.0:
+            raise ValueError(f"padding must be a fraction in [0, 1); got {self.padding}")
+        if not 1 <= self.groups <= 4:
+            raise ValueError(f"groups must be in 1..4; got {self.groups}")
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.heads // self.tp
+
+    @property
+    def pages(self) -> int:
+        return 1 + self.requests * self.tokens  # page 0 is never live
+
+
+@dataclass
+class StepPlan:
+    index: int
+    tokens: int
+    padding: tuple
+    accepted: torch.Tensor | None  # what the step reads (T > 1)
+    record: bool
+    committed: torch.Tensor | None  # what the sampler accepts after the step (T > 1)
+
+    @property
+    def kind(self) -> str:
+        if self.tokens == 1:
+            return "decode"
+        return "verify+record+recover" if self.record else "verify"
+
+
+class Schedule:
+    """Deterministic step plans shared by all ranks."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1)
+        self.accepted = torch.ones(cfg.requests, dtype=torch.int32)
+        self.index = 0
+
+    def next(self) -> StepPlan:
+        cfg, g = self.cfg, self.gen
+        B = cfg.requests
+        i = self.index
+        self.index += 1
+        live = torch.rand(B, generator=g) >= cfg.padding
+        if not bool(live.any()):
+            live[int(torch.randint(B, (1,), generator=g))] = True
+        padding = tuple(int(b) for b in (~live).nonzero()[:, 0])
+        tokens = 1 if (i == 0 or cfg.tokens == 1) else cfg.tokens
+        if tokens == 1:
+            return StepPlan(i, 1, padding, None, False, None)
+        accepted = self.accepted.clone()
+        drawn = torch.randint(1, tokens + 1, (B,), generator=g, dtype=torch.int32)
+        committed = torch.where(live, drawn, accepted)
+        self.accepted = committed.clone()
+        return StepPlan(i, tokens, padding, accepted, record=(i % 2 == 0), committed=committed)
+
+
+class Model:
+    """The whole layer from the seed: KDA weights and pools, ``w_o``, AttnRes gammas."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.kda = kt.make_layer(
+            cfg.heads,
+            cfg.pages,
+            window=max(cfg.tokens + 2, 4),
+            conv_dim_first=cfg.conv_dim_first,
+            seed=cfg.seed,
+        )
+        g = torch.Generator().manual_seed(cfg.seed * 31 + 7)
+        D = cfg.heads * HEAD_DIM
+        self.w_o = (torch.randn(cfg.hidden, D, generator=g) * D**-0.5).to(torch.bfloat16)
+        self.norm = (1 + 0.1 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
+        self.query = (0.2 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
+        self.out_norm = (1 + 0.1 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
+
+    def rank_heads(self, rank: int) -> tuple[int, int]:
+        per = self.cfg.heads_per_rank
+        return rank * per, per
+
+    def shard(self, rank: int) -> Rank:
+        first, count = self.rank_heads(rank)
+        cols = slice(first * HEAD_DIM, (first + count) * HEAD_DIM)
+        return Rank(
+            rank=rank,
+            first=first,
+            kda=kt.shard_layer(self.kda, first, count),
+            w_o=self.w_o[:, cols].contiguous(),
+            model=self,
+        )
+
+    def step_inputs(self, plan: StepPlan):
+        """The full-model activations of a step, the residual prefix and the blocks."""
+        cfg = self.cfg
+        T = plan.tokens
+        table = 1 + torch.arange(cfg.requests * cfg.tokens, dtype=torch.int32)
+        table = table.view(cfg.requests, cfg.tokens)[:, :T]
+        seed = cfg.seed * 1_000_003 + plan.index
+        step = kt.make_step(
+            cfg.requests,
+            T,
+            cfg.heads,
+            pages=cfg.pages,
+            slot_table=table,
+            accepted=plan.accepted,
+            padding=plan.padding,
+            seed=seed,
+        )
+        g = torch.Generator().manual_seed(seed + 17)
+        n = cfg.requests * T
+        prefix = torch.randn(n, cfg.hidden, generator=g).to(torch.bfloat16)
+        blocks = None
+        if cfg.blocks:
+            blocks = torch.randn(n, cfg.blocks, cfg.hidden, generator=g).to(torch.bfloat16)
+        return step, prefix, blocks
+
+
+@dataclass
+class Rank:
+    rank: int
+    first: int
+    kda: kt.Layer
+    w_o: torch.Tensor
+    model: Model
+
+    def attention(self, plan: StepPlan, step: kt.Step) -> torch.Tensor:
+        """KDA on this rank's heads (and recover after a recorded step): [N, D_local]."""
+        cfg = self.model.cfg
+        local = kt.shard_step(step, cfg.heads, self.first, cfg.heads_per_rank)
+        return run_kda(self.kda, plan, local)
+
+    def consume(self, partials, prefix, blocks):
+        m = self.model
+        return oref.consume(
+            partials,
+            prefix,
+            blocks,
+            m.norm,
+            m.query,
+            m.out_norm,
+            eps=EPS,
+            out_eps=OUT_EPS,
+            groups=m.cfg.groups,
+        )
+
+
+def run_kda(layer: kt.Layer, plan: StepPlan, step: kt.Step) -> torch.Tensor:
+    """One KDA step on ``layer``; a recorded step is committed by ``recover``."""
+    if not plan.record:
+        return kt.run_reference(layer, step)
+    B, H, T = step.slots.shape[0], layer.heads, plan.tokens
+    v_rec = torch.zeros(B, H, T, HEAD_DIM)
+    kg_rec = torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16)
+    out = kt.run_reference(layer, step, records=(v_rec, kg_rec))
+    kref.recover(
+        layer.state,
+        step.slots,
+        v_rec,
+        kg_rec,
+        layer.a_log,
+        layer.dt_bias,
+        plan.committed,
+        plan.accepted,
+        lower_bound=kt.LOWER_BOUND,
+    )
+    return out
+
+
+class Unsharded:
+    """Rank 0's check: the same steps on the whole layer in one process."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.kda = model.kda.clone()
+
+    def step(self, plan, step, prefix, blocks):
+        m, cfg = self.model, self.model.cfg
+        attn = run_kda(self.kda, plan, step)  # [N, D]
+        per = cfg.heads_per_rank * HEAD_DIM
+        partials = torch.stack(
+            [
+                oref.project(
+                    attn[:, r * per : (r + 1) * per].contiguous(),
+                    m.w_o[:, r * per : (r + 1) * per].contiguous(),
+                )
+                for r in range(cfg.tp)
+            ]
+        )
+        tp_out, tp_prefix = oref.consume(
+            partials,
+            prefix,
+            blocks,
+            m.norm,
+            m.query,
+            m.out_norm,
+            eps=EPS,
+            out_eps=OUT_EPS,
+            groups=cfg.groups,
+        )
+        # The same layer with one fp32 GEMM over all heads (no per-rank bf16 partials).
+        whole = oref.project(attn, m.w_o)[None]
+        u_out, u_prefix = oref.consume(
+            whole, prefix, blocks, m.norm, m.query, m.out_norm, eps=EPS, out_eps=OUT_EPS, groups=1
+        )
+        # Bounds of the per-rank bf16 partials against one fp32 GEMM: each partial and each
+        # later bf16 rounding moves a value by at most 2^-8 of its magnitude; in the output a
+        # prefix ulp moves its own element (2^-6 |out|) and, through the AttnRes logits and
+        # the norm, every element of the row (2^-5 of its rms).
+        prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
+        prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
+        rms = u_out.float().pow(2).mean(-1, keepdim=True).sqrt()
+        out_bound = 2.0**-6 * u_out.float().abs() + 2.0**-5 * rms
+        out_ratio = (tp_out.float() - u_out.float()).abs() / (out_bound + 2.0**-20)
+        return dict(
+            attn=attn,
+            tp_out=tp_out,
+            tp_prefix=tp_prefix,
+            prefix_ratio=float(prefix_ratio.max()),
+            out_ratio=float(out_ratio.max()),
+        )

@@ -1,0 +1,99 @@
+"""CPU compile checks: KdaWide and KdaStream compile for sm_90a and sm_100a (no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+from compile_harness import ARCHS, compile_for, fake_stream, fake_tensor, require_dsl
+
+pytestmark = pytest.mark.compile
+
+
+def fake_args(heads, tokens, *, record=False, has_bias=True, conv_dim_first=True, window=None):
+    """Fake tensors in the kernels' argument order (without the stream)."""
+    require_dsl()
+    from cutlass import BFloat16, Float32, Int32
+
+    B, T, D = 3, tokens, heads * 128
+    W = window or T + 2
+    S = 1 + B * T
+    conv_shape = (S, 3 * D, W)
+    conv_order = (2, 1, 0) if conv_dim_first else (2, 0, 1)
+    return [
+        fake_tensor(BFloat16, (B * T, 3 * D)),  # x
+        fake_tensor(BFloat16, (3, 4, D)),  # conv_weight
+        fake_tensor(BFloat16, (3 * D,) if has_bias else (1,)),  # conv_bias
+        fake_tensor(BFloat16, conv_shape, stride_order=conv_order),  # conv_state
+        fake_tensor(BFloat16, (B * T, 128)),  # f_a
+        fake_tensor(BFloat16, (B * T, heads)),  # beta
+        fake_tensor(Float32, (heads,)),  # a_log
+        fake_tensor(Float32, (D,)),  # dt_bias
+        fake_tensor(Int32, (B,) if T == 1 else (B, T)),  # slots
+        fake_tensor(Float32, (S, heads, 128, 128)),  # state
+        fake_tensor(BFloat16, (B * T, D)),  # output
+        fake_tensor(BFloat16, (B * T, D)),  # gate
+        fake_tensor(BFloat16, (128,)),  # norm_weight
+        Float32(-5.0),
+        Float32(128**-0.5),
+        Float32(1e-6),
+        fake_tensor(BFloat16, (D, 128)),  # f_b
+        fake_tensor(Int32, (B,)),  # accepted
+        fake_tensor(Float32, (B, heads, T, 128) if record else (1,)),  # v_records
+        fake_tensor(BFloat16, (B, heads, T, 256) if record else (1,)),  # kg_records
+        fake_stream(),
+    ]
+
+
+WIDE_CASES = [
+    # heads, tokens, record, gate_mode, has_bias, ahead, pdl
+    (2, 1, False, 0, True, 0, False),
+    (2, 5, False, 2, True, 0, False),
+    (2, 8, True, 2, False, 264, True),
+    (3, 4, False, 1, False, 264, True),
+    (2, 8, True, 0, True, 0, True),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: "H{}T{}r{}g{}b{}a{}p{}".format(*c))
+def test_wide_compiles(arch, case):
+    require_dsl()
+    from kda.wide import KdaWide
+
+    heads, tokens, record, gate_mode, has_bias, ahead, pdl = case
+    kernel = KdaWide(heads, tokens, record, gate_mode, has_bias, ahead, arch=arch, pdl=pdl)
+    args = fake_args(heads, tokens, record=record, has_bias=has_bias)
+    assert compile_for(arch, kernel, *args) is not None
+
+
+STREAM_CASES = [
+    # heads, tokens, record, gate_mode, has_bias, conv_dim_first, window
+    (2, 1, False, 0, True, True, 4),
+    (3, 5, False, 1, False, False, 8),
+    (2, 8, True, 0, True, False, 10),
+    (2, 2, True, 1, False, True, 6),
+    (2, 3, True, 2, False, True, 6),
+    (3, 1, False, 2, True, False, 3),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "H{}T{}r{}g{}b{}d{}W{}".format(*c))
+def test_stream_compiles(arch, case):
+    require_dsl()
+    from kda.stream import KdaStream
+
+    heads, tokens, record, gate_mode, has_bias, dim_first, window = case
+    kernel = KdaStream(
+        heads, tokens, record, gate_mode, has_bias, dim_first, window, ctas=8, arch=arch
+    )
+    args = fake_args(
+        heads, tokens, record=record, has_bias=has_bias, conv_dim_first=dim_first, window=window
+    )
+    assert compile_for(arch, kernel, *args) is not None
+
+
+def test_packed_fma_switch():
+    from kda import dispatch
+
+    assert dispatch.has_packed_fma("sm_100a")
+    assert not dispatch.has_packed_fma("sm_90a")

@@ -1,0 +1,93 @@
+"""CPU tests of the KDA kernel choice (kda.dispatch) and kda.decode's input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda import dispatch
+from kda import testing as kt
+
+
+def test_one_wave_picks_wide():
+    choice = dispatch.choose(8, 12, 1, sms=132)
+    assert choice.kernel == "wide" and choice.ctas == 96 and choice.ahead == 0
+    assert "one wave" in choice.reason
+
+
+def test_several_waves_pick_stream_for_decode():
+    choice = dispatch.choose(128, 96, 1, sms=132)
+    assert choice.kernel == "stream" and choice.ctas == 264
+    assert "waves" in choice.reason and "stream" in choice.reason
+
+
+def test_several_waves_verify_picks_wide_with_prefetch():
+    choice = dispatch.choose(128, 96, 4, sms=132)
+    assert choice.kernel == "wide" and choice.ahead == 264 and choice.ctas == 128 * 96
+    assert "T = 4" in choice.reason
+
+
+def test_boundary_is_resident_ctas():
+    assert dispatch.choose(22, 12, 1, sms=132).kernel == "wide"  # 264 items
+    assert dispatch.choose(23, 12, 1, sms=132).kernel == "stream"  # 276 items
+
+
+def test_forced_kernels_and_ahead():
+    wide = dispatch.choose(128, 96, 1, sms=132, kernel="wide")
+    assert wide.kernel == "wide" and wide.ahead == 264 and "requested" in wide.reason
+    small = dispatch.choose(1, 6, 1, sms=132, kernel="stream")
+    assert small.kernel == "stream" and small.ctas == 6
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(0, 1, 1), (1, 0, 1), (1, 1, 0), (1, 1, 9)],
+)
+def test_bad_shapes(args):
+    with pytest.raises(ValueError):
+        dispatch.choose(*args)
+
+
+def test_bad_kernel_name():
+    with pytest.raises(ValueError, match="kernel"):
+        dispatch.choose(1, 1, 1, kernel="split")
+
+
+def test_arch_switch():
+    assert dispatch.arch_of((9, 0)) == "sm_90a"
+    assert dispatch.arch_of((10, 0)) == "sm_100a"
+    assert dispatch.has_packed_fma("sm_100a") and not dispatch.has_packed_fma("sm_90a")
+    with pytest.raises(ValueError):
+        dispatch.arch_of((8, 0))
+
+
+def _call(layer, step, **kw):
+    import kda
+
+    return kda.decode(
+        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
+        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
+        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        accepted=step.accepted, **kw,
+    )  # fmt: skip
+
+
+def test_decode_rejects_bad_arguments_on_cpu():
+    """ValueError before anything runs: CPU tensors, kernel names, gate modes."""
+    layer = kt.make_layer(2, 8, seed=1)
+    step = kt.make_step(2, 2, 2, pages=8, seed=2)
+    state0 = layer.state.clone()
+    with pytest.raises(ValueError, match="kernel"):
+        _call(layer, step, kernel="split")
+    with pytest.raises(ValueError, match="gate_mode"):
+        _call(layer, step, gate_mode=3)
+    with pytest.raises(ValueError, match="CUDA"):
+        _call(layer, step)
+    assert torch.equal(layer.state, state0)
+
+
+def test_import_kda_without_cutlass_symbols():
+    import kda
+    import kda.dispatch
+
+    assert callable(kda.decode)

@@ -1,0 +1,139 @@
+"""launch/decode.py on the host backend: torchrun and mpirun jobs as subprocesses."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "decode.py")
+SMALL = ["--hidden", "1024", "--requests", "3", "--tokens", "3", "--blocks", "2", "--steps", "4"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(n, *args, timeout=600):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={n}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        SCRIPT,
+        *args,
+    ]
+    return _run(cmd, timeout)
+
+
+def mpirun(n, *args, timeout=600):
+    exe = shutil.which("mpirun") or shutil.which("mpiexec")
+    if exe is None:
+        pytest.skip("no mpirun (pip install '.[mpi]')")
+    pytest.importorskip("mpi4py")
+    return _run([exe, "-np", str(n), sys.executable, SCRIPT, *args], timeout)
+
+
+def _run(cmd, timeout):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    return p, lines
+
+
+def assert_ok(p, lines):
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert lines and lines[-1] == "DECODE OK", p.stdout[-3000:]
+    assert "FAIL" not in p.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("n", [2, 4])
+def test_torchrun(n):
+    p, lines = torchrun(n, "--heads", "8", *SMALL)
+    assert_ok(p, lines)
+    assert f"TP {n}, heads 8 ({8 // n}/rank)" in p.stdout
+    assert "1 decode" in p.stdout and "verify+record+recover" in p.stdout
+    assert "ok   state pages == unsharded (bitwise): 4/4 steps" in p.stdout
+
+
+@pytest.mark.distributed
+def test_torchrun_window_first_decode_only(tmp_path):
+    out = tmp_path / "report.json"
+    p, lines = torchrun(
+        2,
+        "--heads",
+        "4",
+        "--tokens",
+        "1",
+        "--blocks",
+        "0",
+        "--steps",
+        "3",
+        "--conv-layout",
+        "window-first",
+        "--json",
+        str(out),
+    )
+    assert_ok(p, lines)
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["steps"] == {"total": 3, "decode": 3}
+    assert report["config"]["conv_layout"] == "window-first"
+    assert all(v["passed"] == v["of"] == 3 for v in report["checks"].values())
+
+
+@pytest.mark.distributed
+def test_mpirun():
+    p, lines = mpirun(2, "--heads", "4", *SMALL)
+    assert_ok(p, lines)
+    assert "(mpirun), TP 2" in p.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "fault,check",
+    [("output", "outputs identical on all ranks"), ("state", "state pages == unsharded")],
+)
+def test_checks_catch_a_corrupted_rank(fault, check):
+    p, lines = torchrun(2, "--heads", "4", *SMALL, "--fault", fault, timeout=300)
+    assert p.returncode == 1
+    assert lines[-1].startswith("DECODE FAILED") and check in lines[-1]
+
+
+@pytest.mark.distributed
+def test_bad_configuration_is_reported():
+    p, lines = torchrun(4, "--heads", "6", *SMALL, timeout=300)
+    assert p.returncode != 0
+    assert any("heads (6) must be a positive multiple of TP (4)" in line for line in lines)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_16_ranks():
+    p, lines = torchrun(
+        16,
+        "--heads",
+        "16",
+        "--hidden",
+        "1024",
+        "--requests",
+        "2",
+        "--tokens",
+        "2",
+        "--blocks",
+        "2",
+        "--steps",
+        "4",
+        timeout=900,
+    )
+    assert_ok(p, lines)
+    assert "TP 16, heads 16 (1/rank)" in p.stdout

@@ -1,0 +1,118 @@
+"""CPU compile tests: the device primitives and the mailbox all-reduce for sm_90a and sm_100a.
+
+Multicast paths compile here although the H200 cannot run them (no NVLink multicast).
+"""
+
+import pytest
+from compile_harness import ARCHS, compile_for, fake_stream, fake_tensor, require_dsl
+
+pytestmark = pytest.mark.compile
+
+
+def _primitives_kernel_fn():
+    """A kernel calling every primitive of ``tpcomm.ptx`` once (compile coverage only)."""
+    require_dsl()
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    from tpcomm import ptx
+
+    @cute.kernel
+    def kernel(words: cute.Tensor, error: cute.Tensor, hints: cute.Tensor, mc: Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        bars = smem.allocate_array(cutlass.Int64, 2)
+        slots = smem.allocate_array(Int32, 8 * 4, byte_alignment=16)
+        ptx.arm_exchanges(bars, (16, 4))
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
+        base = Int64(words.iterator.toint()) + tid * 16
+        a = ptx.load16_relaxed_sys(base)
+        b = ptx.load16_acquire_sys(base + 4096)
+        c = ptx.load16(base + 8192)
+        lo, hi = ptx.unpack_bf16x2(a[0])
+        packed = ptx.pack_bf16x2(lo + hi, Float32(1.0))
+        ptx.store16(base, [packed, b[1], c[2], ptx.canonicalize(a[3])])
+        ptx.store16_release_sys(base + 16, [b[0], b[1], b[2], b[3]])
+        ptx.publish(base + 32, [a[0], a[1], a[2], a[3]])
+        ptx.publish(mc + tid * 16, [a[0], a[1], a[2], a[3]], multicast=True)
+        raw = cute.make_rmem_tensor(8, Int32)
+        failed = ptx.poll_groups(
+            raw, [base + 64, base + 80], 2, Int64(1000), Int64(error.iterator.toint())
+        )
+        if failed == 0:
+            ptx.rearm(base + 64)
+        peer = cute.arch.block_idx_in_cluster() ^ 1
+        if tid == 0:
+            ptx.push_words(slots + 4, (a[0], a[1], a[2], a[3]), bars, peer)
+            ptx.push_float(slots + 1, ptx.bits_float(ptx.float_bits(lo)), bars + 1, peer)
+        ptx.wait_exchange(bars)
+        ptx.wait_exchange(bars + 1)
+        ptx.fence_sys()
+        if ptx.published(raw[0], raw[1], raw[2], raw[3]):
+            ptx.release_increment(Int64(hints.iterator.toint()))
+
+    @cute.jit
+    def launch(
+        words: cute.Tensor, error: cute.Tensor, hints: cute.Tensor, mc: Int64, stream: cuda.CUstream
+    ):
+        kernel(words, error, hints, mc).launch(
+            grid=(2, 1, 1), block=(128, 1, 1), cluster=(2, 1, 1), stream=stream
+        )
+
+    return launch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_primitives_compile(arch):
+    require_dsl()
+    from cutlass import Int32, Int64
+
+    fn = _primitives_kernel_fn()
+    compiled = compile_for(
+        arch,
+        fn,
+        fake_tensor(Int32, (8192,)),
+        fake_tensor(Int32, (1,), align=4),
+        fake_tensor(Int32, (1,), align=4),
+        Int64(0),
+        fake_stream(),
+    )
+    assert compiled is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, multicast", [(2, False), (16, False), (16, True), (5, True)])
+def test_allreduce_compiles(arch, tp, multicast):
+    require_dsl()
+    from tpcomm.allreduce import compiled
+
+    assert compiled(tp, 2048, multicast, multicast, arch) is not None
+
+
+def test_allreduce_ptx_uses_scoped_accesses(tmp_path):
+    cute = require_dsl()
+    from tpcomm.allreduce import fake_arguments, kernel_class
+
+    kernel = kernel_class()(4, 1024, fence=True)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    fn = cute.compile(kernel, *fake_arguments(4, 1024), options=options)
+    text = fn.__ptx__
+    assert "ld.relaxed.sys.global.v4.b32" in text
+    assert "st.relaxed.sys.global.v4.b32" in text
+    assert "atom.global.sys.or.b32" in text
+    assert "%globaltimer" in text
+    assert "fence.acq_rel.sys" in text
+    assert ".minnctapersm 8" in text and ".reqntid 128" in text
+
+
+def test_kernel_config_validation():
+    require_dsl()
+    from tpcomm.allreduce import kernel_class
+
+    with pytest.raises(ValueError, match="tp"):
+        kernel_class()(17, 1024)
+    with pytest.raises(ValueError, match="hid"):
+        kernel_class()(2, 1000)

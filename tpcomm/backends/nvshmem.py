@@ -1,0 +1,177 @@
+"""NVSHMEM backend (nvshmem4py): one PE per process and GPU.
+
+Bootstrap, chosen from the environment:
+- torchrun (``RANK``/``WORLD_SIZE``): torch.distributed (gloo, created if absent) broadcasts
+  rank 0's unique id (128 bytes), then ``init(initializer_method="uid")``;
+- mpirun (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``, ...): ``initializer_method="emulated_mpi"``
+  through mpi4py, which works with any MPI;
+- neither: a single PE (uid init, nothing to broadcast).
+
+Views: ``nvshmem.core.tensor`` gives this PE's copy; ``get_peer_tensor`` a peer's, and a
+peer that is not mapped (not reachable by load/store) is a clear error naming both ranks;
+``get_multicast_tensor`` where NVLS exists, otherwise the per-peer path (said once).
+Teardown, in every exit path (``teardown``, context exit, interpreter exit): free every
+tensor (collective), ``finalize``, then destroy the process group this backend created.
+Device-side NVSHMEM is not used: kernels get peer pointers and use scoped loads/stores.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+import torch
+
+from tpcomm import host
+from tpcomm.symm import SymmetricBackend
+
+log = logging.getLogger(__name__)
+_live: list[NvshmemBackend] = []
+
+
+def _nvshmem():
+    import nvshmem.core
+
+    return nvshmem.core
+
+
+def _device_class():
+    try:
+        from cuda.core import Device
+    except ImportError:  # cuda.core < 0.6
+        from cuda.core.experimental import Device
+    return Device
+
+
+class _TorchStream:
+    """A torch stream in the CUDA stream protocol that nvshmem4py accepts."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return (0, self.stream.cuda_stream)
+
+
+class NvshmemBackend(SymmetricBackend):
+    name = "nvshmem"
+
+    def __init__(self, device: int | None = None, *, launcher: str | None = None):
+        nv = _nvshmem()
+        launcher = launcher or host.launcher()
+        if launcher not in ("torchrun", "mpirun", "single"):
+            raise ValueError(f"launcher must be torchrun, mpirun or single; got {launcher!r}")
+        self._owns_group = False
+        self.launcher = launcher
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", "0")))
+        index = local % max(1, torch.cuda.device_count()) if device is None else int(device)
+        torch.cuda.set_device(index)
+        self.device = torch.device("cuda", index)
+        self._dev = _device_class()(index)
+        self._dev.set_current()
+        if launcher == "torchrun":
+            rank, world = self._init_uid_torchrun(nv)
+        elif launcher == "mpirun":
+            nv.init(device=self._dev, initializer_method="emulated_mpi")
+            rank, world = nv.my_pe(), nv.n_pes()
+        else:
+            uid = nv.get_unique_id(empty=False)
+            nv.init(device=self._dev, uid=uid, rank=0, nranks=1, initializer_method="uid")
+            rank, world = 0, 1
+        super().__init__(world, (rank,))
+        self.rank = rank
+        self._multicast_ok: bool | None = None
+        self._peers: dict[int, list[torch.Tensor]] = {}
+        _live.append(self)
+
+    def _init_uid_torchrun(self, nv):
+        import numpy as np
+        import torch.distributed as dist
+
+        self._owns_group = not dist.is_initialized()
+        info = host.init_distributed()
+        rank, world = info.rank, info.world
+        uid = nv.get_unique_id(empty=rank != 0)
+        raw = host.broadcast(torch.from_numpy(uid._data.view(np.uint8).copy()), src=0)
+        uid._data[:] = raw.numpy().view(uid._data.dtype)
+        nv.init(device=self._dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")
+        return rank, world
+
+    @property
+    def single_device(self) -> bool:
+        return self.world == 1
+
+    def _allocate(self, shape, dtype):
+        nv = _nvshmem()
+        local = nv.tensor(shape, dtype=dtype)
+        peers = []
+        for p in range(self.world):
+            if p == self.rank:
+                peers.append(local)
+                continue
+            try:
+                peers.append(nv.get_peer_tensor(local, p))
+            except Exception as exc:
+                nv.free_tensor(local)
+                raise RuntimeError(
+                    f"nvshmem: rank {self.rank} cannot reach rank {p} by load/store (not in "
+                    "one NVLink domain); cross-domain transport is not implemented"
+                ) from exc
+        self._peers[id(local)] = peers
+        return local
+
+    def peer(self, t, peer, rank=None):
+        self._require_open()
+        self._rank(rank)
+        self._check_peer(peer)
+        return self._peers[id(t.payload)][peer]
+
+    def multicast(self, t):
+        self._require_open()
+        if self._multicast_ok is False:
+            return None
+        nv = _nvshmem()
+        try:
+            view = nv.get_multicast_tensor(nv.Teams.TEAM_NODE, t.payload)
+        except Exception as exc:
+            self._multicast_ok = False
+            log.warning("nvshmem: no NVLink multicast (%s); publishing per peer", exc)
+            return None
+        self._multicast_ok = True
+        return view
+
+    def barrier(self) -> None:
+        self._require_open()
+        torch.cuda.synchronize(self.device)
+        stream = _TorchStream(torch.cuda.current_stream(self.device))
+        try:
+            _nvshmem().barrier_all(stream)
+        except Exception:
+            if self.world > 1:
+                raise
+            log.debug("nvshmem barrier_all failed with one PE; synchronising instead")
+        torch.cuda.synchronize(self.device)
+
+    def _free(self, t) -> None:
+        self._peers.pop(id(t.payload), None)
+        _nvshmem().free_tensor(t.payload)
+
+    def _shutdown(self) -> None:
+        try:
+            torch.cuda.synchronize(self.device)
+            _nvshmem().finalize()
+        finally:
+            if self in _live:
+                _live.remove(self)
+            if self._owns_group:
+                host.finalize()
+
+
+@atexit.register
+def _teardown_live() -> None:
+    for backend in list(_live):
+        try:
+            backend.teardown()
+        except Exception as exc:  # interpreter exit: report, never raise
+            log.warning("nvshmem teardown at exit failed: %s", exc)

@@ -1,0 +1,223 @@
+"""Mailbox and twoshot layouts: every byte offset of the protocol is defined here.
+
+Mailbox (one-shot all-reduce)
+    ``[2 parity, TP, tokens, HID]`` bf16 in symmetric memory on every rank; slot
+    ``[p, r]`` holds rank r's partial for a step of parity ``p = step & 1``. The unit of
+    publication is a 16-byte group (8 bf16 = four 32-bit words): a group is *published*
+    when none of its words equals ``SENTINEL`` (0xFFFFFFFF); an empty (armed) mailbox is
+    all sentinel words. Producers replace a data word equal to the sentinel (two bf16
+    0xFFFF NaNs) by ``CANONICAL_NAN_WORD`` (two quiet NaNs 0x7FC0) before storing; other
+    words, other NaNs included, are stored unchanged. The consumer polls until all its
+    groups are published, sums them in rank order in fp32 starting from rank 0's value,
+    rounds once to bf16, then re-arms the groups it read. Double-buffering by parity
+    keeps a fast peer's next step out of the slot being re-armed.
+
+Twoshot
+    Rank s owns columns ``[s*HID/TP, (s+1)*HID/TP)``. Receive view on rank s:
+    ``[2 parity, TP, tokens, HID/TP]`` (slot r = rank r's shard s). Gather row on every
+    rank: ``[2 parity, tokens, HID]``, one slot: rank s writes its reduced shard into
+    columns of shard s of every rank's gather row; consumers poll that single slot.
+
+This module is plain Python + torch (CPU-safe). ``Mailbox`` and ``TwoshotRows`` build
+the buffers on any ``tpcomm.symm`` backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SENTINEL = 0xFFFFFFFF
+CANONICAL_NAN_WORD = 0x7FC07FC0
+GROUP_ELEMS = 8  # bf16 per 16-byte group
+COLUMNS_PER_CTA = 1024  # 128 threads x one group each
+MAX_TP = 16
+MAX_TOKENS = 8
+MAX_HID = 8192
+
+
+def parity(step: int) -> int:
+    """Mailbox half used by ``step`` (0 or 1)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0; got {step}")
+    return step & 1
+
+
+def _check(tp: int, tokens: int, hid: int) -> None:
+    if not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be in 1..{MAX_TP}; got {tp}")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be in 1..{MAX_TOKENS}; got {tokens}")
+    if hid % COLUMNS_PER_CTA or not 0 < hid <= MAX_HID:
+        raise ValueError(f"hid must be a multiple of {COLUMNS_PER_CTA} up to {MAX_HID}; got {hid}")
+
+
+@dataclass(frozen=True)
+class MailboxLayout:
+    tp: int
+    tokens: int
+    hid: int
+
+    def __post_init__(self):
+        _check(self.tp, self.tokens, self.hid)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (2, self.tp, self.tokens, self.hid)
+
+    @property
+    def numel(self) -> int:
+        return 2 * self.tp * self.tokens * self.hid
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.numel
+
+    def offset(self, step: int, rank: int, token: int, column: int) -> int:
+        """Element offset of ``[parity(step), rank, token, column]``."""
+        if not 0 <= rank < self.tp:
+            raise ValueError(f"rank must be in 0..{self.tp - 1}; got {rank}")
+        if not 0 <= token < self.tokens:
+            raise ValueError(f"token must be in 0..{self.tokens - 1}; got {token}")
+        if not 0 <= column < self.hid:
+            raise ValueError(f"column must be in 0..{self.hid - 1}; got {column}")
+        return ((parity(step) * self.tp + rank) * self.tokens + token) * self.hid + column
+
+    def slot(self, buffer: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        """The ``[tokens, HID]`` slot of ``rank`` for ``step`` in a mailbox buffer."""
+        return buffer.view(self.shape)[parity(step), rank]
+
+
+@dataclass(frozen=True)
+class TwoshotLayout:
+    tp: int
+    tokens: int
+    hid: int
+
+    def __post_init__(self):
+        _check(self.tp, self.tokens, self.hid)
+        if self.hid % (self.tp * GROUP_ELEMS):
+            raise ValueError(
+                f"hid must split into tp shards of whole 16-byte groups; got hid={self.hid}, "
+                f"tp={self.tp}"
+            )
+
+    @property
+    def shard(self) -> int:
+        return self.hid // self.tp
+
+    @property
+    def receive_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.tp, self.tokens, self.shard)
+
+    @property
+    def gather_shape(self) -> tuple[int, int, int]:
+        return (2, self.tokens, self.hid)
+
+    def owner(self, column: int) -> int:
+        """Rank that reduces ``column``."""
+        if not 0 <= column < self.hid:
+            raise ValueError(f"column must be in 0..{self.hid - 1}; got {column}")
+        return column // self.shard
+
+    def columns(self, rank: int) -> slice:
+        return slice(rank * self.shard, (rank + 1) * self.shard)
+
+
+# --- host-side word operations (the device does the same in tpcomm.ptx) -----------------
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"tensor must be bf16; got {t.dtype}")
+    if t.numel() % GROUP_ELEMS or not t.is_contiguous():
+        raise ValueError("tensor must be contiguous with a multiple of 8 elements")
+    return t.view(torch.int32)
+
+
+def arm(t: torch.Tensor) -> torch.Tensor:
+    """Fill a mailbox buffer (or part) with the sentinel, in place."""
+    _words(t).fill_(-1)
+    return t
+
+
+def canonicalize(t: torch.Tensor) -> torch.Tensor:
+    """Copy of ``t`` with every sentinel word replaced by two canonical NaNs."""
+    out = t.clone()
+    w = _words(out)
+    w[w == -1] = CANONICAL_NAN_WORD
+    return out
+
+
+def published(t: torch.Tensor) -> torch.Tensor:
+    """Per 16-byte group: True when none of its four words is the sentinel."""
+    return (_words(t).view(-1, 4) != -1).all(dim=1)
+
+
+def rank_order_sum(partials: torch.Tensor) -> torch.Tensor:
+    """``[TP, ...]`` bf16 -> bf16: fp32 sum in rank order from rank 0's value, one rounding.
+
+    Partials are canonicalised first, as the producers do.
+    """
+    if partials.dim() < 2 or partials.dtype != torch.bfloat16:
+        raise ValueError("partials must be a bf16 tensor [TP, ...]")
+    p = canonicalize(partials.contiguous()).float()
+    acc = p[0].clone()
+    for r in range(1, p.shape[0]):
+        acc += p[r]
+    return acc.to(torch.bfloat16)
+
+
+# --- buffers on a backend --------------------------------------------------------------
+
+
+class Mailbox:
+    """A double-buffered mailbox ``[2, TP, tokens, HID]`` on every rank of ``backend``."""
+
+    def __init__(self, backend, tokens: int, hid: int):
+        self.layout = MailboxLayout(backend.world, tokens, hid)
+        self.backend = backend
+        self.buffer = backend.allocate(self.layout.shape, torch.bfloat16)
+        self.arm()
+
+    def local(self, rank: int | None = None) -> torch.Tensor:
+        return self.backend.local(self.buffer, rank)
+
+    def peer(self, peer: int, rank: int | None = None) -> torch.Tensor:
+        return self.backend.peer(self.buffer, peer, rank)
+
+    def peer_pointers(self, rank: int | None = None) -> torch.Tensor:
+        return self.backend.peer_pointers(self.buffer, rank)
+
+    def multicast(self) -> torch.Tensor | None:
+        return self.backend.multicast(self.buffer)
+
+    def arm(self) -> None:
+        """Re-arm every rank's whole mailbox hosted here (after an error, say), then barrier."""
+        for rank in self.backend.ranks:
+            arm(self.backend.local(self.buffer, rank))
+        self.backend.barrier()
+
+
+class TwoshotRows:
+    """Twoshot receive views and one-slot gather rows on every rank of ``backend``."""
+
+    def __init__(self, backend, tokens: int, hid: int):
+        self.layout = TwoshotLayout(backend.world, tokens, hid)
+        self.backend = backend
+        self.receive = backend.allocate(self.layout.receive_shape, torch.bfloat16)
+        self.gather = backend.allocate(self.layout.gather_shape, torch.bfloat16)
+        self.arm()
+
+    def receive_view(self, rank: int | None = None) -> torch.Tensor:
+        return self.backend.local(self.receive, rank)
+
+    def gather_row(self, rank: int | None = None) -> torch.Tensor:
+        return self.backend.local(self.gather, rank)
+
+    def arm(self) -> None:
+        for rank in self.backend.ranks:
+            arm(self.backend.local(self.receive, rank))
+            arm(self.backend.local(self.gather, rank))
+        self.backend.barrier()

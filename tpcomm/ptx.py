@@ -1,0 +1,292 @@
+"""Device primitives of the mailbox protocol, in one module.
+
+Every wrapper states its memory order and scope in its first docstring line. Addresses
+are plain 64-bit integers (``Int64``) or CuTe global pointers, so a peer's mailbox
+reached through a peer pointer table and this rank's own mailbox go through the same
+code. Words are 32-bit (``Int32``); a 16-byte group is four words.
+
+Protocol contract (see ``tpcomm.mailbox``): a group is *published* when none of its
+four words equals ``SENTINEL`` (0xFFFFFFFF). Producers canonicalise a data word equal
+to the sentinel (two bf16 0xFFFF NaNs) to ``CANONICAL_NAN_WORD`` (two quiet NaNs
+0x7FC0) before storing, so data never looks empty. Each 32-bit word is single-copy
+atomic on its own, so a torn 16-byte store is simply "not yet published".
+
+Importing this module needs the CuTe DSL (the ``cu13`` extra).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from tpcomm.mailbox import CANONICAL_NAN_WORD, SENTINEL
+
+SENTINEL_I32 = SENTINEL - (1 << 32)  # -1 as a signed word
+CANONICAL_I32 = CANONICAL_NAN_WORD
+
+
+def _addr(address, *, loc=None, ip=None):
+    """An ``i64`` IR value from an Int64, a Python int or a CuTe pointer."""
+    if hasattr(address, "toint"):
+        return address.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    return Int64(address).ir_value(loc=loc, ip=ip)
+
+
+def _words(values, *, loc=None, ip=None):
+    return [Int32(v).ir_value(loc=loc, ip=ip) for v in values]
+
+
+def _load4(ptx: str, address, *, loc=None, ip=None):
+    struct = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(i32,i32,i32,i32)>"),
+        [_addr(address, loc=loc, ip=ip)],
+        ptx,
+        "=r,=r,=r,=r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+def _store4(ptx: str, address, words, *, loc=None, ip=None):
+    llvm.inline_asm(
+        None,
+        [_addr(address, loc=loc, ip=ip), *_words(words, loc=loc, ip=ip)],
+        ptx,
+        "l,r,r,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+
+
+# --- 16-byte global loads and stores -------------------------------------------------
+
+
+@dsl_user_op
+def load16_relaxed_sys(address, *, loc=None, ip=None):
+    """Relaxed, sys scope: 16-byte load of four words (mailbox polls; data is the flag)."""
+    return _load4("ld.relaxed.sys.global.v4.b32 {$0, $1, $2, $3}, [$4];", address, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load16_acquire_sys(address, *, loc=None, ip=None):
+    """Acquire, sys scope: 16-byte load; later accesses of this thread are ordered after it."""
+    return _load4("ld.acquire.sys.global.v4.b32 {$0, $1, $2, $3}, [$4];", address, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load16(address, *, loc=None, ip=None):
+    """Weak (plain), no scope: 16-byte load of data nobody writes concurrently."""
+    return _load4("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", address, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store16(address, words, *, loc=None, ip=None):
+    """Weak (plain), no scope: 16-byte store of results nobody reads concurrently."""
+    _store4("st.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store16_relaxed_sys(address, words, *, loc=None, ip=None):
+    """Relaxed, sys scope: 16-byte store to a local or peer (NVLink) address."""
+    _store4("st.relaxed.sys.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store16_release_sys(address, words, *, loc=None, ip=None):
+    """Release, sys scope: 16-byte store; this thread's earlier accesses are ordered before it."""
+    _store4("st.release.sys.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def multimem_store16(address, words, *, loc=None, ip=None):
+    """Relaxed, sys scope: 16-byte multicast store (every PE's copy); needs NVLink multicast."""
+    # cutlass.utils.distributed.multimem_st exists but is .weak; the protocol wants relaxed.sys
+    _store4(
+        "multimem.st.relaxed.sys.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        address,
+        words,
+        loc=loc,
+        ip=ip,
+    )
+
+
+# --- sentinel protocol ---------------------------------------------------------------
+
+
+@cute.jit
+def canonicalize(word: Int32) -> Int32:
+    """No memory access: a data word equal to the sentinel becomes two canonical NaNs."""
+    result = word
+    if word == Int32(SENTINEL_I32):
+        result = Int32(CANONICAL_I32)
+    return result
+
+
+@cute.jit
+def published(w0: Int32, w1: Int32, w2: Int32, w3: Int32) -> cutlass.Boolean:
+    """No memory access: True when none of the group's four words is the sentinel."""
+    s = Int32(SENTINEL_I32)
+    return (w0 != s) & (w1 != s) & (w2 != s) & (w3 != s)
+
+
+@cute.jit
+def publish(address: Int64, words, multicast: cutlass.Constexpr[bool] = False):
+    """Relaxed, sys scope: canonicalise four words and store them to a peer or multicast address."""
+    clean = [canonicalize(w) for w in words]
+    if cutlass.const_expr(multicast):
+        multimem_store16(address, clean)
+    else:
+        store16_relaxed_sys(address, clean)
+
+
+@cute.jit
+def rearm(address: Int64):
+    """Relaxed, sys scope: write the sentinel back into a consumed 16-byte group."""
+    s = Int32(SENTINEL_I32)
+    store16_relaxed_sys(address, [s, s, s, s])
+
+
+@cute.jit
+def raise_error(error_address: Int64, bits: Int32):
+    """Relaxed, sys scope: atomic OR of ``bits`` (missing-rank mask) into the error word."""
+    ptr = cute.make_ptr(Int32, error_address, cute.AddressSpace.gmem, assumed_align=4)
+    cute.arch.atomic_or(ptr.llvm_ptr, bits, sem="relaxed", scope="sys")
+
+
+@cute.jit
+def poll_groups(
+    raw,
+    addresses,
+    count: cutlass.Constexpr[int],
+    budget_ns: Int64,
+    error_address: Int64,
+) -> Int32:
+    """Relaxed, sys scope: bounded spin until ``count`` 16-byte groups are published.
+
+    ``raw`` is a ``[count * 4]`` Int32 register tensor receiving the words; ``addresses``
+    a list of ``count`` Int64 addresses. Returns 0 when all were published, otherwise the
+    mask of groups still empty when the ``globaltimer`` budget ran out; that mask is also
+    OR-ed into the error word, so a dead peer gives an error instead of a hang.
+    """
+    pending = Int32(0)
+    for g in cutlass.range_constexpr(count):
+        w = load16_relaxed_sys(addresses[g])
+        for j in cutlass.range_constexpr(4):
+            raw[g * 4 + j] = w[j]
+        if not published(w[0], w[1], w[2], w[3]):
+            pending = pending | Int32(1 << g)
+    failed = Int32(0)
+    if pending != 0:
+        deadline = cute.arch.globaltimer() + budget_ns
+        while pending != 0:
+            for g in cutlass.range_constexpr(count):
+                if (pending & Int32(1 << g)) != 0:
+                    w = load16_relaxed_sys(addresses[g])
+                    for j in cutlass.range_constexpr(4):
+                        raw[g * 4 + j] = w[j]
+                    if published(w[0], w[1], w[2], w[3]):
+                        pending = pending & Int32(~(1 << g))
+            if pending != 0:  # noqa: SIM102
+                if cute.arch.globaltimer() > deadline:
+                    failed = pending
+                    pending = Int32(0)
+        if failed != 0:
+            raise_error(error_address, failed)
+    return failed
+
+
+# --- bf16 pairs --------------------------------------------------------------------
+
+
+@dsl_user_op
+def bits_float(word, *, loc=None, ip=None) -> Float32:
+    """No memory access: reinterpret a 32-bit word as fp32."""
+    return Float32(llvm.bitcast(T.f32(), Int32(word).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def float_bits(value, *, loc=None, ip=None) -> Int32:
+    """No memory access: reinterpret an fp32 as a 32-bit word."""
+    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def unpack_bf16x2(word: Int32):
+    """No memory access: a word holding (low, high) bf16 -> two exact fp32 values."""
+    return bits_float(word << 16), bits_float(word & Int32(-65536))
+
+
+@dsl_user_op
+def pack_bf16x2(low, high, *, loc=None, ip=None) -> Int32:
+    """No memory access: round two fp32 to bf16 (nearest even) into one word, low first."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+# --- cluster exchanges (DSMEM) and hints ---------------------------------------------
+
+
+@cute.jit
+def push_words(smem_ptr, words, mbar_ptr, peer: Int32):
+    """Release at cluster scope (complete_tx): st.async of 1, 2 or 4 words to a peer CTA."""
+    cute.arch.store_async_dsmem(smem_ptr, words, mbar_ptr, peer)
+
+
+@cute.jit
+def push_float(smem_ptr, value: Float32, mbar_ptr, peer: Int32):
+    """Release at cluster scope (complete_tx): st.async of one fp32 into a peer CTA's smem."""
+    cute.arch.store_async_dsmem(smem_ptr, float_bits(value), mbar_ptr, peer)
+
+
+@cute.jit
+def arm_exchanges(bars, sizes: cutlass.Constexpr):
+    """CTA scope: one thread arms mbarrier i for ``sizes[i]`` bytes of st.async traffic.
+
+    Call before ``cluster_arrive`` so no peer pushes into an unarmed barrier; the fence
+    makes the initialisation visible to the cluster.
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        for i in cutlass.range_constexpr(len(sizes)):
+            cute.arch.mbarrier_init(bars + i, 1)
+        cute.arch.mbarrier_init_fence()
+        for i in cutlass.range_constexpr(len(sizes)):
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
+
+
+@cute.jit
+def wait_exchange(bar):
+    """Acquire at cluster scope: wait for phase 0 of an armed exchange barrier."""
+    cute.arch.mbarrier_wait(bar, 0)
+
+
+@cute.jit
+def release_increment(address: Int64):
+    """Release, gpu scope: add 1 to a hint counter that the next kernel polls."""
+    ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
+    cute.arch.red(ptr.llvm_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+
+
+@cute.jit
+def fence_sys():
+    """Acq_rel fence at sys scope: orders re-arms before the next step's peer publishes."""
+    cute.arch.fence_acq_rel_sys()
