@@ -7,8 +7,8 @@ state, keys ``4 * (tid % LANES + LANES * c) + [0, 4)`` for chunk ``c`` in 0..KCH
 row are adjacent lanes, so a row's dot product is a butterfly over LANES lanes.
 
 Numerics (the reference's rounding points; only fp32 reduction order differs):
-- SiLU ``x / (1 + exp(-x))`` (IEEE division, CUDA's expf, ``add.rn`` so that the
-  compiler cannot fuse expf's last multiply with the ``1 +``) rounded to bf16;
+- SiLU ``x / (1 + exp(-x))`` (IEEE division, ``exp`` evaluated in fp64 and rounded to
+  fp32 as the reference does, ``add.rn`` so that nothing is contracted) rounded to bf16;
 - decay ``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``;
 - ``rsqrt(s)`` as ``1 / sqrt(s)`` (both correctly rounded);
 - recurrence products with ``fma2`` / ``mul2`` on pairs of keys: Blackwell's packed
@@ -22,7 +22,7 @@ butterfly-summed over the row's LANES lanes.
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Float64
 
 from .dispatch import has_packed_fma  # noqa: F401  (the compile-time arch switch)
 
@@ -55,7 +55,10 @@ def to_bf16_f32(value):
 
 
 def exp_f32(value):
-    return cute.math.exp(Float32(value))
+    """``exp`` rounded once to fp32 from an fp64 evaluation: the reference's ``_exp``, so
+    a SiLU output rounds to the reference's bf16 bit for bit (CUDA's ``expf`` is off by
+    up to 2 ulp, which flips a bf16 rounding of q, k or v now and then)."""
+    return Float32(cute.math.exp(Float64(value)))
 
 
 def add_rn(a, b):
