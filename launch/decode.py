@@ -29,6 +29,7 @@ import torch
 from launch.layer import Config, Model, Schedule, Unsharded
 from tpcomm import host
 from tpcomm.oproj import reference as oref
+from tpcomm.symm import make_backend
 
 
 def parse_args(argv=None):
@@ -106,17 +107,16 @@ def _pct(values, q):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    info = host.init_distributed()
+    backend = make_backend("host")  # joins torchrun / mpirun / a single process
+    info = host.ProcessInfo(backend.rank, backend.world, backend.rank, host.launcher())
     try:
-        return run(args, info)
+        return run(args, info, backend)
     finally:
-        host.finalize()
+        backend.teardown()
 
 
-def run(args, info) -> int:
-    backend = args.backend
-    if backend == "auto":
-        backend = "host"
+def run(args, info, symm) -> int:
+    backend = "host" if args.backend == "auto" else args.backend
     torch.set_num_threads(1 if info.world > 1 else torch.get_num_threads())
     cfg = Config(
         tp=info.world,
@@ -164,7 +164,7 @@ def run(args, info) -> int:
         t1 = time.perf_counter()
         partial = oref.project(attn, me.w_o)
         t2 = time.perf_counter()
-        partials = host.all_gather(partial)
+        partials = symm.all_gather(partial)
         t3 = time.perf_counter()
         output, prefix_new = me.consume(partials, prefix, blocks)
         t4 = time.perf_counter()

@@ -160,13 +160,11 @@ def rank_order_sum(partials: torch.Tensor) -> torch.Tensor:
 
     Partials are canonicalised first, as the producers do.
     """
+    from tpcomm.oproj.reference import rank_order_sum as grouped_sum
+
     if partials.dim() < 2 or partials.dtype != torch.bfloat16:
         raise ValueError("partials must be a bf16 tensor [TP, ...]")
-    p = canonicalize(partials.contiguous()).float()
-    acc = p[0].clone()
-    for r in range(1, p.shape[0]):
-        acc += p[r]
-    return acc.to(torch.bfloat16)
+    return grouped_sum(canonicalize(partials.contiguous()), groups=1).to(torch.bfloat16)
 
 
 # --- buffers on a backend --------------------------------------------------------------
