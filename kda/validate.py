@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpcomm.checks import check_tensor
+
 HEAD_DIM = 128
 MAX_TOKENS = 8
 CONV_TAPS = 4
@@ -43,19 +45,7 @@ class DecodeShape:
 
 
 def _tensor(name, t, dtypes, ndim=None, shape=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} must have dtype in ({names}); got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}; got {t.device}")
+    check_tensor(name, t, dtypes, shape=shape, ndim=ndim, device=device)
 
 
 def check_decode(

@@ -123,6 +123,13 @@ class Model:
         self.query = (0.2 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
         self.out_norm = (1 + 0.1 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
 
+    def consume(self, partials, prefix, blocks, groups=None):
+        """The consumer reference with this layer's AttnRes gammas."""
+        return oref.consume(
+            partials, prefix, blocks, self.norm, self.query, self.out_norm, eps=EPS,
+            out_eps=OUT_EPS, groups=self.cfg.groups if groups is None else groups,
+        )  # fmt: skip
+
     def rank_heads(self, rank: int) -> tuple[int, int]:
         per = self.cfg.heads_per_rank
         return rank * per, per
@@ -179,18 +186,7 @@ class Rank:
         return run_kda(self.kda, plan, local)
 
     def consume(self, partials, prefix, blocks):
-        m = self.model
-        return oref.consume(
-            partials,
-            prefix,
-            blocks,
-            m.norm,
-            m.query,
-            m.out_norm,
-            eps=EPS,
-            out_eps=OUT_EPS,
-            groups=m.cfg.groups,
-        )
+        return self.model.consume(partials, prefix, blocks)
 
 
 def run_kda(layer: kt.Layer, plan: StepPlan, step: kt.Step) -> torch.Tensor:
@@ -235,22 +231,10 @@ class Unsharded:
                 for r in range(cfg.tp)
             ]
         )
-        tp_out, tp_prefix = oref.consume(
-            partials,
-            prefix,
-            blocks,
-            m.norm,
-            m.query,
-            m.out_norm,
-            eps=EPS,
-            out_eps=OUT_EPS,
-            groups=cfg.groups,
-        )
+        tp_out, tp_prefix = m.consume(partials, prefix, blocks)
         # The same layer with one fp32 GEMM over all heads (no per-rank bf16 partials).
         whole = oref.project(attn, m.w_o)[None]
-        u_out, u_prefix = oref.consume(
-            whole, prefix, blocks, m.norm, m.query, m.out_norm, eps=EPS, out_eps=OUT_EPS, groups=1
-        )
+        u_out, u_prefix = m.consume(whole, prefix, blocks, groups=1)
         # Bounds of the per-rank bf16 partials against one fp32 GEMM: each partial and each
         # later bf16 rounding moves a value by at most 2^-8 of its magnitude; in the output a
         # prefix ulp moves its own element (2^-6 |out|) and, through the AttnRes logits and

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tpcomm.checks import check_tensor
+
 MAX_TP = 16
 MAX_BLOCKS = 8
 MAX_HIDDEN = 8192
@@ -29,16 +31,7 @@ __all__ = ["project", "rank_order_sum", "twoshot_gather", "consume", "check_cons
 
 
 def _tensor(name, t, dtype, shape=None, ndim=None):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')}; got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    check_tensor(name, t, dtype, shape=shape, ndim=ndim)
 
 
 def check_hidden(hidden, name="hidden"):

@@ -1,0 +1,25 @@
+"""Argument checks shared by every public function: ``ValueError`` naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None) -> None:
+    """``t`` is a contiguous tensor of one of ``dtypes`` (a dtype or a tuple of them),
+    with ``shape`` / ``ndim`` and on ``device`` when given."""
+    if isinstance(dtypes, torch.dtype):
+        dtypes = (dtypes,)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}); got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}; got {t.device}")
