@@ -155,8 +155,11 @@ def test_loopback_delayed_rank():
     group.close()
 
 
-def test_loopback_dead_rank_errors_within_budget():
-    tp, tokens, hid, dead = 4, 2, 1024, 2
+@pytest.mark.parametrize("tp,dead", [(4, 2), (8, 5)])
+def test_loopback_dead_rank_errors_within_budget(tp, dead):
+    """The error word names the dead rank in rank numbering (ranks past the first chunk
+    of four too)."""
+    tokens, hid = 2, 1024
     budget_ns = 20_000_000
     group = _Group(tp, tokens, hid, budget_ns=budget_ns)
     partials = _partials(tp, tokens, hid, seed=5)

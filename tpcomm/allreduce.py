@@ -99,7 +99,9 @@ def _kernel_class():
                 count: cutlass.Constexpr = min(POLL_CHUNK, self.tp - first)
                 if failed == 0:
                     addresses = [base + slot0 + (first + i) * slot_bytes for i in range(count)]
-                    missing = ptx.poll_groups(raw, addresses, count, budget_ns, error_address)
+                    missing = ptx.poll_groups(
+                        raw, addresses, count, budget_ns, error_address, first
+                    )
                     failed = missing << first
                     if missing == 0:
                         for i in cutlass.range_constexpr(count):

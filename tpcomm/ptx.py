@@ -169,13 +169,16 @@ def poll_groups(
     count: cutlass.Constexpr[int],
     budget_ns: Int64,
     error_address: Int64,
+    first: cutlass.Constexpr[int] = 0,
 ) -> Int32:
     """Relaxed, sys scope: bounded spin until ``count`` 16-byte groups are published.
 
     ``raw`` is a ``[count * 4]`` Int32 register tensor receiving the words; ``addresses``
-    a list of ``count`` Int64 addresses. Returns 0 when all were published, otherwise the
-    mask of groups still empty when the ``globaltimer`` budget ran out; that mask is also
-    OR-ed into the error word, so a dead peer gives an error instead of a hang.
+    a list of ``count`` Int64 addresses of ranks ``first .. first + count - 1``. Returns 0
+    when all were published, otherwise the mask of groups (bit g = ``addresses[g]``) still
+    empty when the ``globaltimer`` budget ran out; that mask shifted to rank numbering
+    (``<< first``) is OR-ed into the error word, so a dead peer gives an error naming it
+    instead of a hang.
     """
     pending = Int32(0)
     for g in cutlass.range_constexpr(count):
@@ -200,7 +203,7 @@ def poll_groups(
                     failed = pending
                     pending = Int32(0)
         if failed != 0:
-            raise_error(error_address, failed)
+            raise_error(error_address, failed << first)
     return failed
 
 

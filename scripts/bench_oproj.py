@@ -1,0 +1,195 @@
+"""Benchmark of the o-projection all-reduce consumer on the loopback backend (one GPU).
+
+Modes, per (TP, tokens, nb), HID 7168:
+- ``alone``: one rank's consumer, the other ranks' partials already in its mailbox (a
+  copy refills the slots before each step; its time, measured alone, is subtracted): what
+  one rank of a multi-GPU run spends, less the link latency;
+- ``all``: every rank publishes (a ready partial) or produces (the GEMM) and consumes on
+  its own stream (all share the GPU), per step; skipped where the ranks' CTAs cannot all
+  be resident;
+- ``torch``: the same math in torch ops (sum, residual, AttnRes, RMSNorm) on one GPU.
+Each row shows its HBM floor: bytes moved / 4.16 TB/s (H200 copy bandwidth, H200.md).
+CUDA graphs of ``--iters`` steps, median of ``--repeats`` replays.
+
+Producer rows: one rank's ``OprojProducer`` (GEMM + fan-out publish into every mailbox,
+8 weight copies cycled so that L2 does not hold them) and all ranks' producers +
+consumers per step. The fused TP16 kernel is not written yet: no row for it.
+
+    python scripts/bench_oproj.py [--quick] [--json PATH]
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from tpcomm.backends.loopback import LoopbackBackend
+from tpcomm.oproj.api import OprojAllReduce
+
+COPY_TBPS = 4.16
+BUDGET = 5_000_000  # ns: a rank that cannot be resident errors quickly instead of 50 ms
+ROTATE = 8  # weight copies cycled through (more than the 50 MB L2 holds)
+EPS = 1e-6
+
+
+def _graph_time(fn, iters, repeats):
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def _inputs(tp, tokens, hid, nb):
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    return dict(
+        partials=(torch.randn(tp, tokens, hid, device="cuda") * 0.5).to(torch.bfloat16),
+        prefix=torch.randn(tokens, hid, **bf),
+        blocks=torch.randn(tokens, nb, hid, **bf) if nb else None,
+        norm=(1 + 0.1 * torch.randn(hid, device="cuda")).to(torch.bfloat16),
+        query=(0.2 * torch.randn(hid, device="cuda")).to(torch.bfloat16),
+        out_norm=(1 + 0.1 * torch.randn(hid, device="cuda")).to(torch.bfloat16),
+    )
+
+
+def consumer_bytes(tp, tokens, hid, nb):
+    row = tokens * hid * 2
+    return 2 * tp * row + 2 * row + nb * row + row + 3 * hid * 2
+
+
+def torch_consume(a, prefix, out):
+    """fp32 torch ops: rank sum, residual, AttnRes softmax, RMSNorm."""
+    attn = a["partials"].float().sum(0).to(torch.bfloat16)
+    p = (prefix.float() + attn.float()).to(torch.bfloat16)
+    prefix.copy_(p)
+    pf = p.float()
+    hid = pf.shape[-1]
+    if a["blocks"] is None:
+        h = pf
+    else:
+        w = a["norm"].float() * a["query"].float()
+        v = torch.cat([a["blocks"].float(), pf[:, None]], dim=1)
+        logits = (v @ w) * torch.rsqrt(v.pow(2).sum(-1) / hid + EPS)
+        h = (torch.softmax(logits, dim=1)[..., None] * v).sum(1)
+    out.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * a["out_norm"].float())
+
+
+def bench_row(tp, tokens, nb, hid, iters, repeats):
+    a = _inputs(tp, tokens, hid, nb)
+    row = dict(tp=tp, tokens=tokens, nb=nb, hid=hid)
+    nbytes = consumer_bytes(tp, tokens, hid, nb)
+    row["floor_alone_us"] = nbytes / COPY_TBPS / 1e6
+    row["floor_all_us"] = tp * nbytes / COPY_TBPS / 1e6
+    # one rank alone
+    backend = LoopbackBackend(tp)
+    backend.check_coresident = lambda *args: None  # one rank's launch only
+    comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS)
+    prefix = a["prefix"].clone()
+    out = torch.empty(tokens, hid, dtype=torch.bfloat16, device="cuda")
+    box = comm.mailbox.local(0)
+
+    def refill(i):
+        box[i & 1].copy_(a["partials"])
+
+    def alone(i):
+        refill(i)
+        comm.consume(prefix, a["blocks"], a["norm"], a["query"], a["out_norm"], out, i, rank=0)
+
+    t_copy = _graph_time(refill, iters, repeats)
+    t_both = _graph_time(alone, iters, repeats)
+    row["consumer_alone_us"] = t_both - t_copy
+    row["errors_alone"] = int(comm.errors.abs().sum())
+    # the producer of one rank: GEMM + fan-out to every mailbox, weights rotated past L2
+    d_local = 96 // tp * 128
+    attn = torch.randn(tokens, d_local, device="cuda").to(torch.bfloat16)
+    w_os = [
+        (torch.randn(hid, d_local, device="cuda") * d_local**-0.5).to(torch.bfloat16)
+        for _ in range(ROTATE)
+    ]
+    row["producer_alone_us"] = _graph_time(
+        lambda i: comm.produce(attn, w_os[i % ROTATE], i, rank=0), iters, repeats
+    )
+    w_bytes = hid * d_local * 2
+    row["floor_producer_us"] = (w_bytes + tp * tokens * hid * 2) / COPY_TBPS / 1e6
+    backend.teardown()
+    # all ranks at once
+    backend = LoopbackBackend(tp)
+    try:
+        comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET)
+        prefixes = a["prefix"][None].repeat(tp, 1, 1)
+        outs = torch.empty(tp, tokens, hid, dtype=torch.bfloat16, device="cuda")
+
+        def all_ranks(i):
+            comm.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
+                           a["out_norm"], outs, i)  # fmt: skip
+
+        row["publish_consume_all_us"] = _graph_time(all_ranks, iters, repeats)
+        attns = torch.randn(tp, tokens, d_local, device="cuda").to(torch.bfloat16)
+        w_all = (torch.randn(tp, hid, d_local, device="cuda") * d_local**-0.5).to(torch.bfloat16)
+
+        def produce_all(i):
+            comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
+                           a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
+
+        row["produce_consume_all_us"] = _graph_time(produce_all, iters, repeats)
+        row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
+        row["errors_all"] = int(comm.errors.abs().sum())
+    except ValueError as e:
+        row["publish_consume_all_us"] = row["produce_consume_all_us"] = None
+        row["all_skipped"] = str(e)
+    backend.teardown()
+    prefix = a["prefix"].clone()
+    tout = torch.empty(tokens, hid, dtype=torch.bfloat16, device="cuda")
+    row["torch_us"] = _graph_time(lambda i: torch_consume(a, prefix, tout), iters, repeats)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", default="1,4,8", help="comma-separated token counts")
+    args = parser.parse_args()
+    hid = 7168
+    tokens = [int(t) for t in args.tokens.split(",")]
+    grid = [(16, 1, 8), (16, 1, 0), (8, 1, 8)] if args.quick else [
+        (tp, t, nb) for tp in (16, 8) for t in tokens for nb in (8, 0)
+    ]  # fmt: skip
+    rows = []
+    head = f"{'TP':>3} {'T':>2} {'nb':>3} | {'cons 1':>7} {'floor':>5} | {'prod 1':>7} "
+    head += f"{'floor':>5} | {'pub+cons all':>12} {'floor':>5} | {'prod+cons all':>13} "
+    head += f"{'floor':>6} | {'torch':>6}"
+    print(head)
+
+    def cell(v, width, digits=2):
+        return f"{v:{width}.{digits}f}" if v is not None else f"{'n/a':>{width}}"
+
+    for tp, tokens, nb in grid:
+        r = bench_row(tp, tokens, nb, hid, args.iters, args.repeats)
+        rows.append(r)
+        print(f"{tp:>3} {tokens:>2} {nb:>3} | {cell(r['consumer_alone_us'], 7)} "
+              f"{cell(r['floor_alone_us'], 5)} | {cell(r['producer_alone_us'], 7)} "
+              f"{cell(r['floor_producer_us'], 5)} | {cell(r['publish_consume_all_us'], 12)} "
+              f"{cell(r['floor_all_us'], 5)} | {cell(r['produce_consume_all_us'], 13)} "
+              f"{cell(r.get('floor_produce_consume_all_us'), 6)} | "
+              f"{cell(r['torch_us'], 6)}", flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""CPU tests of the o-projection host API: the plan heuristic and argument validation."""
+
+import pytest
+import torch
+
+from tpcomm.backends.loopback import LoopbackBackend
+from tpcomm.oproj import api
+from tpcomm.oproj.consumer import group_ranks, min_blocks_per_sm, per_group
+
+
+@pytest.mark.parametrize("tp, groups", [(1, 1), (2, 1), (4, 1), (5, 2), (8, 2), (12, 3), (16, 4)])
+def test_groups_poll_at_most_four_slots(tp, groups):
+    plan = api.choose(tp, 1, 7168)
+    assert plan.groups == groups and not plan.twoshot
+    assert per_group(tp, plan.groups) <= 4
+
+
+def test_twoshot_choice():
+    assert "not available" in api.choose(16, 8, 7168).reason
+    assert not api.choose(16, 8, 7168).twoshot
+    assert api.choose(16, 8, 7168, twoshot_available=True).twoshot
+    assert api.choose(8, 4, 7168, twoshot_available=True).twoshot
+    assert not api.choose(8, 3, 7168, twoshot_available=True).twoshot
+    assert not api.choose(4, 8, 7168, twoshot_available=True).twoshot
+    assert api.choose(16, 8, 1024, twoshot_available=True).twoshot
+
+
+def test_group_ranks_cover_every_rank_once():
+    for tp in range(1, 17):
+        for groups in range(1, 5):
+            seen = []
+            for g in range(groups):
+                first, count = group_ranks(tp, groups, g)
+                seen += range(first, first + count)
+            assert seen == list(range(tp)), (tp, groups)
+    assert group_ranks(4, 3, 2) == (4, 0)  # the empty group adds +0.0
+    assert [min_blocks_per_sm(g) for g in range(1, 5)] == [8, 4, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tp=0, tokens=1, hid=1024), "tp"),
+        (dict(tp=17, tokens=1, hid=1024), "tp"),
+        (dict(tp=4, tokens=0, hid=1024), "tokens"),
+        (dict(tp=4, tokens=9, hid=1024), "tokens"),
+        (dict(tp=4, tokens=1, hid=1000), "hid"),
+        (dict(tp=4, tokens=1, hid=9216), "hid"),
+    ],
+)
+def test_choose_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        api.choose(**kwargs)
+
+
+def _comm(nb=2, **kw):
+    backend = LoopbackBackend(4, device="cpu")
+    return api.OprojAllReduce(backend, 2, 2048, nb, **kw)
+
+
+def _args(nb=2, tokens=2, hid=2048):
+    bf = dict(dtype=torch.bfloat16)
+    return dict(
+        prefix=torch.zeros(tokens, hid, **bf),
+        blocks=torch.zeros(tokens, nb, hid, **bf) if nb else None,
+        norm=torch.ones(hid, **bf),
+        query=torch.ones(hid, **bf),
+        out_norm=torch.ones(hid, **bf),
+        output=torch.zeros(tokens, hid, **bf),
+    )
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="nb"):
+        _comm(nb=9)
+    with pytest.raises(ValueError, match="groups"):
+        _comm(groups=0)
+    with pytest.raises(ValueError, match="xmoe_reps"):
+        _comm(xmoe_reps=-1)
+    with pytest.raises(ValueError, match="budget_ns"):
+        _comm(budget_ns=0)
+    with pytest.raises(ValueError, match="eps"):
+        _comm(eps=-1.0)
+    comm = _comm()
+    assert comm.groups == 1 and comm.mailbox.layout.shape == (2, 4, 2, 2048)
+    assert (comm.mailbox.local(3).view(torch.int32) == -1).all()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(prefix=torch.zeros(2, 1024, dtype=torch.bfloat16)), "prefix"),
+        (dict(prefix=torch.zeros(2, 2048, dtype=torch.float32)), "prefix"),
+        (dict(blocks=torch.zeros(2, 3, 2048, dtype=torch.bfloat16)), "nb"),
+        (dict(blocks=torch.zeros(2, 9, 2048, dtype=torch.bfloat16)), "blocks"),
+        (dict(norm=torch.ones(1024, dtype=torch.bfloat16)), "norm"),
+        (dict(query=torch.ones(2048)), "query"),
+        (dict(out_norm=torch.ones(2048, dtype=torch.bfloat16)[None]), "out_norm"),
+        (dict(output=torch.zeros(2, 2048, dtype=torch.float16)), "output"),
+        (dict(output=torch.zeros(2048, 2, dtype=torch.bfloat16).T), "output"),
+        ({}, "CUDA"),  # valid arguments; the CPU mailbox cannot launch
+    ],
+)
+def test_consume_validation(change, match):
+    comm = _comm()
+    a = dict(_args(), **change)
+    with pytest.raises(ValueError, match=match):
+        comm.consume(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
+                     a["output"], 0, rank=1)  # fmt: skip
+
+
+def test_step_rank_xmoe_validation():
+    comm = _comm()
+    a = _args()
+    call = (a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"], a["output"])
+    with pytest.raises(ValueError, match="step"):
+        comm.consume(*call, -1, rank=0)
+    with pytest.raises(ValueError, match="rank"):
+        comm.consume(*call, 0, rank=7)
+    with pytest.raises(ValueError, match="xmoe"):
+        comm.consume(*call, 0, rank=0, xmoe=torch.zeros(1, 2, 2048, dtype=torch.bfloat16))
+    comm2 = _comm(xmoe_reps=2)
+    with pytest.raises(ValueError, match="xmoe"):
+        comm2.consume(*call, 0, rank=0, xmoe=torch.zeros(1, 2, 2048, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="partial"):
+        comm.publish(torch.zeros(2, 1024, dtype=torch.bfloat16), 0, rank=0)
+    with pytest.raises(ValueError, match="comm"):
+        api.allreduce_attnres(None, None, *call, 0)
+    with pytest.raises(ValueError, match="run_ranks"):
+        comm.run_ranks(None, None, None, None, None, None, None, 0)
+
+
+def test_import_without_dsl_side_effects():
+    import sys
+
+    import tpcomm.oproj.api  # noqa: F401
+
+    assert "tpcomm.ptx" not in sys.modules or "cutlass" in sys.modules
+
+
+def test_twoshot_buffers_and_validation():
+    comm = _comm(twoshot=True)
+    assert comm.twoshot and comm.mailbox is None and comm.groups == 1
+    assert comm.rows.receive_view(2).shape == (2, 4, 2, 512)
+    assert comm.rows.gather_row(2).shape == (2, 2, 2048)
+    assert comm.armed()
+    comm.rows.gather_row(1)[0, 0, 0] = 1.0
+    assert not comm.armed()
+    comm.reset()
+    assert comm.armed()
+    assert not _comm().twoshot  # the plan keeps one-shot until twoshot is enabled
+    backend = LoopbackBackend(3, device="cpu")
+    with pytest.raises(ValueError, match="twoshot"):
+        api.OprojAllReduce(backend, 1, 1024, 0, twoshot=True)  # 1024 % 24 != 0
+    a = _args()
+    with pytest.raises(ValueError, match="CUDA"):
+        comm.consume(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
+                     a["output"], 0, rank=1)  # fmt: skip

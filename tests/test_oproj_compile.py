@@ -1,0 +1,130 @@
+"""CPU compile tests: OprojConsumer and the partial publisher for sm_90a and sm_100a."""
+
+import pytest
+from compile_harness import ARCHS, require_dsl
+
+pytestmark = pytest.mark.compile
+
+CONFIGS = [  # tp, hid, nb, has_delta, groups, xmoe_reps
+    (16, 7168, 8, True, 4, 1),
+    (8, 7168, 3, False, 2, 0),
+    (2, 1024, 0, True, 1, 0),
+    (4, 8192, 1, True, 3, 2),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, hid, nb, has_delta, groups, xmoe", CONFIGS)
+def test_consumer_compiles(arch, tp, hid, nb, has_delta, groups, xmoe):
+    require_dsl()
+    from tpcomm.oproj.consumer import compiled
+
+    assert compiled(tp, hid, nb, has_delta, groups, xmoe, False, arch) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_consumer_compiles_with_pdl(arch):
+    require_dsl()
+    from tpcomm.oproj.consumer import compiled
+
+    assert compiled(16, 7168, 8, True, 4, 0, True, arch) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, multicast", [(2, False), (16, False), (16, True)])
+def test_publisher_compiles(arch, tp, multicast):
+    require_dsl()
+    from tpcomm.oproj.producer import compiled_publisher
+
+    assert compiled_publisher(tp, 2048, multicast, multicast, False, arch) is not None
+
+
+def test_consumer_ptx_protocol(tmp_path):
+    """The scoped accesses, DSMEM exchanges, bounded polls and launch bounds are there."""
+    cute = require_dsl()
+    from tpcomm.oproj.consumer import fake_arguments, kernel_class
+
+    kernel = kernel_class()(8, 7168, 8, groups=2, xmoe_reps=1)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    text = cute.compile(kernel, *fake_arguments(8, 7168, 8, 1), options=options).__ptx__
+    for needle in (
+        "ld.relaxed.sys.global.v4.b32",  # polls
+        "st.relaxed.sys.global.v4.b32",  # re-arms
+        "st.async",  # cluster exchanges
+        "complete_tx",
+        "%globaltimer",  # bounded spin
+        "atom.global.sys.or.b32",  # error word
+        "red.release.gpu",  # hints
+        "barrier.cluster.arrive",
+        "cp.async.cg.shared.global",
+        ".reqntid 256",
+        ".minnctapersm 4",
+    ):
+        assert needle in text, needle
+
+
+def test_kernel_config_validation():
+    require_dsl()
+    from tpcomm.oproj.consumer import kernel_class
+
+    with pytest.raises(ValueError, match="nb"):
+        kernel_class()(4, 1024, 9)
+    with pytest.raises(ValueError, match="groups"):
+        kernel_class()(4, 1024, 1, groups=5)
+    with pytest.raises(ValueError, match="hid"):
+        kernel_class()(4, 9216, 1)
+    with pytest.raises(ValueError, match="tp"):
+        kernel_class()(17, 1024, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "tp, hid, d_local, multicast, pdl", [(16, 7168, 768, False, True), (2, 1024, 128, True, False)]
+)
+def test_producer_compiles(arch, tp, hid, d_local, multicast, pdl):
+    require_dsl()
+    from tpcomm.oproj.producer import compiled_producer
+
+    assert compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch) is not None
+
+
+def test_producer_ptx_uses_mma_and_scoped_stores(tmp_path):
+    cute = require_dsl()
+    from tpcomm.oproj.producer import fake_producer_arguments, producer_class
+
+    kernel = producer_class()(16, 7168, 768)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    text = cute.compile(kernel, *fake_producer_arguments(16, 7168, 768), options=options).__ptx__
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    assert "st.relaxed.sys.global.v4.b32" in text
+    assert "cvt.rn.bf16x2.f32" in text
+
+
+def test_producer_config_validation():
+    require_dsl()
+    from tpcomm.oproj.producer import producer_class
+
+    with pytest.raises(ValueError, match="d_local"):
+        producer_class()(4, 1024, 100)
+    with pytest.raises(ValueError, match="hid"):
+        producer_class()(4, 1000, 128)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, hid, nb, groups", [(16, 2048, 8, 1), (8, 7168, 0, 2)])
+def test_twoshot_compiles(arch, tp, hid, nb, groups):
+    require_dsl()
+    from tpcomm.oproj.consumer import compiled
+    from tpcomm.oproj.producer import compiled_producer, compiled_publisher
+
+    assert compiled(tp, hid, nb, True, groups, 1, False, arch, twoshot=True, fence=True)
+    assert compiled_publisher(tp, hid, False, True, False, arch, twoshot=True)
+    assert compiled_producer(tp, hid, 768, False, False, True, arch, twoshot=True)
+
+
+def test_twoshot_needs_whole_groups_per_shard():
+    require_dsl()
+    from tpcomm.oproj.consumer import kernel_class
+
+    with pytest.raises(ValueError, match="twoshot"):
+        kernel_class()(3, 1024, 1, twoshot=True)  # 1024 % 24 != 0

@@ -1,0 +1,337 @@
+"""Host API of the o-projection all-reduce + AttnRes: the plan, the buffers, the launches.
+
+``choose(tp, tokens, hid)`` is the plain-Python heuristic (CPU-tested): how many 128-thread
+groups poll the mailbox and whether twoshot is worth it.
+
+- groups: every group polls at most ``POLL_CHUNK`` (4) rank slots, so one round of four
+  16-byte loads per thread is in flight: ``groups = ceil(TP / 4)`` (TP <= 4: 1, TP 8: 2,
+  TP 16: 4). More groups only add threads (co-residency of the fused kernel and of the
+  loopback backend).
+- twoshot: one-shot moves ``TP x tokens x HID x 2`` bytes into every rank; twoshot about
+  ``2 x tokens x HID x 2`` plus a second hop. Worth it from TP 8 with 4+ tokens. The
+  twoshot path exists (``OprojAllReduce(..., twoshot=True)``) but is not yet validated
+  on the GPU, so the plan picks it only with ``twoshot_available=True``
+  (``TWOSHOT_AVAILABLE``); otherwise one-shot, saying why. A twoshot plan uses 1 group
+  (the consumer polls the one gather slot).
+
+``OprojAllReduce`` holds one double-buffered ``Mailbox`` (or, with ``twoshot``, the
+``TwoshotRows``: receive views and gather rows) on a ``tpcomm.symm`` backend,
+the error words and hint counters, and launches the producer (``OprojProducer``: the
+o-projection GEMM) or the publisher (a ready partial) and the ``OprojConsumer`` per rank
+(``run_ranks`` runs every loopback rank on its own stream). ``allreduce_attnres`` is the
+one-call form for one rank. Validation raises ``ValueError`` naming the argument
+before any launch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from tpcomm.mailbox import Mailbox, TwoshotRows
+from tpcomm.oproj import consumer as C
+from tpcomm.oproj.reference import check_consume
+
+POLL_CHUNK = C.POLL_CHUNK
+TWOSHOT_MIN_TP = 8
+TWOSHOT_MIN_TOKENS = 4
+TWOSHOT_AVAILABLE = False  # flip once tests/test_oproj_consumer_gpu.py -k twoshot passes
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: int
+    twoshot: bool
+    reason: str
+
+
+def choose(tp: int, tokens: int, hid: int, *, twoshot_available: bool = TWOSHOT_AVAILABLE):
+    """The consumer plan for a TP group size, token count and hidden width."""
+    if not isinstance(tp, int) or not 1 <= tp <= C.MAX_TP:
+        raise ValueError(f"tp must be an int in 1..{C.MAX_TP}; got {tp!r}")
+    if not isinstance(tokens, int) or not 1 <= tokens <= 8:
+        raise ValueError(f"tokens must be an int in 1..8; got {tokens!r}")
+    C.check_config(tp, hid, 0, 1, 0)
+    groups = min(C.MAX_GROUPS, -(-tp // POLL_CHUNK))
+    reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}"
+    wants = tp >= TWOSHOT_MIN_TP and tokens >= TWOSHOT_MIN_TOKENS and hid % (8 * tp) == 0
+    if wants and twoshot_available:
+        return Plan(1, True, f"twoshot: TP {tp} x {tokens} tokens; one gather slot")
+    if wants:
+        reason += "; twoshot would pay off but is not available: one-shot"
+    return Plan(groups, False, reason)
+
+
+def _check_device_tensor(name, t, shape, dtype, device):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}; got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}; got {t.device}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned")
+
+
+class OprojAllReduce:
+    """Mailbox, error words and hints for one (TP, tokens, HID, nb) shape on ``backend``.
+
+    ``step`` picks the mailbox parity: consecutive calls use consecutive steps. A rank's
+    error word (``error(rank)``) holds the mask of ranks it never heard from within
+    ``budget_ns``; after an error call ``reset()``. ``hints(rank)`` counts the consumer's
+    release increments (4 per CTA and step when ``xmoe_reps`` > 0). ``groups`` and
+    ``twoshot`` default to ``choose``'s plan; ``fence`` (a sys fence before each publish)
+    defaults to on unless every rank shares one GPU.
+    """
+
+    def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
+                 xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=C.DEFAULT_BUDGET_NS,
+                 fence=None, twoshot=None):  # fmt: skip
+        plan = choose(backend.world, tokens, hid)
+        twoshot = plan.twoshot if twoshot is None else bool(twoshot)
+        groups = (plan.groups if not twoshot else 1) if groups is None else groups
+        C.check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
+        if not isinstance(budget_ns, int) or budget_ns <= 0:
+            raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")
+        for name, v in (("eps", eps), ("out_eps", out_eps)):
+            if not isinstance(v, int | float) or not v >= 0:
+                raise ValueError(f"{name} must be a float >= 0; got {v!r}")
+        self.backend, self.plan = backend, plan
+        self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
+        self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
+        self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
+        self.twoshot = twoshot
+        self.fence = (not backend.single_device) if fence is None else bool(fence)
+        if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
+            self.mailbox, self.rows = None, TwoshotRows(backend, tokens, hid)
+            self.multicast_base = 0
+            self.device = self.rows.gather_row(backend.ranks[0]).device
+            self.peers = {r: backend.peer_pointers(self.rows.receive, r) for r in backend.ranks}
+            self.gather_peers = {
+                r: backend.peer_pointers(self.rows.gather, r) for r in backend.ranks
+            }
+        else:
+            self.mailbox, self.rows = Mailbox(backend, tokens, hid), None
+            mc = self.mailbox.multicast()
+            self.multicast_base = 0 if mc is None else mc.data_ptr()
+            self.device = self.mailbox.local(backend.ranks[0]).device
+            self.peers = {r: self.mailbox.peer_pointers(r) for r in backend.ranks}
+            self.gather_peers = self.peers  # unused without twoshot
+        # what check_consume sees of the mailbox (shape and dtype only)
+        self._probe = torch.empty((self.tp, tokens, hid), dtype=torch.bfloat16, device="meta")
+        n = max(backend.ranks) + 1
+        self.errors = torch.zeros((n, 4), dtype=torch.int32, device=self.device)
+        self.hint_words = torch.zeros((n, 4), dtype=torch.int32, device=self.device)
+        bf = dict(dtype=torch.bfloat16, device=self.device)
+        self._no_blocks = torch.zeros((tokens, 1, hid), **bf)
+        self._no_xmoe = torch.zeros((1, tokens, hid), **bf)
+        self._no_recv = torch.zeros((8,), **bf)
+        self._fns = None
+        backend.check_coresident(
+            (hid // C.SLICE) * tokens, C.GROUP_THREADS * groups, C.min_blocks_per_sm(groups)
+        )
+
+    # --- compiled kernels -------------------------------------------------------------
+    def functions(self):
+        if self._fns is None:
+            from tpcomm.oproj.producer import compiled_publisher
+
+            consumer = C.compiled(
+                self.tp, self.hid, self.nb, self.has_delta, self.groups, self.xmoe_reps,
+                twoshot=self.twoshot, fence=self.fence,
+            )  # fmt: skip
+            publisher = compiled_publisher(
+                self.tp, self.hid, self.multicast_base != 0, self.fence, twoshot=self.twoshot
+            )
+            self._fns = (publisher, consumer)
+        return self._fns
+
+    def error(self, rank=None):
+        return self.errors[self.backend.ranks[0] if rank is None else rank, :1]
+
+    def hints(self, rank=None):
+        return self.hint_words[self.backend.ranks[0] if rank is None else rank, :1]
+
+    # --- validation -------------------------------------------------------------------
+    def _rank(self, rank):
+        rank = self.backend.ranks[0] if rank is None else rank
+        if rank not in self.peers:
+            raise ValueError(f"rank {rank} is not hosted by this process")
+        return rank
+
+    @staticmethod
+    def _step(step):
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int; got {step!r}")
+        return step
+
+    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None):
+        """ValueError naming the argument unless the consumer can take these tensors."""
+        _, n, _, nb = check_consume(
+            self._probe, prefix, blocks, norm, query, out_norm,
+            groups=self.groups, eps=self.eps, out_eps=self.out_eps,
+        )  # fmt: skip
+        if nb != self.nb:
+            raise ValueError(
+                f"blocks holds nb = {nb} snapshots; this all-reduce has nb = {self.nb}"
+            )
+        shape = (self.tokens, self.hid)
+        for name, t in (("prefix", prefix), ("output", output)):
+            _check_device_tensor(name, t, shape, torch.bfloat16, self.device)
+        for name, t in (("norm", norm), ("query", query), ("out_norm", out_norm)):
+            _check_device_tensor(name, t, (self.hid,), torch.bfloat16, self.device)
+        if blocks is not None:
+            _check_device_tensor("blocks", blocks, blocks.shape, torch.bfloat16, self.device)
+        if self.xmoe_reps:
+            want = (self.xmoe_reps, self.tokens, self.hid)
+            _check_device_tensor("xmoe", xmoe, want, torch.bfloat16, self.device)
+        elif xmoe is not None:
+            raise ValueError("xmoe given, but this all-reduce was built with xmoe_reps = 0")
+        if self.device.type != "cuda":
+            raise ValueError(f"the mailbox must be on a CUDA device to launch; got {self.device}")
+
+    # --- launches ---------------------------------------------------------------------
+    def publish(self, partial, step, rank=None, stream=None):
+        """Rank ``rank``'s partial [tokens, HID] into every rank's mailbox slot."""
+        rank, step = self._rank(rank), self._step(step)
+        shape = (self.tokens, self.hid)
+        _check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64
+
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        self.functions()[0](
+            _dl(partial), _dl(self.peers[rank], 8), Int64(self.multicast_base),
+            Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream),
+        )  # fmt: skip
+
+    def produce(self, attn_out, w_o, step, rank=None, stream=None):
+        """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
+        rank, step = self._rank(rank), self._step(step)
+        if not isinstance(attn_out, torch.Tensor) or attn_out.dim() != 2:
+            raise ValueError("attn_out must be a 2-D [tokens, D_local] torch.Tensor")
+        d_local = attn_out.shape[1]
+        if d_local <= 0 or d_local % 128:
+            raise ValueError(f"attn_out width D_local must be a multiple of 128; got {d_local}")
+        _check_device_tensor(
+            "attn_out", attn_out, (self.tokens, d_local), torch.bfloat16, self.device
+        )
+        _check_device_tensor("w_o", w_o, (self.hid, d_local), torch.bfloat16, self.device)
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64
+
+        from tpcomm.oproj.producer import compiled_producer
+
+        fn = compiled_producer(
+            self.tp, self.hid, d_local, self.multicast_base != 0, self.fence, twoshot=self.twoshot
+        )
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        fn(
+            _dl(attn_out), _dl(w_o), _dl(self.peers[rank], 8), Int64(self.multicast_base),
+            Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream),
+        )  # fmt: skip
+
+    def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
+                rank=None, stream=None, checked=False):  # fmt: skip
+        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``."""
+        rank, step = self._rank(rank), self._step(step)
+        if not checked:
+            self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
+        import cuda.bindings.driver as cuda
+        from cutlass import Float32, Int32, Int64
+
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        if self.twoshot:
+            box = self.rows.gather_row(rank).view(2, 1, self.tokens, self.hid)
+            recv = self.rows.receive_view(rank).view(-1)
+        else:
+            box, recv = self.mailbox.local(rank), self._no_recv
+        self.functions()[1](
+            _dl(box), _dl(prefix),
+            _dl(self._no_blocks if blocks is None else blocks),
+            _dl(norm), _dl(query), _dl(out_norm), _dl(output),
+            _dl(self._no_xmoe if xmoe is None else xmoe), _dl(self.hints(rank), 4),
+            Float32(self.eps), Float32(self.out_eps), _dl(self.error(rank), 4),
+            Int32(step & 1), Int64(self.budget_ns), _dl(recv), _dl(self.gather_peers[rank], 8),
+            Int32(rank), cuda.CUstream(stream.cuda_stream),
+        )  # fmt: skip
+
+    def run_ranks(self, partials, prefixes, blocks, norm, query, out_norm, outputs, step,
+                  *, xmoes=None, ranks=None, publishers=None, w_os=None):  # fmt: skip
+        """Loopback: each rank publishes ``partials[r]`` and consumes on its own stream.
+
+        With ``w_os`` [TP, HID, D_local], ``partials`` are the ranks' ``attn_out``
+        [TP, tokens, D_local] and the ``OprojProducer`` computes and publishes them.
+
+        ``prefixes``/``outputs`` [TP, tokens, HID] (one per rank), ``xmoes``
+        [TP, reps, tokens, HID]; ``ranks`` limits the consumers, ``publishers`` the ranks
+        that publish (a rank left out never publishes). Graph-capturable.
+        """
+        streams = getattr(self.backend, "streams", None)
+        if not streams:
+            raise ValueError("run_ranks needs a backend with one stream per rank (loopback)")
+        ranks = self.backend.ranks if ranks is None else tuple(ranks)
+        publishers = ranks if publishers is None else tuple(publishers)
+        for r in ranks:
+            x = None if xmoes is None else xmoes[r]
+            self.check(prefixes[r], blocks, norm, query, out_norm, outputs[r], x)
+        current = torch.cuda.current_stream(self.device)
+        fork = torch.cuda.Event()
+        fork.record(current)
+        for r in sorted(set(ranks) | set(publishers)):
+            streams[r].wait_event(fork)
+            with torch.cuda.stream(streams[r]):
+                if r in publishers and w_os is not None:
+                    self.produce(partials[r], w_os[r], step, rank=r, stream=streams[r])
+                elif r in publishers:
+                    self.publish(partials[r], step, rank=r, stream=streams[r])
+                if r in ranks:
+                    x = None if xmoes is None else xmoes[r]
+                    self.consume(prefixes[r], blocks, norm, query, out_norm, outputs[r], step,
+                                 xmoe=x, rank=r, stream=streams[r], checked=True)  # fmt: skip
+        for r in sorted(set(ranks) | set(publishers)):
+            current.wait_stream(streams[r])
+
+    def buffers(self, rank):
+        """The protocol buffers hosted for ``rank`` (mailbox, or receive view + gather row)."""
+        if self.twoshot:
+            return [self.rows.receive_view(rank), self.rows.gather_row(rank)]
+        return [self.mailbox.local(rank)]
+
+    def armed(self):
+        """True when every hosted protocol buffer is all sentinel (nothing left unconsumed)."""
+        return all(
+            bool((b.view(torch.int32) == -1).all())
+            for r in self.backend.ranks
+            for b in self.buffers(r)
+        )
+
+    def reset(self):
+        """Clear error words and hints and re-arm every mailbox (after a timeout)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.errors.zero_()
+        self.hint_words.zero_()
+        (self.rows if self.twoshot else self.mailbox).arm()
+
+
+def _dl(t, align=16):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+
+
+def allreduce_attnres(comm, partial, prefix, blocks, norm, query, out_norm, output, step, *,
+                      xmoe=None, rank=None, stream=None):  # fmt: skip
+    """One rank's step on ``comm`` (an ``OprojAllReduce``): publish ``partial`` into every
+    rank's mailbox, then consume: ``output`` and ``prefix`` (in place) as
+    ``tpcomm.oproj.reference.consume`` gives them."""
+    if not isinstance(comm, OprojAllReduce):
+        raise ValueError("comm must be a tpcomm.oproj.api.OprojAllReduce")
+    comm.check(prefix, blocks, norm, query, out_norm, output, xmoe)
+    comm.publish(partial, step, rank=rank, stream=stream)
+    comm.consume(prefix, blocks, norm, query, out_norm, output, step, xmoe=xmoe, rank=rank,
+                 stream=stream, checked=True)  # fmt: skip

@@ -1,0 +1,332 @@
+"""O-projection producer side: publishing a rank's partial into every rank's mailbox.
+
+``PartialPublisher``: rank r's partial ``[tokens, HID]`` bf16 (already computed) goes
+into slot ``[step & 1, r]`` of every rank's mailbox ``[2, TP, tokens, HID]``: each thread
+loads one 16-byte group, canonicalises sentinel words (``tpcomm.ptx.publish``) and stores
+it with one relaxed sys-scope store per peer through the peer pointer table (the NVLink
+path; multicast, when the platform has it, is one store). Grid ``(HID / 1024, tokens)``,
+128 threads. With ``fence`` a sys-scope fence first orders this step's publish after the
+previous step's re-arms of the same parity on other GPUs (one GPU: the kernel boundary
+does it). With ``twoshot`` each group goes only to the rank owning its columns: slot
+``[step & 1, r]`` of that rank's receive view ``[2, TP, tokens, HID / TP]`` (the peer table
+then holds the receive views' addresses; no multicast on this hop).
+
+``OprojProducer``: the rank's o-projection ``partial = bf16(attn_out @ w_o^T)`` for
+tokens 1..8 (``attn_out`` [tokens, D] bf16, ``w_o`` [HID, D] bf16, D = heads x 128), fp32
+accumulation, one rounding to bf16 (nearest even), published straight into slot
+``[step & 1, rank]`` of every rank's mailbox like ``PartialPublisher``. Swap A/B:
+``mma.sync.m16n8k16`` with 16 output features as M and the tokens as N = 8. Grid
+``HID / 16`` CTAs of 4 warps; warp w takes the 32-wide k chunks w, w+4, ... (each lane
+loads 16 contiguous bytes of two ``w_o`` rows and of one token; the k order inside a chunk
+is permuted identically for A and B, which a dot product allows), the four warps' fp32
+fragments are added in warp order through shared memory, and 128 threads publish the
+16 features x tokens as 16-byte groups (8 peers per group in parallel). Only the order of
+the fp32 accumulation differs from ``tpcomm.oproj.reference.project`` (within 1 bf16 ulp).
+With ``pdl`` it waits for the previous kernel (the KDA step) before reading ``attn_out``
+and lets the consumer launch at once.
+
+The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
+"""
+
+import functools
+
+from tpcomm.oproj.reference import MAX_TP, SLICE
+
+THREADS = 128
+
+
+def twoshot_offset(tp, hid, step, rank, tokens, token, column):
+    """Byte offset of ``column`` of ``token`` in slot ``[step & 1, rank]`` of the owning
+    rank's twoshot receive view ``[2, TP, tokens, HID / TP]`` (traced: Int32/Int64 in)."""
+    from cutlass import Int64
+
+    width = hid // tp
+    owner = column // width
+    slot = (Int64(step & 1) * tp + rank) * Int64(tokens) + Int64(token)
+    return (slot * width + Int64(column - owner * width)) * 2
+
+
+@functools.cache
+def _publisher_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from tpcomm import ptx
+    from tpcomm.cuteutil import launch
+
+    class PartialPublisher:
+        """Compile-time configuration: TP, HID, multicast, sys fence, PDL, twoshot."""
+
+        def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False):
+            if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+                raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+            if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= 8 * SLICE:
+                raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
+            if twoshot and hid % (8 * tp):
+                raise ValueError(f"twoshot needs hid ({hid}) divisible by 8 * tp ({8 * tp})")
+            self.tp, self.hid = tp, hid
+            self.multicast, self.fence, self.pdl = bool(multicast), bool(fence), bool(pdl)
+            self.twoshot = bool(twoshot)
+
+        @cute.jit
+        def __call__(
+            self,
+            partial: cute.Tensor,
+            peers: cute.Tensor,
+            multicast_base: Int64,
+            rank: Int32,
+            step: Int32,
+            stream: cuda.CUstream,
+        ):
+            call = self.kernel(
+                Int64(partial.iterator.toint()),
+                peers,
+                multicast_base,
+                partial.shape[0],
+                rank,
+                step,
+            )
+            grid = (self.hid // SLICE, partial.shape[0], 1)
+            launch(call, grid, (THREADS, 1, 1), stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, a_partial: Int64, peers: cute.Tensor, multicast_base: Int64,
+                   tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+            tid, _, _ = cute.arch.thread_idx()
+            cta, token, _ = cute.arch.block_idx()
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+            column = cta * SLICE + tid * 8
+            row = (Int64(token) * self.hid + column) * 2
+            words = ptx.load16(a_partial + row)
+            slot_bytes = Int64(tokens) * (self.hid * 2)
+            offset = (Int64(step & 1) * self.tp + rank) * slot_bytes + row
+            if cutlass.const_expr(self.fence):
+                ptx.fence_sys()
+            if cutlass.const_expr(self.twoshot):
+                owner = column // (self.hid // self.tp)
+                offset = twoshot_offset(self.tp, self.hid, step, rank, tokens, token, column)
+                ptx.publish(peers[owner] + offset, words)
+            elif cutlass.const_expr(self.multicast):
+                ptx.publish(multicast_base + offset, words, multicast=True)
+            else:
+                for p in cutlass.range_constexpr(self.tp):
+                    ptx.publish(peers[p] + offset, words)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+
+    return PartialPublisher
+
+
+def publisher_class():
+    """The ``PartialPublisher`` class (imports the CuTe DSL)."""
+    return _publisher_class()
+
+
+def fake_publisher_arguments(tp: int, hid: int):
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Int32, Int64
+
+    tokens = cute.sym_int()
+    return (
+        cute.runtime.make_fake_compact_tensor(BFloat16, (tokens, hid), assumed_align=16),
+        cute.runtime.make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
+        Int64(0),
+        Int32(0),
+        Int32(0),
+        cute.runtime.make_fake_stream(),
+    )
+
+
+@functools.cache
+def compiled_publisher(tp, hid, multicast=False, fence=False, pdl=False, arch=None, *,
+                       twoshot=False):  # fmt: skip
+    """One compile per configuration and arch; tokens are dynamic. With ``twoshot`` the
+    peer table holds the receive views' addresses."""
+    import cutlass.cute as cute
+
+    kernel = publisher_class()(tp, hid, multicast=multicast, fence=fence, pdl=pdl,
+                               twoshot=twoshot)  # fmt: skip
+    options = None if arch is None else f"--gpu-arch {arch}"
+    return cute.compile(kernel, *fake_publisher_arguments(tp, hid), options=options)
+
+
+FEATURES = 16  # output features per CTA (the MMA's M)
+K_CHUNK = 32  # k per warp iteration (two m16n8k16)
+WARPS = 4
+
+
+@functools.cache
+def _producer_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64, Uint32
+
+    from tpcomm import ptx
+    from tpcomm.cuteutil import launch, smem_tensor
+
+    def ld_nc16(address):
+        """Weak 16-byte read-only load (non-coherent path, no L1 allocation): weights."""
+        return cute.arch.inline_ptx(
+            "ld.global.nc.L1::no_allocate.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+            write_only_types=[Uint32] * 4,
+            read_only_args=[address],
+        )
+
+    def mma_bf16(c, a, b):
+        """``d = a @ b + c``: m16n8k16, bf16 inputs, fp32 accumulate (no memory access)."""
+        return cute.arch.inline_ptx(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, "
+            "{{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+            write_only_types=[Float32] * 4,
+            read_only_args=[*a, *b, *c],
+        )
+
+    class OprojProducer:
+        """Compile-time configuration: TP, HID, D (local width), multicast, fence, PDL."""
+
+        def __init__(self, tp, hid, d_local, *, multicast=False, fence=False, pdl=False,
+                     twoshot=False):  # fmt: skip
+            if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+                raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+            if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= 8 * SLICE:
+                raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
+            if not isinstance(d_local, int) or d_local <= 0 or d_local % (K_CHUNK * WARPS):
+                raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
+            if twoshot and hid % (8 * tp):
+                raise ValueError(f"twoshot needs hid ({hid}) divisible by 8 * tp ({8 * tp})")
+            self.tp, self.hid, self.d = tp, hid, d_local
+            self.multicast, self.fence, self.pdl = bool(multicast), bool(fence), bool(pdl)
+            self.twoshot = bool(twoshot)
+
+        @cute.jit
+        def __call__(
+            self,
+            attn_out: cute.Tensor,
+            w_o: cute.Tensor,
+            peers: cute.Tensor,
+            multicast_base: Int64,
+            rank: Int32,
+            step: Int32,
+            stream: cuda.CUstream,
+        ):
+            call = self.kernel(
+                Int64(attn_out.iterator.toint()),
+                Int64(w_o.iterator.toint()),
+                peers,
+                multicast_base,
+                attn_out.shape[0],
+                rank,
+                step,
+            )
+            grid = (self.hid // FEATURES, 1, 1)
+            launch(call, grid, (WARPS * 32, 1, 1), stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
+                   tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+            tid, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            warp, lane = tid // 32, tid % 32
+            g, t = lane // 4, lane % 4
+            smem = cutlass.memory.SmemAllocator()
+            red = smem_tensor(smem, Float32, (WARPS, 32, 4))
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            row_bytes = Int64(self.d * 2)
+            w_lo = a_w + Int64(cta * FEATURES + g) * row_bytes + t * 16
+            w_hi = w_lo + 8 * row_bytes
+            b_row = a_attn + Int64(cutlass.min(g, tokens - 1)) * row_bytes + t * 16
+            live = g < tokens
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+            acc = cute.make_rmem_tensor(4, Float32)
+            for j in cutlass.range_constexpr(4):
+                acc[j] = Float32(0)
+            zero = Uint32(0)
+            for i in cutlass.range(self.d // (K_CHUNK * WARPS), unroll=4):
+                k_bytes = Int64((i * WARPS + warp) * K_CHUNK * 2)
+                lo = ld_nc16(w_lo + k_bytes)
+                hi = ld_nc16(w_hi + k_bytes)
+                raw = ptx.load16(b_row + k_bytes)  # a real row even for padding lanes
+                b = [Uint32(cutlass.select_(live, Uint32(raw[j]), zero)) for j in range(4)]
+                c = [acc[0], acc[1], acc[2], acc[3]]
+                d = mma_bf16(c, (lo[0], hi[0], lo[1], hi[1]), (b[0], b[1]))
+                d = mma_bf16(d, (lo[2], hi[2], lo[3], hi[3]), (b[2], b[3]))
+                for j in cutlass.range_constexpr(4):
+                    acc[j] = d[j]
+            for j in cutlass.range_constexpr(4):
+                red[warp, lane, j] = acc[j]
+            cute.arch.barrier()
+            # thread -> (token n, half h of the 16 features, peer lane q)
+            group, q = tid // 8, tid % 8
+            n, h = group // 2, group % 2
+            if n < tokens:
+                values = []
+                for j in cutlass.range_constexpr(8):
+                    src = (j * 4 + n // 2, 2 * h + n % 2)  # (lane, register) holding it
+                    s = red[0, src[0], src[1]] + red[1, src[0], src[1]]
+                    s = s + red[2, src[0], src[1]]
+                    values.append(s + red[3, src[0], src[1]])
+                words = [ptx.pack_bf16x2(values[2 * j], values[2 * j + 1]) for j in range(4)]
+                slot_bytes = Int64(tokens) * (self.hid * 2)
+                column = cta * FEATURES + h * 8
+                offset = (Int64(step & 1) * self.tp + rank) * slot_bytes
+                offset = offset + (Int64(n) * self.hid + column) * 2
+                if cutlass.const_expr(self.fence):
+                    ptx.fence_sys()
+                if cutlass.const_expr(self.twoshot):
+                    if q == 0:
+                        owner = column // (self.hid // self.tp)
+                        shard = twoshot_offset(self.tp, self.hid, step, rank, tokens, n, column)
+                        ptx.publish(peers[owner] + shard, words)
+                elif cutlass.const_expr(self.multicast):
+                    if q == 0:
+                        ptx.publish(multicast_base + offset, words, multicast=True)
+                else:
+                    for p0 in cutlass.range_constexpr(0, self.tp, 8):
+                        if p0 + q < self.tp:
+                            ptx.publish(peers[p0 + q] + offset, words)
+
+    return OprojProducer
+
+
+def producer_class():
+    """The ``OprojProducer`` class (imports the CuTe DSL)."""
+    return _producer_class()
+
+
+def fake_producer_arguments(tp: int, hid: int, d_local: int):
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Int32, Int64
+
+    tokens = cute.sym_int()
+
+    def fake(dtype, shape, align=16):
+        return cute.runtime.make_fake_compact_tensor(dtype, shape, assumed_align=align)
+
+    return (
+        fake(BFloat16, (tokens, d_local)),
+        fake(BFloat16, (hid, d_local)),
+        fake(Int64, (tp,), align=8),
+        Int64(0),
+        Int32(0),
+        Int32(0),
+        cute.runtime.make_fake_stream(),
+    )
+
+
+@functools.cache
+def compiled_producer(tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *,
+                      twoshot=False):  # fmt: skip
+    """One compile per configuration and arch; tokens are dynamic (1..8)."""
+    import cutlass.cute as cute
+
+    kernel = producer_class()(tp, hid, d_local, multicast=multicast, fence=fence, pdl=pdl,
+                              twoshot=twoshot)  # fmt: skip
+    options = None if arch is None else f"--gpu-arch {arch}"
+    return cute.compile(kernel, *fake_producer_arguments(tp, hid, d_local), options=options)
