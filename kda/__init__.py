@@ -1,13 +1,18 @@
 """KDA (Kimi Delta Attention) decode: plain-torch reference and fused GPU kernels.
 
 ``kda.reference`` is the math (CPU or GPU); ``kda.decode`` is the host entry of the
-GPU kernels (KdaWide, KdaStream, KdaSplit), importing the CUDA-only packages lazily so
-that ``import kda`` works on a CPU-only machine.
+GPU kernels (KdaWide, KdaStream, KdaSplit) and ``kda.recover`` the GPU commit of a
+recorded verify step, both importing the CUDA-only packages lazily so that ``import kda``
+works on a CPU-only machine.
 """
 
 from . import reference
 
-__all__ = ["reference", "decode"]
+# kda/recover.py imports only torch; importing it now keeps the package's ``recover``
+# the function (a submodule imported later would rebind the name to the module).
+from .recover import recover
+
+__all__ = ["reference", "decode", "recover"]
 
 
 def decode(*args, **kwargs):

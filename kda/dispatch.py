@@ -14,24 +14,39 @@ sentence saying why. The rule follows the kernels' costs and the H200 measuremen
   measured 1618 (Wide) vs 1848 us (Stream) at H = 96, B = 128, T = 4.
 - Wide with several waves prefetches into L2 the page of the item one wave ahead
   (``ahead`` = resident CTAs).
+- A few items (``items * 2 <= SPLIT_MAX_CTAS_PER_SM * sms``): KdaSplit. One CTA per item
+  would leave most SMs idle and the step latency-bound on one CTA's serial work (the
+  recurrence over 128 rows); splitting each head's rows over a cluster of C CTAs cuts that
+  by up to C at the price of repeated conv / gate work per CTA and two cluster exchanges.
+  The cluster is the largest C in (8, 4, 2) with ``items * C <= SPLIT_MAX_CTAS_PER_SM *
+  sms``. The crossover is the intended one, NOT yet measured (issue 5 asks for
+  ``scripts/bench_kda.py``'s small-batch table): adjust ``SPLIT_MAX_CTAS_PER_SM`` from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KERNELS = ("auto", "wide", "stream")
+KERNELS = ("auto", "wide", "stream", "split")
+CLUSTERS = (2, 4, 8)
 CTAS_PER_SM = 2
+# KdaSplit while its CTAs fit this many per SM (intended crossover, to be measured on the
+# H200: H = 6 gives split up to B = 11 with cluster 2, B <= 2 with cluster 8).
+SPLIT_MAX_CTAS_PER_SM = 1
+# KdaSplit joins the auto choice once it has passed its GPU tests and the crossover above
+# is measured; until then "auto" keeps to the GPU-validated wide / stream.
+SPLIT_IN_AUTO = False
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 
 
 @dataclass(frozen=True)
 class Choice:
-    kernel: str  # "wide" or "stream"
-    ctas: int  # CTAs launched (grid size for wide, persistent CTAs for stream)
+    kernel: str  # "wide", "stream" or "split"
+    ctas: int  # CTAs launched (grid size for wide / split, persistent CTAs for stream)
     ahead: int  # wide only: L2 prefetch distance in items (0: off)
     reason: str
+    cluster: int = 1  # split only: CTAs per (request, head) item (2, 4 or 8)
 
 
 def arch_of(capability) -> str:
@@ -51,8 +66,27 @@ def has_packed_fma(arch: str) -> bool:
     return arch in PACKED_FMA_ARCHS
 
 
-def choose(requests: int, heads: int, tokens: int, *, sms: int = H200_SMS, kernel: str = "auto"):
-    """Pick the kernel for ``requests`` x ``heads`` items of ``tokens`` tokens each."""
+def split_cluster(items: int, sms: int) -> int:
+    """The largest cluster in (8, 4, 2) whose CTAs fit ``SPLIT_MAX_CTAS_PER_SM`` per SM
+    (0: not even cluster 2 fits, KdaSplit is not the choice)."""
+    for cluster in reversed(CLUSTERS):
+        if items * cluster <= SPLIT_MAX_CTAS_PER_SM * sms:
+            return cluster
+    return 0
+
+
+def choose(
+    requests: int,
+    heads: int,
+    tokens: int,
+    *,
+    sms: int = H200_SMS,
+    kernel: str = "auto",
+    cluster: int | None = None,
+    split_in_auto: bool | None = None,
+):
+    """Pick the kernel for ``requests`` x ``heads`` items of ``tokens`` tokens each;
+    ``cluster`` forces KdaSplit's cluster size (only with ``kernel="split"``)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     if requests < 1 or heads < 1 or not 1 <= tokens <= 8 or sms < 1:
@@ -60,11 +94,24 @@ def choose(requests: int, heads: int, tokens: int, *, sms: int = H200_SMS, kerne
             f"need requests >= 1, heads >= 1, tokens in 1..8, sms >= 1; "
             f"got {requests}, {heads}, {tokens}, {sms}"
         )
+    if cluster is not None and (kernel != "split" or cluster not in CLUSTERS):
+        raise ValueError(
+            f"cluster must be None or one of {CLUSTERS} with kernel='split'; "
+            f"got cluster={cluster!r}, kernel={kernel!r}"
+        )
     items = requests * heads
     resident = CTAS_PER_SM * sms
     waves = -(-items // resident)
+    fits = split_cluster(items, sms)
+    use_split = SPLIT_IN_AUTO if split_in_auto is None else split_in_auto
     if kernel == "auto":
-        if items <= resident:
+        if fits and use_split:
+            kernel = "split"
+            why = (
+                f"{items} items x cluster {fits} <= {SPLIT_MAX_CTAS_PER_SM} CTA(s) per SM on "
+                f"{sms} SMs: split spreads each head's rows over the idle SMs"
+            )
+        elif items <= resident:
             kernel, why = "wide", f"{items} items fit one wave of {resident} resident CTAs: wide"
         elif tokens == 1:
             kernel = "stream"
@@ -80,6 +127,9 @@ def choose(requests: int, heads: int, tokens: int, *, sms: int = H200_SMS, kerne
             )
     else:
         why = f"kernel={kernel!r} requested ({items} items, {waves} wave(s) of {resident})"
+    if kernel == "split":
+        size = cluster or fits or CLUSTERS[0]
+        return Choice("split", items * size, 0, why, cluster=size)
     if kernel == "wide":
         ahead = resident if items > resident else 0
         return Choice("wide", items, ahead, why)

@@ -2,7 +2,9 @@
 
 Same arguments as ``kda.reference.decode`` plus:
 
-- ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"`` or ``"stream"``;
+- ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"``, ``"stream"`` or ``"split"``;
+- ``cluster``: KdaSplit's CTAs per (request, head) item, 2, 4 or 8 (``kernel="split"``
+  only; ``None``: the dispatcher's choice);
 - ``gate_mode``: the raw gate's reduction: 0 (default) / 1 the seed's mma.sync chain
   orders (one chain of eight, four chains of two), which differ from the exact dot in the
   last fp32 bit and so flip a raw gate's bf16 rounding now and then; 2 the exactly
@@ -67,9 +69,10 @@ def _sms(device):
     return _SM_COUNT[index]
 
 
-def plan(requests, heads, tokens, device, kernel="auto"):
+def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     """The dispatcher's ``Choice`` for a step on ``device`` (says why)."""
-    return dispatch.choose(requests, heads, tokens, sms=_sms(torch.device(device)), kernel=kernel)
+    sms = _sms(torch.device(device))
+    return dispatch.choose(requests, heads, tokens, sms=sms, kernel=kernel, cluster=cluster)
 
 
 def decode(
@@ -94,6 +97,7 @@ def decode(
     conv_dim_first=True,
     records=None,
     kernel="auto",
+    cluster=None,
     gate_mode=0,
     pdl=False,
     out=None,
@@ -101,6 +105,11 @@ def decode(
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16."""
     if kernel not in dispatch.KERNELS:
         raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
+    if cluster is not None and (kernel != "split" or cluster not in dispatch.CLUSTERS):
+        raise ValueError(
+            f"cluster must be None or one of {dispatch.CLUSTERS} with kernel='split'; "
+            f"got cluster={cluster!r}, kernel={kernel!r}"
+        )
     if gate_mode not in (0, 1, 2):
         raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
     if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
@@ -128,7 +137,7 @@ def decode(
         if named[name].data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
     arch = dispatch.arch_of(torch.cuda.get_device_capability(device))
-    choice = dispatch.choose(B, H, T, sms=_sms(device), kernel=kernel)
+    choice = dispatch.choose(B, H, T, sms=_sms(device), kernel=kernel, cluster=cluster)
 
     record = records is not None
     v_records, kg_records = records if record else (None, None)
@@ -144,7 +153,7 @@ def decode(
     ]  # fmt: skip
     config = (
         choice.kernel, H, T, record, gate_mode, conv_bias is not None, bool(conv_dim_first),
-        shape.window, choice.ahead if choice.kernel == "wide" else choice.ctas, pdl, arch,
+        shape.window, _knob(choice), pdl, arch,
     )  # fmt: skip
     dtypes = tuple(t.dtype for t in tensors)
     key = (config, dtypes)
@@ -172,7 +181,23 @@ def decode(
     return out
 
 
+def _knob(choice):
+    """The launch knob a compiled kernel depends on: wide's prefetch distance, stream's
+    persistent CTAs, split's cluster size."""
+    if choice.kernel == "wide":
+        return choice.ahead
+    if choice.kernel == "split":
+        return choice.cluster
+    return choice.ctas
+
+
 def _build(choice, heads, tokens, record, gate_mode, has_bias, dim_first, window, arch, pdl):
+    if choice.kernel == "split":
+        from .split import KdaSplit
+
+        return KdaSplit(
+            heads, tokens, record, gate_mode, has_bias, choice.cluster, arch=arch, pdl=pdl
+        )
     if choice.kernel == "wide":
         from .wide import KdaWide
 

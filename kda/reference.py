@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .validate import HEAD_DIM, _tensor, check_decode, step_slots
+from .validate import HEAD_DIM, check_decode, check_recover, step_slots
 
 __all__ = ["decode", "recover"]
 
@@ -190,36 +190,9 @@ def recover(
     token t goes to ``slots[b, t]`` when > 0, as a plain verify step writes it. Requests whose
     checkpoint slot is <= 0 (padding) are left alone.
     """
-    _tensor("state", state, (torch.float32,), ndim=4)
-    pages, H = state.shape[0], state.shape[1]
-    if state.shape[2:] != (HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"state must be [S, H, 128, 128]; got {tuple(state.shape)}")
-    device = state.device
-    _tensor("slots", slots, (torch.int32,), ndim=2, device=device)
-    B = slots.shape[0]
-    _tensor("v_records", v_records, (torch.float32,), ndim=4, device=device)
-    T = v_records.shape[2]
-    if not 2 <= T <= 8:
-        raise ValueError(
-            f"v_records must be [B, H, T, 128] with T in 2..8; got {tuple(v_records.shape)}"
-        )
-    _tensor("v_records", v_records, (torch.float32,), shape=(B, H, T, HEAD_DIM))
-    _tensor(
-        "kg_records", kg_records, (torch.bfloat16,), shape=(B, H, T, 2 * HEAD_DIM), device=device
-    )
-    if slots.shape[1] < T:
-        raise ValueError(f"slots must have >= T = {T} columns; got {tuple(slots.shape)}")
-    _tensor("a_log", a_log, (torch.float32,), shape=(H,), device=device)
-    _tensor("dt_bias", dt_bias, (torch.float32,), shape=(H * HEAD_DIM,), device=device)
-    _tensor("accepted", accepted, (torch.int32,), shape=(B,), device=device)
-    _tensor("checkpoint", checkpoint, (torch.int32,), shape=(B,), device=device)
-    for name, counts in (("accepted", accepted), ("checkpoint", checkpoint)):
-        c = counts.cpu()
-        if bool(((c < 1) | (c > T)).any()):
-            raise ValueError(f"{name} values must be in 1..T = 1..{T}; got {c.tolist()}")
+    shape = check_recover(state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint)
+    T, device = shape.tokens, state.device
     s = slots.cpu().to(torch.int64)[:, :T]
-    if bool((s >= pages).any()):
-        raise ValueError(f"slots values must be below the state pool ({pages})")
     source = s.gather(1, checkpoint.cpu().to(torch.int64)[:, None] - 1)[:, 0]
     live = (source > 0).nonzero()[:, 0]
     if live.numel() == 0:

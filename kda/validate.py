@@ -206,3 +206,64 @@ def check_slot_values(slots, accepted, tokens, state_pages, conv_pages):
         raise ValueError(
             f"slots[{b}, 0] = {int(conv_slot[b])} is past the conv pool ({conv_pages})"
         )
+
+
+@dataclass(frozen=True)
+class RecoverShape:
+    """Static shape of a recover call: requests, recorded tokens, local heads, state pages."""
+
+    requests: int
+    tokens: int
+    heads: int
+    state_pages: int
+
+
+def check_recover(
+    state,
+    slots,
+    v_records,
+    kg_records,
+    a_log,
+    dt_bias,
+    accepted,
+    checkpoint,
+    *,
+    check_values=True,
+) -> RecoverShape:
+    """Validate ``recover``'s arguments (shared by the reference and the kernel)."""
+    _tensor("state", state, (torch.float32,), ndim=4)
+    pages, heads = state.shape[0], state.shape[1]
+    if state.shape[2:] != (HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"state must be [S, H, 128, 128]; got {tuple(state.shape)}")
+    device = state.device
+    _tensor("slots", slots, (torch.int32,), ndim=2, device=device)
+    requests = slots.shape[0]
+    _tensor("v_records", v_records, (torch.float32,), ndim=4, device=device)
+    tokens = v_records.shape[2]
+    if not 2 <= tokens <= MAX_TOKENS:
+        raise ValueError(
+            f"v_records must be [B, H, T, 128] with T in 2..8; got {tuple(v_records.shape)}"
+        )
+    _tensor("v_records", v_records, (torch.float32,), shape=(requests, heads, tokens, HEAD_DIM))
+    _tensor(
+        "kg_records",
+        kg_records,
+        (torch.bfloat16,),
+        shape=(requests, heads, tokens, 2 * HEAD_DIM),
+        device=device,
+    )
+    if slots.shape[1] < tokens:
+        raise ValueError(f"slots must have >= T = {tokens} columns; got {tuple(slots.shape)}")
+    _tensor("a_log", a_log, (torch.float32,), shape=(heads,), device=device)
+    _tensor("dt_bias", dt_bias, (torch.float32,), shape=(heads * HEAD_DIM,), device=device)
+    _tensor("accepted", accepted, (torch.int32,), shape=(requests,), device=device)
+    _tensor("checkpoint", checkpoint, (torch.int32,), shape=(requests,), device=device)
+    if check_values:
+        for name, counts in (("accepted", accepted), ("checkpoint", checkpoint)):
+            c = counts.detach().cpu()
+            if bool(((c < 1) | (c > tokens)).any()):
+                raise ValueError(f"{name} values must be in 1..T = 1..{tokens}; got {c.tolist()}")
+        s = slots.detach().cpu().to(torch.int64)[:, :tokens]
+        if bool((s >= pages).any()):
+            raise ValueError(f"slots values must be below the state pool ({pages})")
+    return RecoverShape(requests=requests, tokens=tokens, heads=heads, state_pages=pages)

@@ -50,7 +50,38 @@ def test_bad_shapes(args):
 
 def test_bad_kernel_name():
     with pytest.raises(ValueError, match="kernel"):
-        dispatch.choose(1, 1, 1, kernel="split")
+        dispatch.choose(1, 1, 1, kernel="bogus")
+
+
+def test_few_items_pick_split_with_the_largest_cluster_that_fits():
+    def choose(*args, **kw):
+        return dispatch.choose(*args, split_in_auto=True, **kw)
+
+    one = choose(1, 6, 1, sms=132)
+    assert one.kernel == "split" and one.cluster == 8 and one.ctas == 48
+    assert "split" in one.reason
+    eight = choose(8, 6, 4, sms=132)  # 48 items: cluster 2 (96 CTAs)
+    assert eight.kernel == "split" and eight.cluster == 2 and eight.ctas == 96
+    assert choose(4, 6, 1, sms=132).cluster == 4  # 24 items x 4 = 96
+    # The crossover: items x 2 <= SPLIT_MAX_CTAS_PER_SM x SMs.
+    limit = dispatch.SPLIT_MAX_CTAS_PER_SM * 132 // 2
+    assert choose(limit, 1, 1, sms=132).kernel == "split"
+    assert choose(limit + 1, 1, 1, sms=132).kernel == "wide"
+
+
+def test_split_stays_out_of_auto_until_validated():
+    assert not dispatch.SPLIT_IN_AUTO  # flip with the GPU run and the measured crossover
+    assert dispatch.choose(1, 6, 1, sms=132).kernel == "wide"
+
+
+def test_forced_split_and_cluster():
+    forced = dispatch.choose(128, 96, 1, sms=132, kernel="split")
+    assert forced.kernel == "split" and forced.cluster == 2 and "requested" in forced.reason
+    assert dispatch.choose(1, 6, 2, kernel="split", cluster=4).cluster == 4
+    with pytest.raises(ValueError, match="cluster"):
+        dispatch.choose(1, 6, 2, kernel="split", cluster=3)
+    with pytest.raises(ValueError, match="cluster"):
+        dispatch.choose(1, 6, 2, kernel="wide", cluster=2)
 
 
 def test_arch_switch():
@@ -78,7 +109,9 @@ def test_decode_rejects_bad_arguments_on_cpu():
     step = kt.make_step(2, 2, 2, pages=8, seed=2)
     state0 = layer.state.clone()
     with pytest.raises(ValueError, match="kernel"):
-        _call(layer, step, kernel="split")
+        _call(layer, step, kernel="bogus")
+    with pytest.raises(ValueError, match="cluster"):
+        _call(layer, step, kernel="split", cluster=16)
     with pytest.raises(ValueError, match="gate_mode"):
         _call(layer, step, gate_mode=3)
     with pytest.raises(ValueError, match="CUDA"):
@@ -91,3 +124,20 @@ def test_import_kda_without_cutlass_symbols():
     import kda.dispatch
 
     assert callable(kda.decode)
+    assert callable(kda.recover)
+
+
+def test_recover_rejects_bad_arguments_on_cpu():
+    """kda.recover: ValueError before anything runs (CPU state, then argument checks)."""
+    import kda
+
+    B, H, T = 2, 2, 3
+    layer = kt.make_layer(H, 8, seed=1)
+    step = kt.make_step(B, T, H, pages=8, seed=2)
+    v = torch.zeros(B, H, T, 128)
+    kg = torch.zeros(B, H, T, 256, dtype=torch.bfloat16)
+    state0 = layer.state.clone()
+    args = (step.slots, v, kg, layer.a_log, layer.dt_bias, step.accepted, step.accepted)
+    with pytest.raises(ValueError, match="CUDA"):
+        kda.recover(layer.state, *args, lower_bound=kt.LOWER_BOUND)
+    assert torch.equal(layer.state, state0)

@@ -1,0 +1,196 @@
+"""KdaRecover, the device side of ``kda.recover`` (contract in ``kda.recover``'s docstring).
+
+Kept apart from ``kda/recover.py`` so that ``kda.recover`` (the host entry, exported by
+``kda/__init__``) imports no CuTe DSL: a lazily imported ``kda.recover`` submodule would
+replace the package's ``recover`` function by the module on first use.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from tpcomm.cuteutil import (
+    launch,
+    ld_global_f32x4,
+    ld_shared_f32x4,
+    smem_tensor,
+    st_global_f32x4,
+    warp_sum,
+)
+
+from . import device as dev
+from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+
+
+class KdaRecover:
+    """``heads`` H of the state pool, ``tokens`` T (2..8) recorded per request;
+    ``arch``: the target (packed fp32 FMA on sm_100a); ``pdl``: programmatic dependent
+    launch."""
+
+    def __init__(self, heads, tokens, *, arch="sm_90a", pdl=False):
+        if not 2 <= tokens <= 8:
+            raise ValueError(f"tokens must be in 2..8 (a recorded verify step); got {tokens}")
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1; got {heads}")
+        self.heads, self.tokens = heads, tokens
+        self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
+
+    @cute.jit
+    def __call__(
+        self,
+        state: cute.Tensor,
+        slots: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        accepted: cute.Tensor,
+        checkpoint: cute.Tensor,
+        lower_bound: Float32,
+        stream,
+    ):
+        requests = accepted.shape[0]
+        call = self.kernel(
+            state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint, lower_bound
+        )
+        launch(call, (self.heads, requests, 1), (THREADS, 1, 1), stream, use_pdl=self.pdl)
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def load_page(self, state, head, slot):
+        """The thread's 64 fp32 of page ``slot`` into registers: page[r][c][e]."""
+        tid, _, _ = cute.arch.thread_idx()
+        base_row, lane_in = tid // LANES, tid % LANES
+        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        source0 = Int64(state.iterator.toint()) + page * 4
+        values = []
+        for r in cutlass.range_constexpr(ROWS):
+            row = []
+            for c in cutlass.range_constexpr(KCHUNKS):
+                offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
+                row.append(list(ld_global_f32x4(source0 + Int64(offset) * 4)))
+            values.append(row)
+        return values
+
+    @cute.jit
+    def store_page(self, state, head, slot, values):
+        """The thread's 64 fp32 into page ``slot`` (the elements ``load_page`` read)."""
+        tid, _, _ = cute.arch.thread_idx()
+        base_row, lane_in = tid // LANES, tid % LANES
+        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        target0 = Int64(state.iterator.toint()) + page * 4
+        for r in cutlass.range_constexpr(ROWS):
+            for c in cutlass.range_constexpr(KCHUNKS):
+                offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
+                st_global_f32x4(target0 + Int64(offset) * 4, values[r][c])
+
+    @cute.jit
+    def stage_tokens(
+        self, kg_records, v_records, a_log, dt_bias, lower_bound, count, shared, request, head
+    ):
+        """Per token: k (threads 0-127) with its per-warp sums of squares; decay and v_new
+        (threads 128-255). Tokens past ``count`` get the neutral decay 1 and v_new +0."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, warp = tid % 32, tid // 32
+        channel, section = tid % 128, tid // 128
+        s_k, s_decay, s_v, sums = shared
+        if section == 0:
+            for t in cutlass.range_constexpr(self.tokens):
+                k = Float32(kg_records[request, head, t, channel])
+                s_k[t, channel] = k
+                squares = warp_sum(k * k)
+                if lane == 0:
+                    sums[t, warp] = squares
+        else:
+            a = Float32(a_log[head])
+            dt = Float32(dt_bias[head * HEAD_DIM + channel])
+            for t in cutlass.range_constexpr(self.tokens):
+                if t < count:
+                    raw_g = Float32(kg_records[request, head, t, HEAD_DIM + channel])
+                    s_decay[t, channel] = dev.decay(a, raw_g, dt, lower_bound)
+                    s_v[t, channel] = Float32(v_records[request, head, t, channel])
+                else:
+                    s_decay[t, channel] = Float32(1.0)
+                    s_v[t, channel] = Float32(0.0)
+
+    @cute.jit
+    def normalize_k(self, s_k, sums, count):
+        """k^ = k * rsqrt(sum k^2 + 1e-6) in place (threads 0-127); -0.0 past ``count``."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel, section = tid % 128, tid // 128
+        if section == 0:
+            for t in cutlass.range_constexpr(self.tokens):
+                if t < count:
+                    fk = dev.rsqrt_f32(dev.quad_sum([sums[t, w] for w in range(4)]) + 1.0e-6)
+                    s_k[t, channel] = s_k[t, channel] * fk
+                else:
+                    s_k[t, channel] = Float32(-0.0)
+
+    @cute.jit
+    def apply(self, values, shared, slots, state, count, request, head):
+        """Per token: S = S * decay; S = fma(k^, v_new, S); store after accepted tokens."""
+        tid, _, _ = cute.arch.thread_idx()
+        base_row, lane_in = tid // LANES, tid % LANES
+        s_k, s_decay, s_v, _ = shared
+        packed = self.packed
+        k0, d0 = Int32(s_k.iterator.toint()), Int32(s_decay.iterator.toint())
+        for t in cutlass.range_constexpr(self.tokens):
+            v_new = [s_v[t, base_row + 64 * r] for r in range(ROWS)]
+            for c in cutlass.range_constexpr(KCHUNKS):
+                offset = (t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4
+                d4 = ld_shared_f32x4(d0 + offset)
+                k4 = ld_shared_f32x4(k0 + offset)
+                for r in cutlass.range_constexpr(ROWS):
+                    h = values[r][c]
+                    for p in cutlass.range_constexpr(2):
+                        pair = dev.mul2(
+                            (h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed
+                        )
+                        pair = dev.fma2(
+                            (k4[2 * p], k4[2 * p + 1]), (v_new[r], v_new[r]), pair, packed
+                        )
+                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+            target = Int32(slots[request, t])
+            if (t < count) & (target > 0):
+                self.store_page(state, head, target, values)
+
+    @cute.kernel
+    def kernel(
+        self,
+        state: cute.Tensor,
+        slots: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        accepted: cute.Tensor,
+        checkpoint: cute.Tensor,
+        lower_bound: Float32,
+    ):
+        T = self.tokens
+        head, request, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        source = Int32(slots[request, Int32(checkpoint[request]) - 1])
+        if source > 0:
+            smem = cutlass.memory.SmemAllocator()
+            s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_decay = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            sums = smem_tensor(smem, Float32, (T, 4))
+            shared = (s_k, s_decay, s_v, sums)
+            count = Int32(accepted[request])
+            values = self.load_page(state, head, source)
+            self.stage_tokens(
+                kg_records, v_records, a_log, dt_bias, lower_bound, count, shared, request, head
+            )
+            cute.arch.barrier()
+            self.normalize_k(s_k, sums, count)
+            cute.arch.barrier()
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            self.apply(values, shared, slots, state, count, request, head)
+        elif cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()

@@ -1,0 +1,461 @@
+"""KdaSplit: one (request, head) item per thread-block cluster of C = 2, 4 or 8 CTAs; CTA
+rank i owns value rows ``[i R, (i + 1) R)`` of the head, R = 128 / C.
+
+Contract: KdaWide's (SPEC "KDA decode step", seed ``000``): argument order ``x,
+conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, output, gate,
+norm_weight, lower_bound, scale, eps, f_b, accepted, v_records, kg_records, stream``;
+``conv_state`` as the ``[S, 3D, W]`` view (window-first: its transposed view), T = 1..8,
+record mode, padding (state slot <= 0: zero output rows, nothing else touched), PDL.
+Rounding points are KdaWide's (bf16 after the SiLU, on the raw gate and on ``o``; all else
+fp32, ``kda.device``); the raw gate, the decay and the conv outputs (q, k before the
+norm, v) are KdaWide's bit for bit; the fp32 order of the three per-head sums and of the
+rows' dot products (butterflies over 2 C lanes) differs. PDL as KdaWide's: the state rows,
+conv windows and weights are read before ``griddepcontrol.wait``, x, gate, f_a and beta
+after it.
+
+Work per CTA (256 threads, 8 warps):
+- every CTA convolves all 128 q and k channels (thread ``tid``: part ``tid // 128``,
+  channel ``tid % 128``) and runs the whole gate projection (decay of all 128 keys: one
+  16-feature mma.sync tile per warp), because every value row needs all keys; v only for
+  its R rows. What that repeats, per cluster against one KdaWide CTA: (C - 1) x (256 T
+  conv outputs with their SiLU, 8 MMAs per warp and 128 T decays, about 3 fp64 ``exp``
+  per thread and token) and (C - 1) x (the 32 KB f_b tile, f_a, x's q and k
+  columns and the q, k conv windows) read again, from L2 after the first CTA. This work
+  is not divided by C: a CTA's latency is conv + gate (as KdaWide's) + the recurrence
+  over R = 128 / C rows + two cluster exchanges, so KdaSplit wins only while the GPU is
+  mostly idle (a few items) and the recurrence dominates (``kda.dispatch``); not yet
+  measured;
+- the state: R rows, the thread's ``16 / C`` 16-byte key chunks of row ``tid // (2 C)``
+  (lanes ``2 C`` per row), staged by cp.async before ``griddepcontrol.wait``.
+
+Per-head sums cross the cluster through distributed shared memory (st.async +
+mbarrier complete_tx, one barrier per exchange, armed before a cluster barrier):
+- ``sum q^2``, ``sum k^2`` per token: 16-lane butterflies give the squares of 8 groups
+  of 16 channels; CTA i adds its 8 / C groups (pairwise) and pushes the partial to every
+  CTA (itself included); each CTA adds the C partials pairwise in rank order, so the
+  total is the same pairwise tree over the 8 groups in every CTA and for every C;
+- ``sum o^2`` per token: the same over the value rows (CTA i's R rows, R / 16 groups).
+Every CTA therefore normalises with identical bits; ``o`` and the output rows are the
+CTA's own.
+
+Writes are split by ownership: CTA i writes its R rows of the state, v records and
+outputs and the q, k, v channels ``[i R, (i + 1) R)`` of the conv page and the k record;
+CTA 0 writes the raw-gate record. Every CTA reads the q and k taps of all channels, so a
+CTA writes its slice of the conv page only after the first exchange has completed (each
+peer pushes after a CTA barrier that follows its tap reads).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from tpcomm import ptx
+from tpcomm.cuteutil import (
+    cp_async_16,
+    launch,
+    ld_shared_f32x4,
+    smem_tensor,
+    st_global_f32x4,
+    xor_sum,
+)
+
+from . import device as dev
+from .device import ACCUMULATORS, HEAD_DIM, THREADS
+from .wide import KdaWide
+
+CLUSTERS = (2, 4, 8)
+GROUP = 16  # channels per butterfly group of the per-head sums
+GROUPS = HEAD_DIM // GROUP
+
+
+class KdaSplit(KdaWide):
+    """KdaWide's configuration (``tokens``, ``record``, ``gate_mode``, ``has_bias``,
+    ``arch``, ``pdl``) plus ``cluster``: CTAs per (request, head) item (2, 4 or 8)."""
+
+    def __init__(
+        self,
+        heads,
+        tokens=1,
+        record=False,
+        gate_mode=0,
+        has_bias=False,
+        cluster=2,
+        *,
+        arch="sm_90a",
+        pdl=False,
+    ):
+        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
+        if cluster not in CLUSTERS:
+            raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
+        self.cluster = cluster
+        self.rows = HEAD_DIM // cluster  # value rows per CTA
+        self.lanes = THREADS // self.rows  # threads per value row (2 C)
+        self.chunks = HEAD_DIM // (4 * self.lanes)  # 16-byte key chunks per thread
+        # The same configuration without records: the gate phase of CTAs other than 0.
+        self.silent = copy.copy(self)
+        self.silent.record = False
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,
+        conv_weight: cute.Tensor,
+        conv_bias: cute.Tensor,
+        conv_state: cute.Tensor,
+        f_a: cute.Tensor,
+        beta: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        slots: cute.Tensor,
+        state: cute.Tensor,
+        output: cute.Tensor,
+        gate: cute.Tensor,
+        norm_weight: cute.Tensor,
+        lower_bound: Float32,
+        scale: Float32,
+        eps: Float32,
+        f_b: cute.Tensor,
+        accepted: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+        stream,
+    ):
+        requests = output.shape[0] // self.tokens
+        call = self.kernel(
+            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
+            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
+            kg_records,
+        )  # fmt: skip
+        launch(
+            call,
+            (self.heads * self.cluster, requests, 1),
+            (THREADS, 1, 1),
+            stream,
+            cluster=(self.cluster, 1, 1),
+            use_pdl=self.pdl,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def stage_rows(self, state, staged, head, slot, rank):
+        """cp.async the CTA's R rows of the page into the thread-private 16-byte slots
+        ``staged[c, tid]``."""
+        tid, _, _ = cute.arch.thread_idx()
+        row, lane_in = tid // self.lanes, tid % self.lanes
+        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        source0 = Int64(state.iterator.toint()) + page * 4
+        shared0 = Int32(staged.iterator.toint())
+        for c in cutlass.range_constexpr(self.chunks):
+            offset = (rank * self.rows + row) * HEAD_DIM + 4 * (lane_in + self.lanes * c)
+            cp_async_16(shared0 + (c * THREADS + tid) * 16, source0 + Int64(offset) * 4)
+
+    @cute.jit
+    def load_rows(self, staged):
+        """The staged chunks into registers: history[c][e]."""
+        tid, _, _ = cute.arch.thread_idx()
+        shared0 = Int32(staged.iterator.toint())
+        return [
+            list(ld_shared_f32x4(shared0 + (c * THREADS + tid) * 16)) for c in range(self.chunks)
+        ]
+
+    @cute.jit
+    def group_squares(self, values, s_groups, part, limit: cutlass.Constexpr[int]):
+        """Per token, the 16-channel butterfly sums of ``values[t]^2`` into
+        ``s_groups[t, part, channel // 16]`` for channels below ``limit`` (every lane of
+        the calling warps takes part in the shuffles)."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel = tid % HEAD_DIM
+        for t in cutlass.range_constexpr(self.tokens):
+            total = xor_sum(values[t] * values[t], GROUP)
+            if (channel % GROUP == 0) & (channel < limit):
+                s_groups[t, part, channel // GROUP] = total
+
+    @cute.jit
+    def push_partials(self, s_groups, parts: cutlass.Constexpr[int], first, groups, exchange, bar):
+        """Thread (t, part, peer): the CTA's pairwise sum of its ``groups`` 16-channel
+        groups from ``first``, pushed into ``exchange[(t * parts + part) * C + rank]`` of
+        CTA ``peer``."""
+        tid, _, _ = cute.arch.thread_idx()
+        C = self.cluster
+        rank = cute.arch.block_idx_in_cluster()
+        if tid < self.tokens * parts * C:
+            peer, index = tid % C, tid // C
+            t, part = index // parts, index % parts
+            partial = dev.tree_sum([s_groups[t, part, first + j] for j in range(groups)])
+            ptx.push_float(exchange.iterator + index * C + rank, partial, bar, peer)
+
+    @cute.jit
+    def cluster_total(self, exchange, index):
+        """Pairwise sum of the C partials of ``index`` in rank order."""
+        C = self.cluster
+        return dev.tree_sum([exchange[index * C + p] for p in range(C)])
+
+    @cute.jit
+    def recurrence_rows(
+        self, history, shared, s_beta, s_o, slots, state, slot, request, head, v_records, rank
+    ):
+        """KdaWide's delta rule on the CTA's R rows (one row per thread group of 2 C
+        lanes); o (bf16) into ``s_o[t, local row]``; the rows' state stored after token t
+        (not in record mode)."""
+        tid, _, _ = cute.arch.thread_idx()
+        row, lane_in = tid // self.lanes, tid % self.lanes
+        value_row = rank * self.rows + row
+        s_q, s_k, s_v, s_decay = shared
+        packed = self.packed
+        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
+        d0 = Int32(s_decay.iterator.toint())
+        state0 = Int64(state.iterator.toint())
+        for t in cutlass.range_constexpr(self.tokens):
+            chunk_offset = [
+                (t * HEAD_DIM + 4 * (lane_in + self.lanes * c)) * 4 for c in range(self.chunks)
+            ]
+            dots = [Float32(0.0)] * (2 * ACCUMULATORS)
+            for c in cutlass.range_constexpr(self.chunks):
+                d4 = ld_shared_f32x4(d0 + chunk_offset[c])
+                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
+                h = history[c]
+                for p in cutlass.range_constexpr(2):
+                    j = (2 * c + p) % ACCUMULATORS
+                    pair = dev.mul2((h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed)
+                    h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                    acc = dev.fma2(
+                        pair, (k4[2 * p], k4[2 * p + 1]), (dots[2 * j], dots[2 * j + 1]), packed
+                    )
+                    dots[2 * j], dots[2 * j + 1] = acc[0], acc[1]
+            dot = xor_sum(dev.tree_sum(dots), self.lanes)
+            v_new = (s_v[t, row] - dot) * s_beta[t]
+            if cutlass.const_expr(self.record):  # noqa: SIM102
+                if lane_in == 0:
+                    v_records[request, head, t, value_row] = v_new
+            outs = [Float32(0.0)] * (2 * ACCUMULATORS)
+            for c in cutlass.range_constexpr(self.chunks):
+                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
+                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
+                h = history[c]
+                for p in cutlass.range_constexpr(2):
+                    j = (2 * c + p) % ACCUMULATORS
+                    pair = dev.fma2(
+                        (k4[2 * p], k4[2 * p + 1]), (v_new, v_new), (h[2 * p], h[2 * p + 1]), packed
+                    )
+                    h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                    acc = dev.fma2(
+                        pair, (q4[2 * p], q4[2 * p + 1]), (outs[2 * j], outs[2 * j + 1]), packed
+                    )
+                    outs[2 * j], outs[2 * j + 1] = acc[0], acc[1]
+            o = xor_sum(dev.tree_sum(outs), self.lanes)
+            if lane_in == 0:
+                s_o[t, row] = dev.to_bf16_f32(o)
+            if cutlass.const_expr(not self.record):
+                target = slot
+                if cutlass.const_expr(self.tokens > 1):
+                    target = Int32(slots[request, t])
+                if target > 0:
+                    page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+                    for c in cutlass.range_constexpr(self.chunks):
+                        offset = value_row * HEAD_DIM + 4 * (lane_in + self.lanes * c)
+                        st_global_f32x4(state0 + (page + offset) * 4, history[c])
+
+    @cute.jit
+    def write_conv_slice(self, conv_state, conv_slot, head, rank, taps, inputs):
+        """The CTA's channels ``[i R, (i + 1) R)`` of q, k and v: window positions
+        0..T+1 = [tap1, tap2, x_0 .. x_{T-1}]."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
+        dim = self.heads * HEAD_DIM
+        conv_type = conv_state.element_type
+        slot = Int64(conv_slot)
+        if channel // self.rows == rank:
+            ch = section * dim + head * HEAD_DIM + channel
+            conv_state[slot, ch, 0] = conv_type(taps[0][1])
+            conv_state[slot, ch, 1] = conv_type(taps[0][2])
+            for t in cutlass.range_constexpr(self.tokens):
+                conv_state[slot, ch, 2 + t] = conv_type(inputs[0][t])
+        if tid < self.rows:
+            ch = 2 * dim + head * HEAD_DIM + rank * self.rows + tid
+            conv_state[slot, ch, 0] = conv_type(taps[1][1])
+            conv_state[slot, ch, 1] = conv_type(taps[1][2])
+            for t in cutlass.range_constexpr(self.tokens):
+                conv_state[slot, ch, 2 + t] = conv_type(inputs[1][t])
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: cute.Tensor,
+        conv_weight: cute.Tensor,
+        conv_bias: cute.Tensor,
+        conv_state: cute.Tensor,
+        f_a: cute.Tensor,
+        beta: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        slots: cute.Tensor,
+        state: cute.Tensor,
+        output: cute.Tensor,
+        gate: cute.Tensor,
+        norm_weight: cute.Tensor,
+        lower_bound: Float32,
+        scale: Float32,
+        eps: Float32,
+        f_b: cute.Tensor,
+        accepted: cute.Tensor,
+        v_records: cute.Tensor,
+        kg_records: cute.Tensor,
+    ):
+        T, C, R = self.tokens, self.cluster, self.rows
+        tid, _, _ = cute.arch.thread_idx()
+        block, request, _ = cute.arch.block_idx()
+        head = block // C
+        rank = cute.arch.block_idx_in_cluster()
+        lane, warp = tid % 32, tid // 32
+        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
+        dim = self.heads * HEAD_DIM
+        token = request * T
+        own_row = rank * R + tid % R  # the v row / output row of threads tid < R
+        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        if slot <= 0:
+            cute.arch.griddepcontrol_wait()
+            if tid < R:
+                for t in cutlass.range_constexpr(T):
+                    output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
+            cute.arch.griddepcontrol_launch_dependents()
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            bars = smem.allocate_array(Int64, 2, byte_alignment=8)
+            staged = smem_tensor(smem, Float32, (self.chunks, THREADS, 4), align=128)
+            s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_v = smem_tensor(smem, Float32, (T, R))
+            s_o = smem_tensor(smem, Float32, (T, R))
+            s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
+            s_beta = smem_tensor(smem, Float32, (8,))
+            fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+            qk_groups = smem_tensor(smem, Float32, (T, 2, GROUPS))
+            o_groups = smem_tensor(smem, Float32, (T, 1, R // GROUP))
+            qk_exchange = smem_tensor(smem, Float32, (T * 2 * C,))
+            o_exchange = smem_tensor(smem, Float32, (T * C,))
+
+            # Exchange barriers armed, then a cluster barrier before anyone pushes.
+            ptx.arm_exchanges(bars, (4 * T * 2 * C, 4 * T * C))
+            cute.arch.cluster_arrive()
+
+            # Predecessor-independent: the state rows (cp.async), conv windows, weights.
+            self.stage_rows(state, staged, head, slot, rank)
+            cute.arch.cp_async_commit_group()
+            columns = (
+                section * dim + head * HEAD_DIM + channel,
+                2 * dim + head * HEAD_DIM + own_row,
+            )
+            weight_columns = (head * HEAD_DIM + channel, head * HEAD_DIM + own_row)
+            weight_parts = (section, 2)
+            taps, coeff, bias = [], [], []
+            for s in cutlass.range_constexpr(2):
+                ch = columns[s]
+                taps.append([conv_state[Int64(conv_slot), ch, offset + j] for j in range(3)])
+                coeff.append(
+                    [Float32(conv_weight[weight_parts[s], i, weight_columns[s]]) for i in range(4)]
+                )
+                if cutlass.const_expr(self.has_bias):
+                    bias.append(Float32(conv_bias[ch]))
+                else:
+                    bias.append(Float32(0.0))
+            nw = Float32(norm_weight[own_row])
+            a = Float32(a_log[head])
+            group = lane // 4
+            dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+            exact_gate = self.gate_mode == 2
+            if cutlass.const_expr(not exact_gate):
+                weights = self.load_gate_weights(f_b, head)
+
+            cute.arch.griddepcontrol_wait()
+            inputs = [[x[token + t, columns[s]] for t in range(T)] for s in range(2)]
+            if (section == 1) & (channel < T):
+                s_beta[channel] = dev.sigmoid(Float32(beta[token + channel, head]))
+            if cutlass.const_expr(exact_gate):
+                self.load_fa_rows(f_a, fas, token)
+            else:
+                activations = self.load_activations(f_a, token)
+            cute.arch.griddepcontrol_launch_dependents()
+
+            # q (section 0) or k (section 1) of all 128 channels; v of the CTA's R rows.
+            qk = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
+            values = self.convolve(taps[1], coeff[1], bias[1], inputs[1])
+            self.group_squares(qk, qk_groups, section, HEAD_DIM)
+            if tid < R:
+                for t in cutlass.range_constexpr(T):
+                    s_v[t, tid] = values[t]
+            if cutlass.const_expr(self.record):  # noqa: SIM102
+                if (section == 1) & (channel // R == rank):
+                    for t in cutlass.range_constexpr(T):
+                        kg_records[request, head, t, channel] = BFloat16(qk[t])
+
+            if cutlass.const_expr(exact_gate):
+                cute.arch.barrier()  # the f_a rows
+                if rank == 0:
+                    self.gate_phase_exact(
+                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
+                    )
+                else:
+                    self.silent.gate_phase_exact(
+                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
+                    )
+            elif rank == 0:
+                self.gate_phase(
+                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
+                )
+            else:
+                self.silent.gate_phase(
+                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
+                )
+            cute.arch.barrier()  # the squares' groups, s_v, s_decay
+
+            # sum q^2, sum k^2 across the cluster.
+            cute.arch.cluster_wait()
+            self.push_partials(qk_groups, 2, rank * (GROUPS // C), GROUPS // C, qk_exchange, bars)
+            ptx.wait_exchange(bars)
+            # Every peer pushed after a CTA barrier that follows its reads of all q and k
+            # taps: only now may this CTA overwrite its slice of the conv page.
+            self.write_conv_slice(conv_state, conv_slot, head, rank, taps, inputs)
+            for t in cutlass.range_constexpr(T):
+                factor = dev.rsqrt_f32(self.cluster_total(qk_exchange, t * 2 + section) + 1.0e-6)
+                if section == 0:
+                    s_q[t, channel] = (qk[t] * factor) * scale
+                else:
+                    s_k[t, channel] = qk[t] * factor
+            cute.arch.barrier()
+
+            cute.arch.cp_async_wait_group(0)
+            history = self.load_rows(staged)
+            self.recurrence_rows(
+                history,
+                (s_q, s_k, s_v, s_decay),
+                s_beta,
+                s_o,
+                slots,
+                state,
+                slot,
+                request,
+                head,
+                v_records,
+                rank,
+            )
+            cute.arch.barrier()
+
+            # sum o^2 across the cluster, then the gated RMSNorm of the CTA's rows.
+            if tid < max(R, 32):  # whole warps: the butterflies shuffle over 32 lanes
+                self.group_squares([s_o[t, tid % R] for t in range(T)], o_groups, 0, R)
+            cute.arch.barrier()
+            self.push_partials(o_groups, 1, 0, R // GROUP, o_exchange, bars + 1)
+            if tid < R:
+                ptx.wait_exchange(bars + 1)
+                for t in cutlass.range_constexpr(T):
+                    sumsq = self.cluster_total(o_exchange, t)
+                    rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
+                    column = head * HEAD_DIM + own_row
+                    g = Float32(gate[token + t, column])
+                    result = ((s_o[t, tid] * rstd) * nw) * dev.sigmoid(g)
+                    output[token + t, column] = BFloat16(result)

@@ -1,0 +1,231 @@
+"""GPU tests of kda.decode(kernel="split") (KdaSplit, clusters 2, 4, 8) against the
+reference, with test_kda_kernels_gpu's helpers and tolerances: outputs poisoned and within
+1 bf16 ulp in the SPEC's sense (plus o's own bf16 flip), state pages within 1e-5 of the
+page's max |ref|, conv pages bitwise the reference's, untouched pages bitwise unchanged,
+records as KdaWide's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kda_kernels_gpu import (
+    POISON,
+    bf16_ulp,
+    check_output,
+    check_state,
+    make_records,
+    quantize_gate_inputs,
+    written_pages,
+)
+
+from kda import dispatch
+from kda import testing as kt
+
+pytestmark = pytest.mark.gpu
+
+CLUSTERS = [2, 4, 8]
+
+
+def call_split(layer, step, cluster, records=None, gate_mode=2, pdl=False):
+    import kda
+
+    rows, dim = step.x.shape[0], layer.heads * 128
+    out = torch.full((rows, dim), POISON, dtype=torch.bfloat16, device=step.x.device)
+    kda.decode(
+        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
+        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
+        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        accepted=step.accepted, conv_dim_first=layer.conv_dim_first, records=records,
+        kernel="split", cluster=cluster, gate_mode=gate_mode, pdl=pdl, out=out,
+    )  # fmt: skip
+    return out
+
+
+def check_records(step, B, ref_records, got_records):
+    """Live requests' records as the reference's (v_new 1e-5, raw gate bitwise, k 1 ulp);
+    padding requests' records still poison."""
+    live = step.slots.view(B, -1)[torch.arange(B), step.accepted.long() - 1] > 0
+    rv, rkg = ref_records
+    gv, gkg = got_records
+    assert torch.isnan(gv[~live]).all() and torch.isnan(gkg[~live].float()).all()
+    rv, gv = rv[live], gv[live]
+    scale = rv.abs().amax(dim=(-1, -2), keepdim=True)
+    assert ((gv - rv).abs() <= 1e-5 * scale).all(), "v_records differ"
+    assert torch.equal(gkg[live][..., 128:], rkg[live][..., 128:]), "raw-gate records"
+    k_ref, k_got = rkg[live][..., :128].float(), gkg[live][..., :128].float()
+    assert ((k_got - k_ref).abs() <= bf16_ulp(k_ref)).all(), "k records beyond 1 bf16 ulp"
+
+
+def run_split(H, B, T, cluster, *, dim_first, bias, record, padding, gate_mode=2,
+              conv_dtype=torch.bfloat16, seed=0, holes=False):  # fmt: skip
+    device = "cuda"
+    pages = 1 + B * T + 4
+    layer = kt.make_layer(H, pages, window=T + 2 + (seed % 3), conv_dim_first=dim_first,
+                          bias=bias, conv_dtype=conv_dtype, seed=seed, device=device)  # fmt: skip
+    step = kt.make_step(B, T, H, pages=pages, padding=padding, seed=seed + 1, device=device)
+    if gate_mode in (0, 1):
+        quantize_gate_inputs(layer, step)
+    if holes and T > 1:
+        s = step.slots.clone()
+        for b in range(B):
+            if int(step.accepted[b]) < T and b not in padding:
+                s[b, T - 1] = 0
+        step.slots = s
+    ref_layer = layer.clone()
+    before = layer.state.clone()
+    ref_records = make_records(B, H, T, device) if record else None
+    got_records = make_records(B, H, T, device) if record else None
+    ref = kt.run_reference(ref_layer, step, records=ref_records)
+    got = call_split(layer, step, cluster, records=got_records, gate_mode=gate_mode)
+    torch.cuda.synchronize()
+    check_state(layer.state, ref_layer.state, before, written_pages(step, ref_records))
+    assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"
+    if record:
+        check_records(step, B, ref_records, got_records)
+    exact = check_output(got, ref, H)
+    print(f"H{H} B{B} T{T} split C{cluster}: outputs at 0 ulp {exact:.4%}")
+
+
+CASES = [
+    # H, B, T, dim_first, bias, record, padding, gate_mode, conv dtype, holes
+    (6, 1, 1, True, True, False, (), 2, torch.bfloat16, False),
+    (6, 1, 4, False, False, True, (), 2, torch.bfloat16, False),
+    (6, 1, 8, True, True, False, (), 2, torch.float32, True),
+    (6, 3, 2, False, False, True, (1,), 2, torch.bfloat16, False),
+    (12, 8, 5, True, True, False, (0, 7), 2, torch.float32, True),
+    (6, 8, 8, False, True, True, (3,), 2, torch.bfloat16, False),
+    (1, 2, 3, True, False, False, (), 2, torch.bfloat16, True),
+    (12, 4, 1, False, True, False, (2,), 2, torch.float32, False),
+    (6, 1, 1, True, True, False, (0,), 2, torch.bfloat16, False),  # all padding
+    # The seed's mma.sync gate orders, on gate inputs whose dot is exact in any order.
+    (6, 2, 1, True, True, False, (), 0, torch.bfloat16, False),
+    (6, 4, 4, False, False, True, (1,), 1, torch.bfloat16, False),
+    (12, 1, 8, True, True, False, (), 0, torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: "H{}B{}T{}-{}-b{}-r{}-g{}".format(
+        *c[:3], "df" if c[3] else "wf", int(c[4]), int(c[5]), c[7]
+    ),
+)
+def test_split_matches_reference(cluster, case):
+    H, B, T, dim_first, bias, record, padding, gate_mode, conv_dtype, holes = case
+    run_split(H, B, T, cluster, dim_first=dim_first, bias=bias, record=record,
+              padding=padding, gate_mode=gate_mode, conv_dtype=conv_dtype, seed=B + T,
+              holes=holes)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not dispatch.SPLIT_IN_AUTO,
+    reason="KdaSplit joins kernel='auto' once validated (kda.dispatch.SPLIT_IN_AUTO)",
+)
+def test_auto_picks_split_for_one_request():
+    """B = 1, H = 6 through kernel="auto": the dispatcher's split, checked like the rest."""
+    import kda
+    from kda.ops import plan
+
+    choice = plan(1, 6, 1, "cuda")
+    assert choice.kernel == "split", choice.reason
+    layer = kt.make_layer(6, 4, window=3, seed=31, device="cuda")
+    step = kt.make_step(1, 1, 6, pages=4, seed=32, device="cuda")
+    ref_layer = layer.clone()
+    before = layer.state.clone()
+    ref = kt.run_reference(ref_layer, step)
+    out = torch.full((1, 6 * 128), POISON, dtype=torch.bfloat16, device="cuda")
+    kda.decode(
+        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
+        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
+        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, gate_mode=2,
+        out=out,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    check_state(layer.state, ref_layer.state, before, written_pages(step, None))
+    assert torch.equal(layer.conv_state, ref_layer.conv_state)
+    check_output(out, ref, 6)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_steps_in_a_row(cluster):
+    """Three decode steps then two verify steps on the same pools, split vs reference."""
+    H, B, pages = 6, 4, 24
+    layer = kt.make_layer(H, pages, window=8, seed=3, device="cuda")
+    ref_layer = layer.clone()
+    for i in range(5):
+        T = 1 if i < 3 else 3
+        table = (1 + torch.arange(B * T, dtype=torch.int32).view(B, T)) % pages
+        step = kt.make_step(B, T, H, pages=pages, slot_table=table, padding=(i % B,),
+                            seed=10 + i, device="cuda")  # fmt: skip
+        before = layer.state.clone()
+        ref = kt.run_reference(ref_layer, step)
+        got = call_split(layer, step, cluster)
+        check_state(layer.state, ref_layer.state, before, written_pages(step, None))
+        assert torch.equal(layer.conv_state, ref_layer.conv_state)
+        check_output(got, ref, H)
+        layer.state.copy_(ref_layer.state)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_cuda_graph_replay(cluster):
+    """Capture one split step in a CUDA graph, replay it with new inputs many times."""
+    import kda
+
+    H, B, T, pages = 6, 4, 2, 16
+    layer = kt.make_layer(H, pages, window=6, seed=5, device="cuda")
+    step = kt.make_step(B, T, H, pages=pages, padding=(2,), seed=6, device="cuda")
+    out = torch.empty(B * T, H * 128, dtype=torch.bfloat16, device="cuda")
+    ref_layer = layer.clone()
+
+    def launch():
+        kda.decode(
+            step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
+            step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
+            layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
+            eps=kt.EPS, accepted=step.accepted, kernel="split", cluster=cluster, out=out,
+            gate_mode=2,
+        )  # fmt: skip
+
+    launch()  # compile outside the capture
+    layer.state.copy_(ref_layer.state)
+    layer.conv_state.copy_(ref_layer.conv_state)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(7):
+        fresh = kt.make_step(B, T, H, pages=pages, padding=(2,), seed=20 + i, device="cuda")
+        for name in ("x", "f_a", "beta", "gate", "accepted"):
+            getattr(step, name).copy_(getattr(fresh, name))
+        before = layer.state.clone()
+        out.fill_(POISON)
+        graph.replay()
+        ref = kt.run_reference(ref_layer, step)
+        torch.cuda.synchronize()
+        check_state(layer.state, ref_layer.state, before, written_pages(step, None))
+        assert torch.equal(layer.conv_state, ref_layer.conv_state)
+        check_output(out, ref, H)
+        layer.state.copy_(ref_layer.state)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_pdl_after_producer(cluster):
+    """With PDL the step waits for the kernel that writes its inputs."""
+    H, B, pages = 6, 2, 8
+    layer = kt.make_layer(H, pages, seed=7, device="cuda")
+    step = kt.make_step(B, 1, H, pages=pages, seed=8, device="cuda")
+    ref_layer = layer.clone()
+    ref = kt.run_reference(ref_layer, step)
+    source = step.x.clone()
+    step.x.zero_()
+    torch.cuda._sleep(2_000_000)  # a slow predecessor, then the producer of x
+    step.x.copy_(source)
+    got = call_split(layer, step, cluster, pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(layer.conv_state, ref_layer.conv_state)
+    check_output(got, ref, H)
