@@ -12,7 +12,11 @@ is the median over replays divided by R. State traffic counts (1 + T) x 64 KB pe
 (request, head) (one read, T writes); % of copy is against a device-to-device copy
 measured in the same run (bytes read + written).
 
-Usage: python scripts/bench_kda.py [--json out.json] [--quick] [--diag]
+``--small``: the small-batch table of issue 5 (H in {6, 12}, B in {1, 2, 4, 8}, T in
+{1, 4}) with KdaSplit (each cluster size) beside Wide, Stream and the peers; plot it with
+``scripts/plot_kda.py``.
+
+Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small] [--diag]
 """
 
 from __future__ import annotations
@@ -83,10 +87,11 @@ def setup(H, B, T, rotations, seed=0):
     return layer, steps
 
 
-def ours(layer, steps, kernel, gate_mode=0):
+def ours(layer, steps, kernel, gate_mode=0, cluster=None):
     import kda
 
     out = torch.empty_like(steps[0].gate)
+    extra = {} if cluster is None else {"cluster": cluster}
 
     def fn():
         for s in steps:
@@ -94,7 +99,7 @@ def ours(layer, steps, kernel, gate_mode=0):
                 s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
                 layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
                 layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
-                accepted=s.accepted, kernel=kernel, out=out, gate_mode=gate_mode,
+                accepted=s.accepted, kernel=kernel, out=out, gate_mode=gate_mode, **extra,
             )  # fmt: skip
 
     return fn
@@ -213,6 +218,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument(
+        "--small", action="store_true", help="small batches: H 6, 12; B 1..8; split included"
+    )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
     parser.add_argument("--gate-mode", type=int, default=0, choices=(0, 1, 2))
     args = parser.parse_args()
@@ -224,6 +232,8 @@ def main():
     shapes = [(H, B, T) for T in (1, 4) for H in (6, 12, 96) for B in (1, 8, 32, 128)]
     if args.quick:
         shapes = [(6, 1, 1), (12, 128, 1), (96, 128, 1), (96, 128, 4), (12, 128, 4)]
+    if args.small:
+        shapes = [(H, B, T) for T in (1, 4) for H in (6, 12) for B in (1, 2, 4, 8)]
     rows = []
     header = (f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} {'%copy':>6} "
               f"{'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} {'fla comp':>9} "
@@ -241,6 +251,18 @@ def main():
         for name in ("auto", "wide", "stream"):
             fn = ours(layer, steps, name, args.gate_mode)
             result[f"{name}_us"] = time_graph(fn, inner=rotations)
+        if args.small:
+            for cluster in (2, 4, 8):
+                try:
+                    fn = ours(layer, steps, "split", args.gate_mode, cluster=cluster)
+                    result[f"split{cluster}_us"] = time_graph(fn, inner=rotations)
+                except Exception as error:  # report, keep going
+                    result[f"split{cluster}_us"] = None
+                    result[f"split{cluster}_error"] = repr(error)[:200]
+        kernels = {k[:-3]: v for k, v in result.items() if k.endswith("_us") and v
+                   and k[:-3] in ("wide", "stream", "split2", "split4", "split8")}  # fmt: skip
+        best = min(kernels, key=kernels.get)
+        result["best"], result["auto_vs_best"] = best, result["auto_us"] / kernels[best]
         try:
             result["fla_us"] = time_graph(fla_recurrence(layer, steps, H, B, T), inner=rotations)
         except Exception as error:  # the peer is optional: report, keep going
@@ -269,7 +291,10 @@ def main():
             f"{f(fla)} {f(result['speedup_fla'], 6, 2)} {f(comp, 9)} "
             f"{f(result['speedup_composed'], 6, 2)}"
         )
-        for key in ("fla_error", "composed_error"):
+        if args.small:
+            splits = " ".join(f"split{c} {f(result[f'split{c}_us'])}" for c in (2, 4, 8))
+            print(f"    {splits}; best {result['best']}, auto / best {result['auto_vs_best']:.3f}")
+        for key in ("fla_error", "composed_error", "split2_error", "split4_error", "split8_error"):
             if key in result:
                 print(f"    {key}: {result[key]}")
         del layer, steps
