@@ -9,14 +9,17 @@ residual, AttnRes, output RMSNorm). Rank 0 replays every checked step on the who
 in one process and compares; every rank checks that its output is bitwise rank 0's.
 The last line is ``DECODE OK`` or ``DECODE FAILED: ...`` (exit status 1).
 
-Backends: ``host`` (CPU, torch.distributed over gloo; the reference math). The GPU
-backends (``loopback``, ``nvshmem``) join this entry point with the GPU kernels.
+Backends: ``host`` (CPU, torch.distributed over gloo; the reference math), ``loopback``
+(one process, ``--tp N`` ranks as streams of one GPU: the KDA kernel, the o-projection
+producer and the all-reduce consumer per rank, one CUDA graph per step bucket; see
+``launch/gpu.py``), ``nvshmem`` (one process per GPU: not yet). ``auto``: loopback when
+CUDA is available and the job is one process, nvshmem under torchrun / mpirun with GPUs
+(once ``NVSHMEM_WIRED``; host until then), host otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,10 +29,16 @@ if __package__ in (None, ""):  # run as a script: make the project importable
 
 import torch
 
-from launch.layer import Config, Model, Schedule, Unsharded
+from launch import report as rep
+from launch.layer import Config, Model, Schedule, Unsharded, conv_cat
 from tpcomm import host
 from tpcomm.oproj import reference as oref
 from tpcomm.symm import make_backend
+
+_MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+HOST_TOKENS = 3  # --tokens default on the host
+GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 8)
+NVSHMEM_WIRED = False  # launch/gpu.py runs loopback only; auto picks nvshmem once it is wired
 
 
 def parse_args(argv=None):
@@ -39,9 +48,17 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--backend",
-        choices=("auto", "host"),
+        choices=("auto", "host", "loopback", "nvshmem"),
         default="auto",
-        help="symmetric-memory backend; auto = host on a machine without a GPU",
+        help="auto = loopback with CUDA in one process, host otherwise (nvshmem under "
+        "torchrun / mpirun with GPUs once it is wired: NVSHMEM_WIRED)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="TP ranks of the loopback backend (streams of one GPU; default 2); the other "
+        "backends take the job's process count",
     )
     p.add_argument(
         "--heads",
@@ -59,8 +76,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--tokens",
         type=int,
-        default=3,
-        help="tokens per request of the verify steps (T, 1..8); 1 = decode only",
+        default=None,
+        help=f"tokens per request of the verify steps (T, 1..8; 1 = decode only); default "
+        f"{HOST_TOKENS} on the host, {GPU_TOKENS} on the GPU (requests x tokens <= 8 there)",
     )
     p.add_argument("--blocks", type=int, default=3, help="AttnRes block snapshots (nb, 0..8)")
     p.add_argument(
@@ -70,7 +88,13 @@ def parse_args(argv=None):
         help="steps: one single-token decode step, then verify steps",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights, pools and inputs")
-    p.add_argument("--groups", type=int, default=4, help="consumer polling groups (1..4)")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="consumer polling groups (1..4); default 4 on the host, on the GPU the "
+        "o-projection plan's, lowered until all ranks' consumers are co-resident",
+    )
     p.add_argument(
         "--padding",
         type=float,
@@ -90,6 +114,26 @@ def parse_args(argv=None):
         help="rank 0 checks every k-th step against the unsharded layer (0: never)",
     )
     p.add_argument("--json", default=None, help="write the report as JSON to this path")
+    gpu = p.add_argument_group("GPU backends")
+    gpu.add_argument(
+        "--kernel",
+        choices=("auto", "wide", "stream", "split"),
+        default="auto",
+        help="KDA kernel (auto: kda.dispatch's choice)",
+    )
+    gpu.add_argument(
+        "--gate-mode",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="KDA raw-gate reduction (0/1: the seed's mma.sync orders, 2: exactly rounded)",
+    )
+    gpu.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="programmatic dependent launch of the KDA and recover kernels",
+    )
     p.add_argument(
         "--fault",
         choices=("none", "output", "state"),
@@ -100,13 +144,40 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _pct(values, q):
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+def job_processes() -> int:
+    """Processes of this job from the launcher's environment (1 for a plain process)."""
+    if host.launcher() == "torchrun":
+        return int(os.environ["WORLD_SIZE"])
+    for var in _MPI_SIZE_VARS:
+        if var in os.environ:
+            return int(os.environ[var])
+    return 2 if host.launcher() == "mpirun" else 1  # a launcher that hides its size
+
+
+def resolve_backend(requested: str) -> str:
+    """``auto`` -> loopback (CUDA, one process), nvshmem (CUDA, several), else host."""
+    if requested in ("auto", "loopback") and job_processes() == 1:
+        # the loopback ranks need one hardware queue each, set before CUDA starts
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    if requested != "auto":
+        return requested
+    if not torch.cuda.is_available():
+        return "host"
+    if job_processes() == 1:
+        return "loopback"
+    return "nvshmem" if NVSHMEM_WIRED else "host"  # until then, several processes run host
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    backend_name = resolve_backend(args.backend)
+    if backend_name != "host":
+        args.tokens = GPU_TOKENS if args.tokens is None else args.tokens
+        from launch import gpu
+
+        return gpu.main(args, backend_name, job_processes(), host.launcher())
+    args.tokens = HOST_TOKENS if args.tokens is None else args.tokens
+    args.groups = 4 if args.groups is None else args.groups
     backend = make_backend("host")  # joins torchrun / mpirun / a single process
     info = host.ProcessInfo(backend.rank, backend.world, backend.rank, host.launcher())
     try:
@@ -116,7 +187,15 @@ def main(argv=None) -> int:
 
 
 def run(args, info, symm) -> int:
-    backend = "host" if args.backend == "auto" else args.backend
+    backend = "host"
+    if args.tp is not None and args.tp != info.world:
+        if info.rank == 0:
+            print(
+                f"DECODE FAILED: --tp {args.tp} is for the loopback backend; the host backend "
+                f"runs one rank per process ({info.world} here)",
+                flush=True,
+            )
+        return 2
     torch.set_num_threads(1 if info.world > 1 else torch.get_num_threads())
     cfg = Config(
         tp=info.world,
@@ -144,14 +223,7 @@ def run(args, info, symm) -> int:
     unsharded = Unsharded(model) if info.rank == 0 and args.check_every else None
     stages = ("kda", "oproj", "exchange", "consume")
     times = {k: [] for k in (*stages, "step")}
-    failures, checks, kinds = [], {}, {}
-
-    def check(name, ok, step):
-        checks.setdefault(name, [0, 0])
-        checks[name][0] += int(ok)
-        checks[name][1] += 1
-        if not ok:
-            failures.append(f"{name} (step {step})")
+    check, kinds = rep.Checks(), {}
 
     worst = {"prefix": 0.0, "output": 0.0}  # error / bound against the unsharded o-proj
     for _ in range(cfg.steps):
@@ -199,7 +271,7 @@ def run(args, info, symm) -> int:
                 )
                 check(
                     "conv pages == unsharded (bitwise)",
-                    torch.equal(_conv_cat(conv_all, cfg), unsharded.kda.conv_state),
+                    torch.equal(conv_cat(conv_all, cfg.conv_dim_first), unsharded.kda.conv_state),
                     plan.index,
                 )
                 check(
@@ -224,20 +296,10 @@ def run(args, info, symm) -> int:
         torch.tensor([times[k] for k in (*stages, "step")], dtype=torch.float64)
     )
     slowest = per_rank.max(dim=0).values  # [stage, steps]
-    ok = host.all_true(not failures)
+    ok = host.all_true(not check.failures)
     if info.rank == 0:
-        report = _report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-        _print(report)
-        if ok:
-            print("DECODE OK", flush=True)
-        else:
-            print(
-                "DECODE FAILED: " + "; ".join(failures or ["a check failed on another rank"]),
-                flush=True,
-            )
+        report = _report(cfg, backend, info, kinds, slowest, stages, check, worst, ok)
+        rep.finish(report, check.failures, args.json, _print)
     return 0 if ok else 1
 
 
@@ -249,63 +311,31 @@ def _inject(fault, output, me):
         me.kda.state.view(torch.int32)[-1, 0, 0, 0] ^= 1
 
 
-def _conv_cat(conv_all, cfg):
-    """Reassemble the whole layer's conv pool from the ranks' shards ([q | k | v] parts)."""
-    axis = 1 if cfg.conv_dim_first else 2
-    parts = []
-    for p in range(3):
-        for shard in conv_all:
-            width = shard.shape[axis] // 3
-            parts.append(shard.narrow(axis - 0, p * width, width))
-    return torch.cat(parts, dim=axis)
-
-
 def _report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok):
     ms = slowest * 1e3
     lat = {
-        name: {"median_ms": _pct(ms[i].tolist(), 0.5), "p99_ms": _pct(ms[i].tolist(), 0.99)}
+        name: {
+            "median_ms": rep.percentile(ms[i].tolist(), 0.5),
+            "p99_ms": rep.percentile(ms[i].tolist(), 0.99),
+        }
         for i, name in enumerate((*stages, "step"))
     }
     return {
-        "config": {
-            "backend": backend,
-            "launcher": info.launcher,
-            "tp": cfg.tp,
-            "heads": cfg.heads,
-            "heads_per_rank": cfg.heads_per_rank,
-            "hidden": cfg.hidden,
-            "requests": cfg.requests,
-            "tokens": cfg.tokens,
-            "blocks": cfg.blocks,
-            "groups": cfg.groups,
-            "conv_layout": "dim-first" if cfg.conv_dim_first else "window-first",
-            "seed": cfg.seed,
-        },
+        "config": rep.config(cfg, backend, info.launcher),
         "steps": {"total": cfg.steps, **kinds},
         "latency": lat,
-        "checks": {k: {"passed": v[0], "of": v[1]} for k, v in checks.items()},
+        "checks": checks.as_dict(),
         "worst": worst,
         "ok": ok,
     }
 
 
 def _print(r):
-    c = r["config"]
-    print(
-        f"config   backend {c['backend']} ({c['launcher']}), TP {c['tp']}, heads {c['heads']} "
-        f"({c['heads_per_rank']}/rank), hidden {c['hidden']}, requests {c['requests']}, "
-        f"tokens {c['tokens']}, blocks {c['blocks']}, groups {c['groups']}, "
-        f"conv {c['conv_layout']}, seed {c['seed']}"
-    )
-    kinds = ", ".join(f"{v} {k}" for k, v in r["steps"].items() if k != "total")
-    print(f"steps    {r['steps']['total']} ({kinds})")
+    rep.print_config(r)
     print(f"{'latency (slowest rank)':<26}{'median ms':>12}{'p99 ms':>12}")
     for name, v in r["latency"].items():
         print(f"  {name:<24}{v['median_ms']:>12.3f}{v['p99_ms']:>12.3f}")
-    print("checks")
-    for name, v in r["checks"].items():
-        mark = "ok  " if v["passed"] == v["of"] else "FAIL"
-        print(f"  {mark} {name}: {v['passed']}/{v['of']} steps")
+    rep.print_checks(r)
     w = r["worst"]
     print(
         f"  vs unsharded o-proj, worst error / bound: prefix {w['prefix']:.3f}, "

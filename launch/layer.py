@@ -32,7 +32,7 @@ class Config:
     blocks: int
     steps: int
     seed: int = 0
-    groups: int = 4
+    groups: int | None = 4  # None: the GPU runner picks per bucket
     conv_dim_first: bool = True
     padding: float = 0.25
 
@@ -48,7 +48,7 @@ class Config:
             raise ValueError("requests and steps must be >= 1")
         if not 0.0 <= self.padding < 1.0:
             raise ValueError(f"padding must be a fraction in [0, 1); got {self.padding}")
-        if not 1 <= self.groups <= 4:
+        if self.groups is not None and not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in 1..4; got {self.groups}")
 
     @property
@@ -218,7 +218,8 @@ class Unsharded:
         self.model = model
         self.kda = model.kda.clone()
 
-    def step(self, plan, step, prefix, blocks):
+    def step(self, plan, step, prefix, blocks, groups=None):
+        """The whole layer's step; ``groups``: the consumer's (default: the config's)."""
         m, cfg = self.model, self.model.cfg
         attn = run_kda(self.kda, plan, step)  # [N, D]
         per = cfg.heads_per_rank * HEAD_DIM
@@ -231,23 +232,44 @@ class Unsharded:
                 for r in range(cfg.tp)
             ]
         )
-        tp_out, tp_prefix = m.consume(partials, prefix, blocks)
+        tp_out, tp_prefix = m.consume(partials, prefix, blocks, groups=groups)
         # The same layer with one fp32 GEMM over all heads (no per-rank bf16 partials).
         whole = oref.project(attn, m.w_o)[None]
         u_out, u_prefix = m.consume(whole, prefix, blocks, groups=1)
-        # Bounds of the per-rank bf16 partials against one fp32 GEMM: each partial and each
-        # later bf16 rounding moves a value by at most 2^-8 of its magnitude; in the output a
-        # prefix ulp moves its own element (2^-6 |out|) and, through the AttnRes logits and
-        # the norm, every element of the row (2^-5 of its rms).
-        prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
-        prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
-        rms = u_out.float().pow(2).mean(-1, keepdim=True).sqrt()
-        out_bound = 2.0**-6 * u_out.float().abs() + 2.0**-5 * rms
-        out_ratio = (tp_out.float() - u_out.float()).abs() / (out_bound + 2.0**-20)
+        prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, u_out)
         return dict(
             attn=attn,
             tp_out=tp_out,
             tp_prefix=tp_prefix,
-            prefix_ratio=float(prefix_ratio.max()),
-            out_ratio=float(out_ratio.max()),
+            u_out=u_out,
+            u_prefix=u_prefix,
+            prefix_ratio=prefix_ratio,
+            out_ratio=out_ratio,
         )
+
+
+def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, u_out) -> tuple[float, float]:
+    """Worst error / bound of a TP prefix and output against the unsharded fp32 o-proj.
+
+    Bounds of the per-rank bf16 partials against one fp32 GEMM: each partial and each
+    later bf16 rounding moves a value by at most 2^-8 of its magnitude; in the output a
+    prefix ulp moves its own element (2^-6 |out|) and, through the AttnRes logits and the
+    norm, every element of the row (2^-5 of its rms).
+    """
+    prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
+    prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
+    rms = u_out.float().pow(2).mean(-1, keepdim=True).sqrt()
+    out_bound = 2.0**-6 * u_out.float().abs() + 2.0**-5 * rms
+    out_ratio = (tp_out.float() - u_out.float()).abs() / (out_bound + 2.0**-20)
+    return float(prefix_ratio.max()), float(out_ratio.max())
+
+
+def conv_cat(conv_all, conv_dim_first: bool) -> torch.Tensor:
+    """Reassemble the whole layer's conv pool from the ranks' shards ([q | k | v] parts)."""
+    axis = 1 if conv_dim_first else 2
+    parts = []
+    for p in range(3):
+        for shard in conv_all:
+            width = shard.shape[axis] // 3
+            parts.append(shard.narrow(axis, p * width, width))
+    return torch.cat(parts, dim=axis)

@@ -1,0 +1,273 @@
+"""Benchmark the whole decode step of one KDA layer on one GPU: ours on loopback beside
+the same step composed from peers.
+
+Per TP in ``--tp`` (8, 16) and requests in ``--requests`` (1, 2, 4, 8), T = 1, Kimi-K3
+shapes (96 heads, HID 7168, nb 8), every request live:
+
+- ``ours``: ``launch.gpu.LoopbackRunner``, all TP ranks as streams of the GPU (KDA ->
+  producer -> consumer per rank), the step's CUDA graph replayed; per-replay events,
+  median. Its per-stage breakdown comes from the runner's stage pass.
+- ``alone``: rank 0's chain only (KDA -> producer -> consumer), the other ranks' partials
+  published just before by a separate graph (not timed): what one rank of a multi-GPU
+  run spends, less the link latency (the issue's <= 12 us target).
+- ``peer``: the same step in one stream from peers: fla ``causal_conv1d_update`` (SiLU),
+  the gate projection as a torch matmul, fla ``fused_recurrent_kda`` (all heads at once),
+  fla ``rms_norm_gated`` (sigmoid), the TP o-projection partials as one torch ``bmm``,
+  their fp32 sum, then residual, AttnRes and the output RMSNorm in torch for every rank.
+  Captured in one CUDA graph; skipped (with the reason) without fla.
+- ``floor``: (state pages read + written + every rank's ``w_o``) / the device-to-device
+  copy bandwidth measured in this run (bytes read + written).
+
+Weights and state are far beyond L2 at these shapes (w_o alone is 176 MB), so no
+rotation is needed for ``ours`` / ``peer``; ``alone`` reads one rank's 11 MB ``w_o``,
+which L2 may hold between replays (say so when quoting it).
+
+    python scripts/bench_decode.py [--tp 8 16] [--requests 1 2 4 8] [--replays 50]
+                                   [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
+
+import torch  # noqa: E402
+
+from kda import testing as kt  # noqa: E402
+from launch import gpu  # noqa: E402
+from launch.layer import EPS, OUT_EPS, Config, Model, Schedule  # noqa: E402
+
+BUDGET_NS = 5_000_000  # a rank that cannot be resident errors quickly instead of 50 ms
+
+
+def _config(tp, requests, args):
+    cfg = Config(tp=tp, heads=args.heads, hidden=args.hidden, requests=requests, tokens=1,
+                 blocks=args.blocks, steps=1, seed=tp * 100 + requests, groups=None,
+                 padding=0.0)  # fmt: skip
+    cfg.validate()
+    return cfg
+
+
+def _step(cfg, model):
+    plan = Schedule(cfg).next()
+    step, prefix, blocks = model.step_inputs(plan)
+    gpu.exact_gate_inputs(step)
+    return plan, step, prefix, blocks
+
+
+def _replays(fn, replays):
+    """Median GPU time (us) of ``fn()`` (one graph launch) over ``replays`` calls."""
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def ours(cfg, model, replays):
+    """All ranks on loopback: (median us, stage breakdown, KDA kernel, consumer groups)."""
+    from tpcomm.backends.loopback import LoopbackBackend
+
+    backend = LoopbackBackend(cfg.tp)
+    try:
+        runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS)
+        plan, step, prefix, blocks = _step(cfg, model)
+        bk = runner.bucket(1, False)
+        runner.fill(bk, plan, step, prefix, blocks)
+        graph, _, _ = runner.graph(bk, 0)
+        us = _replays(graph.replay, replays)
+        errors = bk.comm.errors[:, 0].tolist()
+        if any(errors):
+            raise RuntimeError(f"consumer timeouts during the replays: {errors}")
+        return us, bk.stage_us, bk.kda_choice.kernel, bk.comm.groups
+    finally:
+        backend.teardown()
+
+
+def alone(cfg, model, replays):
+    """Rank 0's chain with the other ranks' partials published first (untimed)."""
+    from tpcomm.backends.loopback import LoopbackBackend
+
+    backend = LoopbackBackend(cfg.tp)
+    backend.check_coresident = lambda *args: None  # one rank's consumer runs at a time
+    try:
+        runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS)
+        plan, step, prefix, blocks = _step(cfg, model)
+        bk = runner.bucket(1, False)
+        runner.fill(bk, plan, step, prefix, blocks)
+        partial = torch.randn(bk.rows, cfg.hidden, device=runner.device).to(torch.bfloat16)
+
+        def publish_others():
+            for r in range(1, cfg.tp):
+                bk.comm.publish(partial, 0, rank=r)
+
+        def rank0():
+            runner.enqueue(bk, 0, ranks=[0])
+
+        publish_others()
+        rank0()  # compiles
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        g_pub, g_one = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_pub, stream=side):
+            publish_others()
+        with torch.cuda.graph(g_one, stream=side):
+            rank0()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            g_pub.replay()
+            start.record()
+            g_one.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        if int(bk.comm.errors[0, 0]):
+            raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
+        return statistics.median(times)
+    finally:
+        backend.teardown()
+
+
+def peer(cfg, model, replays, device="cuda"):
+    """The torch / fla composition of the same step (all ranks, one stream, one graph)."""
+    from bench_kda import time_graph
+    from fla.modules.causal_conv1d.ops import causal_conv1d_update
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    dev = torch.device(device)
+    B, H, tp, hid = cfg.requests, cfg.heads, cfg.tp, cfg.hidden
+    D, Dl = H * 128, cfg.heads_per_rank * 128
+    layer = model.kda.clone().to(dev)
+    _, step, prefix, blocks = _step(cfg, model)
+    s = kt.step_to(step, dev)
+    weight = layer.conv_weight.permute(0, 2, 1).reshape(3 * D, 4).contiguous()
+    cache = torch.randn(B, 3 * D, 4, device=dev).to(torch.bfloat16)
+    w_o = model.w_o.to(dev).view(hid, tp, Dl).permute(1, 2, 0).contiguous()  # [tp, Dl, HID]
+    prefixes = prefix.to(dev)[None].repeat(tp, 1, 1)
+    blocks = None if blocks is None else blocks.to(dev)
+    w = model.norm.to(dev).float() * model.query.to(dev).float()
+    out_norm = model.out_norm.to(dev).float()
+    o = torch.empty(B, 1, H, 128, device=dev, dtype=torch.bfloat16)
+    output = torch.empty(tp, B, hid, device=dev, dtype=torch.bfloat16)
+
+    def fn():
+        y, _ = causal_conv1d_update(s.x, cache, weight=weight, bias=layer.conv_bias,
+                                    activation="silu")  # fmt: skip
+        qkv = y.view(B, 1, 3, H, 128)
+        g = (s.f_a @ layer.f_b.T).view(B, 1, H, 128)
+        fused_recurrent_kda_fwd(
+            qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, s.beta.view(B, 1, H),
+            A_log=layer.a_log, dt_bias=layer.dt_bias, initial_state=layer.state,
+            scale=kt.SCALE, inplace_final_state=True, state_v_first=True,
+            ssm_state_indices=s.slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=kt.LOWER_BOUND, out=o,
+        )  # fmt: skip
+        attn = rms_norm_gated(o.view(B * H, 128), s.gate.view(B * H, 128), layer.norm_weight,
+                              None, activation="sigmoid", eps=kt.EPS)  # fmt: skip
+        attn = attn.view(B, tp, Dl).transpose(0, 1)  # [tp, B, Dl]
+        partials = torch.bmm(attn, w_o)  # [tp, B, HID] bf16, fp32 accumulation
+        total = partials.float().sum(0).to(torch.bfloat16)
+        p = (prefixes.float() + total.float()).to(torch.bfloat16)  # every rank's prefix_new
+        prefixes.copy_(p)
+        pf = p.float()
+        if blocks is None:
+            h, h_eps = pf, OUT_EPS
+        else:
+            v = torch.cat([blocks.float()[None].expand(tp, -1, -1, -1), pf[:, :, None]], dim=2)
+            logits = (v @ w) * torch.rsqrt(v.pow(2).sum(-1) / hid + EPS)
+            h, h_eps = (torch.softmax(logits, dim=2)[..., None] * v).sum(2), OUT_EPS
+        output.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + h_eps) * out_norm)
+
+    return time_graph(fn, replays=replays)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--heads", type=int, default=96)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="requests 8 only, 20 replays")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.replays = [8], 20
+    from bench_kda import copy_bandwidth
+
+    tbps = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    print(f"{device}: device-to-device copy {tbps:.2f} TB/s (read + write)")
+    rows = []
+    for tp in args.tp:
+        for requests in args.requests:
+            cfg = _config(tp, requests, args)
+            model = Model(cfg)
+            gpu.exact_gate_weights(model.kda)
+            b = gpu.step_bytes(cfg, "decode", 1)
+            row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden,
+                       blocks=cfg.blocks, state_bytes=b["state"], w_o_bytes=b["w_o"],
+                       floor_us=(b["state"] + b["w_o"]) / (tbps * 1e6))  # fmt: skip
+            for name, fn in (("ours", ours), ("alone", alone), ("peer", peer)):
+                try:
+                    result = fn(cfg, model, args.replays)
+                except (ImportError, ValueError, RuntimeError) as e:
+                    row[f"{name}_us"], row[f"{name}_skipped"] = None, f"{type(e).__name__}: {e}"
+                    continue
+                if name == "ours":
+                    us, row["stages_us"], row["kernel"], row["groups"] = result
+                    row["ours_us"] = us
+                else:
+                    row[f"{name}_us"] = result
+                torch.cuda.empty_cache()
+            rows.append(row)
+            _print_row(row)
+    _print_table(rows, tbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "copy_tbps": tbps, "rows": rows}, f, indent=2)
+    return 0
+
+
+def _cell(v, digits=2, width=9):
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+
+
+def _print_row(row):
+    for key in ("ours_skipped", "alone_skipped", "peer_skipped"):
+        if key in row:
+            print(f"  TP {row['tp']} B {row['requests']}: {key[:-8]} skipped: {row[key]}")
+
+
+def _print_table(rows, tbps):
+    print(f"\nT = 1, all requests live; floor = (state + w_o bytes) / {tbps:.2f} TB/s")
+    print(f"{'TP':>3}{'B':>4}{'ours us':>9}{'alone us':>9}{'peer us':>9}{'floor us':>9}"
+          f"{'x floor':>9}{'peer/ours':>10}  kernel, groups, stages (us)")  # fmt: skip
+    for r in rows:
+        ours_us, peer_us = r.get("ours_us"), r.get("peer_us")
+        ratio = None if ours_us is None else ours_us / r["floor_us"]
+        speed = None if ours_us is None or peer_us is None else peer_us / ours_us
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("stages_us") or {}).items())
+        print(f"{r['tp']:>3}{r['requests']:>4}{_cell(ours_us)}{_cell(r.get('alone_us'))}"
+              f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
+              f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}")  # fmt: skip
+    print("targets (issue 7, B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

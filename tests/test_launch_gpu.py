@@ -1,0 +1,201 @@
+"""launch/decode.py on the GPU (loopback backend: every TP rank a stream of one GPU).
+
+GPU cases run the job as a subprocess (CUDA_DEVICE_MAX_CONNECTIONS must be set before
+CUDA starts) and read its JSON report: ``DECODE OK``, every check passed on every step,
+graph replay bitwise equal to the eager run, and the checks catching a corrupted rank.
+The CPU cases cover the runner's plain-Python parts and the CLI's refusals.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda import testing as kt
+from launch import decode, gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "decode.py")
+
+
+def run_decode(*args, timeout=900):
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
+    p = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=ROOT)  # fmt: skip
+    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    return p, lines
+
+
+def assert_ok(p, lines, report_path):
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert lines and lines[-1] == "DECODE OK", p.stdout[-4000:]
+    report = json.loads(report_path.read_text())
+    assert report["ok"]
+    for name, v in report["checks"].items():
+        assert v["passed"] == v["of"], (name, v)
+    assert report["checks"]["graph replay == eager (bitwise)"]["of"] >= 1
+    assert report["checks"]["stage pass == eager (bitwise)"]["of"] >= 1
+    return report
+
+
+# --- GPU: end to end on loopback -----------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_loopback_tp2(tmp_path):
+    out = tmp_path / "tp2.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "4", "--hidden", "1024",
+        "--requests", "2", "--tokens", "3", "--blocks", "2", "--steps", "7",
+        "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert "TP 2, heads 4 (2/rank)" in p.stdout
+    assert report["steps"]["decode"] == 1 and report["steps"]["verify+record+recover"] == 3
+    assert report["checks"]["kda outputs vs unsharded (1 ulp + o's flip)"]["of"] == 7
+    assert set(report["breakdown"]["verify+record+recover"]) == set(gpu.STAGES)
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_loopback_tp16(tmp_path):
+    out = tmp_path / "tp16.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "16", "--heads", "16", "--hidden", "2048",
+        "--requests", "2", "--tokens", "2", "--blocks", "3", "--steps", "5",
+        "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["config"]["tp"] == 16 and report["config"]["heads_per_rank"] == 1
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_loopback_tp16_kimi_shapes(tmp_path):
+    """The issue's latency shape: 96 heads (6 per rank), HID 7168, 8 requests, T = 1, nb = 8."""
+    out = tmp_path / "kimi.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "16", "--heads", "96", "--hidden", "7168",
+        "--requests", "8", "--tokens", "1", "--blocks", "8", "--steps", "12",
+        "--check-every", "4", "--padding", "0", "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["steps"] == {"total": 12, "decode": 12}
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_loopback_window_first_groups_and_gate_mode(tmp_path):
+    out = tmp_path / "wf.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "4", "--heads", "8", "--hidden", "3072",
+        "--requests", "4", "--tokens", "2", "--blocks", "0", "--steps", "6",
+        "--conv-layout", "window-first", "--groups", "2", "--gate-mode", "2", "--no-pdl",
+        "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["config"]["groups_chosen"] == {"4": 2, "8": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "fault,check",
+    [("output", "outputs identical on all ranks"), ("state", "state pages")],
+)
+def test_loopback_checks_catch_a_corrupted_rank(fault, check):
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "4", "--requests", "2",
+        "--tokens", "2", "--steps", "3", "--fault", fault,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert lines[-1].startswith("DECODE FAILED") and check in lines[-1]
+
+
+@pytest.mark.gpu
+def test_loopback_refuses_too_many_rows():
+    p, lines = run_decode("--backend", "loopback", "--tp", "2", "--requests", "4", "--tokens", "3")
+    assert p.returncode == 2
+    assert "--requests x --tokens = 4 x 3 = 12" in lines[-1]
+
+
+# --- CPU: the plain-Python parts -------------------------------------------------------------
+
+
+def test_check_rows():
+    gpu.check_rows(8, 1)
+    gpu.check_rows(2, 4)
+    with pytest.raises(ValueError, match=r"--requests x --tokens = 3 x 3 = 9 .* at most 8"):
+        gpu.check_rows(3, 3)
+
+
+def test_shard_inputs_matches_shard_step():
+    heads, tp, B, T = 8, 4, 2, 3
+    step = kt.make_step(B, T, heads, pages=1 + B * T, seed=3)
+    x, gate, beta = gpu.shard_inputs(step, tp)
+    per = heads // tp
+    for r in range(tp):
+        want = kt.shard_step(step, heads, r * per, per)
+        assert torch.equal(x[r], want.x)
+        assert torch.equal(gate[r], want.gate)
+        assert torch.equal(beta[r], want.beta)
+
+
+def test_ulp_check():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    ok, exact, worst, _ = gpu.ulp_check(ref.clone(), ref)
+    assert ok and exact == 1.0 and worst == 0.0
+    one_ulp = (ref.view(torch.int16) + 1).view(torch.bfloat16)
+    assert gpu.ulp_check(one_ulp, ref)[0]
+    two_ulp = (ref.view(torch.int16) + 2).view(torch.bfloat16)
+    assert not gpu.ulp_check(two_ulp, ref)[0]
+    assert not gpu.ulp_check(torch.full_like(ref, float("nan")), ref)[0]
+
+
+def test_state_check():
+    g = torch.Generator().manual_seed(1)
+    before = torch.randn(3, 2, 128, 128, generator=g)
+    ref = before.clone()
+    ref[1] *= 0.5  # the step wrote page 1
+    got = ref.clone()
+    got[1, 0, 0, 0] += 1e-7
+    assert gpu.state_check(got, ref, before)[:2] == (True, True)
+    got[1, 0, 0, 0] += 1e-3
+    assert gpu.state_check(got, ref, before)[0] is False
+    got = ref.clone()
+    got.view(torch.int32)[2, 1, 5, 5] ^= 1  # a page the step leaves alone, changed
+    assert gpu.state_check(got, ref, before)[1] is False
+
+
+def test_step_bytes():
+    cfg = decode.Config(16, 96, 7168, 8, 1, 8, 1)
+    b = gpu.step_bytes(cfg, "decode", 1)
+    assert b["state"] == 8 * 96 * 2 * 65536 and b["w_o"] == 7168 * 96 * 128 * 2
+    assert b["floor_us"] == pytest.approx((b["state"] + b["w_o"]) / 4.16e6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend auto")
+def test_auto_is_host_without_cuda(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert decode.resolve_backend("auto") == "host"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert decode.resolve_backend("auto") == "host"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend loopback")
+def test_loopback_without_cuda_fails_clearly(capsys):
+    assert decode.main(["--backend", "loopback", "--tp", "2"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert decode.main(["--backend", "loopback", "--requests", "3", "--tokens", "3"]) == 2
+    assert "at most 8" in capsys.readouterr().out
+
+
+def test_nvshmem_is_not_yet(capsys):
+    assert decode.main(["--backend", "nvshmem"]) == 2
+    assert "not yet" in capsys.readouterr().out
