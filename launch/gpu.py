@@ -287,16 +287,29 @@ class LoopbackRunner:
         bk.comm.consume(bk.prefix[r], bk.blocks, self.norm, self.query, self.out_norm,
                         bk.output[r], parity, rank=r, stream=self.streams[r])  # fmt: skip
 
-    def _on_ranks(self, ranks, *phases) -> None:
+    def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
         every rank (phase by phase, so all producers are enqueued before any consumer),
-        join them back."""
+        join them back. With ``join`` every rank's next phase also waits for every rank's
+        previous one: on one GPU a consumer that spins while another rank's KDA or
+        producer CTAs still wait for registers could starve them (its bounded poll would
+        then report an error), so loopback steps start consumers once all partials are
+        on their way."""
         current = torch.cuda.current_stream(self.device)
         fork = torch.cuda.Event()
         fork.record(current)
         for r in ranks:
             self.streams[r].wait_event(fork)
-        for phase in phases:
+        for i, phase in enumerate(phases):
+            if join and i > 0:
+                done = []
+                for r in ranks:
+                    event = torch.cuda.Event()
+                    event.record(self.streams[r])
+                    done.append(event)
+                for r in ranks:
+                    for event in done:
+                        self.streams[r].wait_event(event)
             for r in ranks:
                 with torch.cuda.stream(self.streams[r]):
                     phase(r)
@@ -313,7 +326,7 @@ class LoopbackRunner:
                 self._recover(bk, r)
             self._produce(bk, r, parity)
 
-        self._on_ranks(ranks, chain, lambda r: self._consume(bk, r, parity))
+        self._on_ranks(ranks, chain, lambda r: self._consume(bk, r, parity), join=True)
 
     def _stage(self, bk: Bucket, name: str, parity: int):
         fns = {
