@@ -28,6 +28,7 @@ import functools
 
 import torch
 
+from tpcomm.checks import check_tensor
 from tpcomm.mailbox import COLUMNS_PER_CTA, MAX_TP, Mailbox
 
 THREADS = 128
@@ -193,18 +194,7 @@ def compiled(tp: int, hid: int, multicast: bool = False, fence: bool = False, ar
 
 
 def _check_tensor(name, t, shape, dtype, device):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}; got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}; got {t.device}")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned")
+    check_tensor(name, t, dtype, shape=shape, device=device, align=16)
 
 
 class MailboxAllReduce:

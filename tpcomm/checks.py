@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None) -> None:
+def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None, align=None) -> None:
     """``t`` is a contiguous tensor of one of ``dtypes`` (a dtype or a tuple of them),
-    with ``shape`` / ``ndim`` and on ``device`` when given."""
+    with ``shape`` / ``ndim``, on ``device`` and ``align``-byte aligned when given."""
     if isinstance(dtypes, torch.dtype):
         dtypes = (dtypes,)
     if not isinstance(t, torch.Tensor):
@@ -23,3 +23,5 @@ def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None) -> None
         raise ValueError(f"{name} must be contiguous")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}; got {t.device}")
+    if align is not None and t.data_ptr() % align:
+        raise ValueError(f"{name} must be {align}-byte aligned")

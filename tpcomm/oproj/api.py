@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpcomm.checks import check_tensor
 from tpcomm.mailbox import Mailbox, TwoshotRows
 from tpcomm.oproj import consumer as C
 from tpcomm.oproj.reference import check_consume
@@ -62,18 +63,7 @@ def choose(tp: int, tokens: int, hid: int, *, twoshot_available: bool = TWOSHOT_
 
 
 def _check_device_tensor(name, t, shape, dtype, device):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}; got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}; got {t.device}")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned")
+    check_tensor(name, t, dtype, shape=shape, device=device, align=16)
 
 
 class OprojAllReduce:
