@@ -12,9 +12,15 @@ The last line is ``DECODE OK`` or ``DECODE FAILED: ...`` (exit status 1).
 Backends: ``host`` (CPU, torch.distributed over gloo; the reference math), ``loopback``
 (one process, ``--tp N`` ranks as streams of one GPU: the KDA kernel, the o-projection
 producer and the all-reduce consumer per rank, one CUDA graph per step bucket; see
-``launch/gpu.py``), ``nvshmem`` (one process per GPU: not yet). ``auto``: loopback when
-CUDA is available and the job is one process, nvshmem under torchrun / mpirun with GPUs
-(once ``NVSHMEM_WIRED``; host until then), host otherwise.
+``launch/gpu.py``), ``nvshmem`` (one process per GPU, one rank each, peers through
+nvshmem4py symmetric memory; the same runner, checks and report, the checks and latencies
+meeting on rank 0 through torch.distributed). ``auto``: loopback when CUDA is available
+and the job is one process, nvshmem under torchrun / mpirun with a GPU per process and
+nvshmem4py installed, host otherwise (a CPU-only machine always runs host).
+
+    torchrun --nproc-per-node 8 launch/decode.py --backend nvshmem --heads 96 --hidden 7168 \
+        --requests 8 --tokens 1 --blocks 8
+    mpirun -np 8 python launch/decode.py --backend nvshmem ...
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from tpcomm.symm import make_backend
 _MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 HOST_TOKENS = 3  # --tokens default on the host
 GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 8)
-NVSHMEM_WIRED = False  # launch/gpu.py runs loopback only; auto picks nvshmem once it is wired
+NVSHMEM_WIRED = True  # auto picks nvshmem for several processes with CUDA and nvshmem4py
 
 
 def parse_args(argv=None):
@@ -50,8 +56,8 @@ def parse_args(argv=None):
         "--backend",
         choices=("auto", "host", "loopback", "nvshmem"),
         default="auto",
-        help="auto = loopback with CUDA in one process, host otherwise (nvshmem under "
-        "torchrun / mpirun with GPUs once it is wired: NVSHMEM_WIRED)",
+        help="auto = loopback with CUDA in one process, nvshmem under torchrun / mpirun "
+        "with GPUs and nvshmem4py, host otherwise",
     )
     p.add_argument(
         "--tp",
@@ -134,6 +140,13 @@ def parse_args(argv=None):
         default=True,
         help="programmatic dependent launch of the KDA and recover kernels",
     )
+    gpu.add_argument(
+        "--multicast",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="nvshmem: allow NVLink multicast (NVLS); off sets NVSHMEM_DISABLE_NVLS=1 unless "
+        "the environment says otherwise, and publishing goes to each peer",
+    )
     p.add_argument(
         "--fault",
         choices=("none", "output", "state"),
@@ -165,7 +178,16 @@ def resolve_backend(requested: str) -> str:
         return "host"
     if job_processes() == 1:
         return "loopback"
-    return "nvshmem" if NVSHMEM_WIRED else "host"  # until then, several processes run host
+    # one GPU per process (a smaller node runs host rather than several PEs per GPU)
+    if NVSHMEM_WIRED and job_processes() <= torch.cuda.device_count() and _nvshmem_installed():
+        return "nvshmem"
+    return "host"
+
+
+def _nvshmem_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nvshmem") is not None
 
 
 def main(argv=None) -> int:

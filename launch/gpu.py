@@ -1,42 +1,58 @@
-"""The decode job on the GPU: every TP rank as a stream of one GPU (loopback backend).
+"""The decode job on the GPU: one runner for a backend hosting every rank or one rank.
 
-One process, ``--tp N`` ranks (``make_backend("loopback", world=N)``). Per step and rank,
-on the rank's own stream, in stream order:
+- ``loopback``: one process, ``--tp N`` ranks as streams of one GPU
+  (``make_backend("loopback", world=N)``);
+- ``nvshmem``: one process per GPU (torchrun ``--nproc-per-node N`` / ``mpirun -np N``),
+  one rank each (``make_backend("nvshmem")``), peers through nvshmem4py peer pointers.
+
+``Runner`` drives the ranks its backend hosts (``backend.ranks``); its buffers hold one row
+per hosted rank. Per step and rank, on the rank's own stream, in stream order:
 
     kda.decode   the rank's head shard (record mode on a recorded verify step)
     kda.recover  after a recorded step: commit the accepted tokens
     produce      ``OprojProducer``: bf16(attn_out @ w_o^T) into every rank's mailbox
     consume      ``OprojConsumer``: rank-order sum, residual, AttnRes, output RMSNorm
 
-KDA and recover launch with PDL (``--pdl``; the o-projection API has no PDL option). Every
-rank's KDA, recover and producer are enqueued before any consumer, so even an executor
-that serialised the ranks' streams publishes before anything polls. The producer takes at
-most 8 rows, so requests x tokens must be <= 8 (``check_rows``).
+KDA and recover launch with PDL (``--pdl``; the o-projection API has no PDL option). On
+loopback every rank's KDA, recover and producer are enqueued before any consumer, so even
+an executor that serialised the ranks' streams publishes before anything polls. The
+producer takes at most 8 rows, so requests x tokens must be <= 8 (``check_rows``).
 
 Buckets and graphs: a bucket is (tokens, record) of the step (requests are fixed per job);
 its buffers (inputs, attn_out, records, prefix and output per rank) are allocated once and
 one CUDA graph per bucket and mailbox parity (``step & 1``: the double buffer) is captured
 once and replayed for every step of the bucket; a step's inputs are copied into the
 captured buffers first. The first use of a bucket also runs it eagerly (compiles; the
-reference for "graph replay == eager") and once stage by stage (each stage of all ranks
-as its own graph, events between them, enqueued behind a sleep so the GPU never waits
-for the host: the per-kernel breakdown); the state, conv pools and prefixes are restored
-after each, so the graph replay is the step.
+reference for "graph replay == eager") and once stage by stage (each stage of all hosted
+ranks as its own graph, events between them, enqueued behind a sleep so the GPU never
+waits for the host: the per-kernel breakdown); the state, conv pools and prefixes are
+restored after each, so the graph replay is the step.
 
-Checks (rank 0 is this process): every step, every rank's output and prefix bitwise rank
-0's and no consumer timed out; every ``--check-every``-th step, against the unsharded
-layer (``launch.layer.Unsharded``, on CPU copies, its pools first set to the GPU's):
-KDA outputs within 1 bf16 ulp allowing o's own bf16 flip, state pages within 1e-5 of the
-page's max |ref| and pages the reference leaves alone bitwise unchanged, conv pages
-bitwise; the producer's partials (re-produced from the step's attn_out into the mailbox,
-read back and re-armed) within 1 ulp of ``tpcomm.oproj.reference.project``, prefix bitwise
-and output within 1 ulp of ``reference.consume`` of those partials. The gate inputs
-(``f_a``, ``f_b``) sit on grids where every fp32 order of the gate dot is exact, so every
+Several processes (nvshmem): the eager run publishes, synchronises and meets the other
+processes (``backend.barrier``) before its consumer starts, with the consumer compiled
+beforehand, so no rank's poll budget covers another's compile; eager run, stage pass and
+capture are separated by barriers (they reuse one mailbox parity). Timed replays start
+behind an on-stream nvshmem barrier, so a step's time is the graph alone, not the skew of
+the processes' hosts. Checks and latencies cross processes through torch.distributed
+(gloo, CPU copies; ``Procs``): per-rank checks are ANDed over the processes, rank 0
+gathers the pools, attn_out, mailboxes for the unsharded comparison, and a step's latency
+is its slowest rank's replay.
+
+Checks (rank 0 reports): every step, every rank's output and prefix bitwise rank 0's and
+no consumer timed out; every ``--check-every``-th step, against the unsharded layer
+(``launch.layer.Unsharded``, on CPU copies, its pools first set to the GPU's): KDA outputs
+within 1 bf16 ulp allowing o's own bf16 flip, state pages within 1e-5 of the page's max
+|ref| and pages the reference leaves alone bitwise unchanged, conv pages bitwise; the
+producer's partials (re-produced from the step's attn_out into the mailboxes, read back
+and re-armed) within 1 ulp of ``tpcomm.oproj.reference.project``, prefix bitwise and
+output within 1 ulp of ``reference.consume`` of those partials. The gate inputs (``f_a``,
+``f_b``) sit on grids where every fp32 order of the gate dot is exact, so every
 ``--gate-mode`` rounds the raw gate like the reference.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -147,35 +163,95 @@ def shard_inputs(step: kt.Step, tp: int):
     return x, step.gate.view(N, tp, D).transpose(0, 1), step.beta.view(N, tp, per).transpose(0, 1)
 
 
+# --- the processes of the job (host-side exchange for checks and latencies) ---------------
+
+
+class Procs:
+    """The job's processes as the checks see them: one (loopback) or one per rank
+    (nvshmem, through the default torch.distributed group, gloo on CPU copies)."""
+
+    def __init__(self, count: int = 1, rank: int = 0):
+        self.count, self.rank = count, rank
+
+    @classmethod
+    def from_distributed(cls) -> Procs:
+        import torch.distributed as dist
+
+        return cls(dist.get_world_size(), dist.get_rank())
+
+    @property
+    def root(self) -> bool:
+        return self.rank == 0
+
+    def objects(self, obj) -> list:
+        """Every process's ``obj`` (picklable), in process order."""
+        if self.count == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.count
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_true(self, flag) -> bool:
+        if self.count == 1:
+            return bool(flag)
+        from tpcomm import host
+
+        return host.all_true(bool(flag))
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Every process's CPU copy of ``t`` concatenated along dim 0, on process 0 (None on
+        the others). Every process must call it with the same shape and dtype."""
+        t = t.detach().to("cpu").contiguous()
+        if self.count == 1:
+            return t
+        import torch.distributed as dist
+
+        raw = t.view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float16) else t
+        parts = [torch.empty_like(raw) for _ in range(self.count)] if self.root else None
+        dist.gather(raw, parts, dst=0)
+        if not self.root:
+            return None
+        return torch.cat([p.view(t.dtype) for p in parts], dim=0)
+
+    def barrier(self) -> None:
+        if self.count > 1:
+            from tpcomm import host
+
+            host.barrier()
+
+
 # --- the runner ---------------------------------------------------------------------------
 
 
 class Bucket:
-    """The captured buffers of one (tokens, record) step shape; graphs per parity."""
+    """The captured buffers of one (tokens, record) step shape; graphs per parity. Per-rank
+    buffers have one row per rank hosted here (``runner.ranks``)."""
 
-    def __init__(self, runner: LoopbackRunner, tokens: int, record: bool):
+    def __init__(self, runner: Runner, tokens: int, record: bool):
         cfg, dev = runner.cfg, runner.device
-        B, T, tp = cfg.requests, tokens, cfg.tp
+        B, T, n = cfg.requests, tokens, len(runner.ranks)
         H = cfg.heads_per_rank
         D, N = H * HEAD_DIM, B * T
         self.tokens, self.record, self.rows = T, record, N
         self.comm = runner.comm_for(N)
         bf = dict(dtype=torch.bfloat16, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
-        self.x = torch.zeros(tp, N, 3 * D, **bf)
+        self.x = torch.zeros(n, N, 3 * D, **bf)
         self.f_a = torch.zeros(N, GATE_RANK, **bf)
-        self.beta = torch.zeros(tp, N, H, **bf)
-        self.gate = torch.zeros(tp, N, D, **bf)
+        self.beta = torch.zeros(n, N, H, **bf)
+        self.gate = torch.zeros(n, N, D, **bf)
         self.slots = torch.zeros((B,) if T == 1 else (B, T), **i32)
         self.accepted = torch.ones(B, **i32) if T > 1 else None
         self.committed = torch.ones(B, **i32) if record else None
-        self.attn = torch.zeros(tp, N, D, **bf)
+        self.attn = torch.zeros(n, N, D, **bf)
         self.v_records = self.kg_records = None
         if record:
-            self.v_records = torch.zeros(tp, B, H, T, HEAD_DIM, dtype=torch.float32, device=dev)
-            self.kg_records = torch.zeros(tp, B, H, T, 2 * HEAD_DIM, **bf)
-        self.prefix = torch.zeros(tp, N, cfg.hidden, **bf)
-        self.output = torch.zeros(tp, N, cfg.hidden, **bf)
+            self.v_records = torch.zeros(n, B, H, T, HEAD_DIM, dtype=torch.float32, device=dev)
+            self.kg_records = torch.zeros(n, B, H, T, 2 * HEAD_DIM, **bf)
+        self.prefix = torch.zeros(n, N, cfg.hidden, **bf)
+        self.output = torch.zeros(n, N, cfg.hidden, **bf)
         self.blocks = torch.zeros(N, cfg.blocks, cfg.hidden, **bf) if cfg.blocks else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stage_us: dict[str, float] | None = None
@@ -188,18 +264,30 @@ class Bucket:
         return "verify+record+recover" if self.record else "verify"
 
 
-class LoopbackRunner:
-    """All TP ranks of one layer on one GPU; steps as CUDA-graph replays."""
+class Runner:
+    """The TP ranks hosted by ``backend`` (all of them on loopback, one on nvshmem); steps
+    as CUDA-graph replays. ``procs``: the job's processes (default: this one alone)."""
 
     def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=0,
-                 pdl=True, budget_ns=None):  # fmt: skip
+                 pdl=True, budget_ns=None, procs: Procs | None = None):  # fmt: skip
         check_rows(cfg.requests, cfg.tokens)
+        if backend.world != cfg.tp:
+            raise ValueError(f"the backend has {backend.world} ranks; the layer is TP {cfg.tp}")
         self.cfg, self.model, self.backend = cfg, model, backend
+        self.procs = Procs() if procs is None else procs
+        self.ranks = tuple(backend.ranks)
+        self.local = {r: i for i, r in enumerate(self.ranks)}
+        # several processes: peers are reached only through symmetric memory
+        self.multiprocess = len(self.ranks) < cfg.tp
         self.device = backend.device
-        self.streams = backend.streams
+        shared = getattr(backend, "streams", None)
+        if shared:  # loopback: the backend's own stream per rank
+            self.streams = {r: shared[r] for r in self.ranks}
+        else:
+            self.streams = {r: torch.cuda.Stream(self.device) for r in self.ranks}
         self.kernel, self.gate_mode, self.pdl = kernel, gate_mode, bool(pdl)
         self.budget = {} if budget_ns is None else {"budget_ns": budget_ns}
-        shards = [model.shard(r) for r in range(cfg.tp)]
+        shards = [model.shard(r) for r in self.ranks]
         self.layers = [s.kda.to(self.device) for s in shards]
         self.w_o = [s.w_o.to(self.device) for s in shards]
         self.norm = model.norm.to(self.device)
@@ -207,11 +295,13 @@ class LoopbackRunner:
         self.out_norm = model.out_norm.to(self.device)
         self.comms: dict = {}
         self.buckets: dict = {}
+        self._stream_barrier = None
 
     # --- buffers ---------------------------------------------------------------------------
     def comm_for(self, rows: int):
         """The all-reduce for ``rows`` tokens: the plan's groups (or ``--groups``), lowered
-        until every rank's consumer can be resident."""
+        until every rank's consumer can be resident (loopback; one rank per GPU always is).
+        Collective on nvshmem: every process builds the same ones in the same order."""
         if rows in self.comms:
             return self.comms[rows]
         from tpcomm.oproj.api import OprojAllReduce, choose
@@ -242,11 +332,13 @@ class LoopbackRunner:
         return self.buckets[key]
 
     def fill(self, bk: Bucket, plan, step: kt.Step, prefix, blocks) -> None:
-        """Copy a step's full-layer inputs (CPU) into the bucket's buffers, sharded by rank."""
+        """Copy a step's full-layer inputs (CPU) into the bucket's buffers: the hosted
+        ranks' shards."""
         x, gate, beta = shard_inputs(step, self.cfg.tp)
-        bk.x.copy_(x)
-        bk.gate.copy_(gate)
-        bk.beta.copy_(beta)
+        mine = list(self.ranks)
+        bk.x.copy_(x[mine])
+        bk.gate.copy_(gate[mine])
+        bk.beta.copy_(beta[mine])
         bk.f_a.copy_(step.f_a)
         bk.slots.copy_(step.slots)
         if bk.accepted is not None:
@@ -261,31 +353,35 @@ class LoopbackRunner:
     def _kda(self, bk: Bucket, r: int) -> None:
         import kda
 
-        L = self.layers[r]
+        i = self.local[r]
+        L = self.layers[i]
         kda.decode(
-            bk.x[r], L.conv_weight, L.conv_bias, L.conv_state, bk.f_a, bk.beta[r], L.a_log,
-            L.dt_bias, bk.slots, L.state, bk.gate[r], L.norm_weight, L.f_b,
+            bk.x[i], L.conv_weight, L.conv_bias, L.conv_state, bk.f_a, bk.beta[i], L.a_log,
+            L.dt_bias, bk.slots, L.state, bk.gate[i], L.norm_weight, L.f_b,
             lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, accepted=bk.accepted,
             conv_dim_first=L.conv_dim_first,
-            records=(bk.v_records[r], bk.kg_records[r]) if bk.record else None,
-            kernel=self.kernel, gate_mode=self.gate_mode, pdl=self.pdl, out=bk.attn[r],
+            records=(bk.v_records[i], bk.kg_records[i]) if bk.record else None,
+            kernel=self.kernel, gate_mode=self.gate_mode, pdl=self.pdl, out=bk.attn[i],
         )  # fmt: skip
 
     def _recover(self, bk: Bucket, r: int) -> None:
         import kda
 
-        L = self.layers[r]
+        i = self.local[r]
+        L = self.layers[i]
         kda.recover(
-            L.state, bk.slots, bk.v_records[r], bk.kg_records[r], L.a_log, L.dt_bias,
+            L.state, bk.slots, bk.v_records[i], bk.kg_records[i], L.a_log, L.dt_bias,
             bk.committed, bk.accepted, lower_bound=kt.LOWER_BOUND, pdl=self.pdl,
         )  # fmt: skip
 
     def _produce(self, bk: Bucket, r: int, parity: int) -> None:
-        bk.comm.produce(bk.attn[r], self.w_o[r], parity, rank=r, stream=self.streams[r])
+        i = self.local[r]
+        bk.comm.produce(bk.attn[i], self.w_o[i], parity, rank=r, stream=self.streams[r])
 
     def _consume(self, bk: Bucket, r: int, parity: int) -> None:
-        bk.comm.consume(bk.prefix[r], bk.blocks, self.norm, self.query, self.out_norm,
-                        bk.output[r], parity, rank=r, stream=self.streams[r])  # fmt: skip
+        i = self.local[r]
+        bk.comm.consume(bk.prefix[i], bk.blocks, self.norm, self.query, self.out_norm,
+                        bk.output[i], parity, rank=r, stream=self.streams[r])  # fmt: skip
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
@@ -294,14 +390,14 @@ class LoopbackRunner:
         previous one: on one GPU a consumer that spins while another rank's KDA or
         producer CTAs still wait for registers could starve them (its bounded poll would
         then report an error), so loopback steps start consumers once all partials are
-        on their way."""
+        on their way. (One rank per process: the join is the rank's own stream order.)"""
         current = torch.cuda.current_stream(self.device)
         fork = torch.cuda.Event()
         fork.record(current)
         for r in ranks:
             self.streams[r].wait_event(fork)
         for i, phase in enumerate(phases):
-            if join and i > 0:
+            if join and i > 0 and len(ranks) > 1:
                 done = []
                 for r in ranks:
                     event = torch.cuda.Event()
@@ -316,9 +412,12 @@ class LoopbackRunner:
         for r in ranks:
             current.wait_stream(self.streams[r])
 
-    def enqueue(self, bk: Bucket, parity: int, ranks=None) -> None:
-        """One step of ``ranks`` (default: all) on their streams, in stream order."""
-        ranks = range(self.cfg.tp) if ranks is None else ranks
+    def enqueue(self, bk: Bucket, parity: int, ranks=None, *, eager=False) -> None:
+        """One step of ``ranks`` (default: all hosted) on their streams, in stream order.
+        ``eager`` with several processes: KDA -> producer, synchronise, meet the other
+        processes, then the consumer (compiled beforehand), so no poll budget covers a
+        peer's compile or host skew."""
+        ranks = self.ranks if ranks is None else tuple(ranks)
 
         def chain(r):
             self._kda(bk, r)
@@ -326,7 +425,16 @@ class LoopbackRunner:
                 self._recover(bk, r)
             self._produce(bk, r, parity)
 
-        self._on_ranks(ranks, chain, lambda r: self._consume(bk, r, parity), join=True)
+        def consume(r):
+            self._consume(bk, r, parity)
+
+        if eager and self.multiprocess:
+            bk.comm.functions()  # the consumer compiled before anyone polls
+            self._on_ranks(ranks, chain)
+            self.sync_all()
+            self._on_ranks(ranks, consume)
+            return
+        self._on_ranks(ranks, chain, consume, join=True)
 
     def _stage(self, bk: Bucket, name: str, parity: int):
         fns = {
@@ -335,7 +443,24 @@ class LoopbackRunner:
             "produce": lambda r: self._produce(bk, r, parity),
             "consume": lambda r: self._consume(bk, r, parity),
         }
-        return lambda: self._on_ranks(range(self.cfg.tp), fns[name])
+        return lambda: self._on_ranks(self.ranks, fns[name])
+
+    # --- synchronisation across processes ------------------------------------------------
+    def sync_all(self) -> None:
+        """This GPU idle, then every process here (nvshmem barrier); loopback: synchronise."""
+        torch.cuda.synchronize(self.device)
+        if self.multiprocess:
+            self.backend.barrier()
+
+    def stream_barrier(self) -> None:
+        """Several processes: every GPU's current stream meets the others' (an nvshmem
+        on-stream barrier) before what follows; the host does not wait. If the backend has
+        no on-stream barrier, a host barrier (synchronising) instead, said once."""
+        if not self.multiprocess:
+            return
+        if self._stream_barrier is None:
+            self._stream_barrier = _stream_barrier_fn(self.backend)
+        self._stream_barrier(torch.cuda.current_stream(self.device))
 
     # --- first use of a bucket: eager, stage pass, capture -----------------------------
     def pools(self):
@@ -359,7 +484,7 @@ class LoopbackRunner:
     def graph(self, bk: Bucket, parity: int):
         """The bucket's graph for ``parity``; on first use also the eager run and, once per
         bucket, the stage pass. Returns (graph, eager results or None, stage results or None);
-        the pools and prefixes are as before the call."""
+        the pools and prefixes are as before the call. Collective with several processes."""
         if parity in bk.graphs:
             return bk.graphs[parity], None, None
         from kda.ops import plan
@@ -370,16 +495,18 @@ class LoopbackRunner:
                 kernel=self.kernel,
             )  # fmt: skip
         saved = self.snapshot(bk)
-        self.enqueue(bk, parity)  # eager: compiles and loads every kernel
+        self.enqueue(bk, parity, eager=True)  # eager: compiles and loads every kernel
         torch.cuda.synchronize(self.device)
         self.raise_on_timeout(bk, "eager run")
         eager = self.results(bk)
         self.restore(bk, saved)
+        self.sync_all()  # every consumer re-armed before this parity is published again
         staged = None
         if bk.stage_us is None:
             bk.stage_us = self.stage_pass(bk, parity)
             staged = self.results(bk)
             self.restore(bk, saved)
+            self.sync_all()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         g = torch.cuda.CUDAGraph()
@@ -390,7 +517,9 @@ class LoopbackRunner:
         return g, eager, staged
 
     def stage_pass(self, bk: Bucket, parity: int) -> dict[str, float]:
-        """Each stage of all ranks as its own graph, events between them (us per stage)."""
+        """Each stage of the hosted ranks as its own graph, events between them (us per
+        stage). Several processes: the stages start behind an on-stream barrier, so
+        ``consume`` includes the wait for the slowest peer's producer."""
         stages = [s for s in STAGES if s != "recover" or bk.record]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -400,10 +529,11 @@ class LoopbackRunner:
             with torch.cuda.graph(g, stream=side):
                 self._stage(bk, name, parity)()
             graphs.append(g)
-        torch.cuda.synchronize(self.device)
+        self.sync_all()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(GATE_CYCLES)  # the host enqueues everything while this runs
+        self.stream_barrier()
         events[0].record()
         for g, e in zip(graphs, events[1:], strict=True):
             g.replay()
@@ -412,44 +542,97 @@ class LoopbackRunner:
         self.raise_on_timeout(bk, "stage pass")
         return {n: events[i].elapsed_time(events[i + 1]) * 1e3 for i, n in enumerate(stages)}
 
+    def timeout_masks(self, bk: Bucket) -> list[int]:
+        """Every rank's consumer error word (missing-rank mask; 0: none), in rank order."""
+        mine = bk.comm.errors[list(self.ranks), 0].tolist()
+        return [m for masks in self.procs.objects(mine) for m in masks]
+
     def raise_on_timeout(self, bk: Bucket, what: str) -> None:
-        masks = bk.comm.errors[:, 0].tolist()
+        """Collective: every process raises when any rank's consumer timed out."""
+        masks = self.timeout_masks(bk)
         if any(masks):
             bk.comm.reset()
             raise RuntimeError(f"{what}: consumer poll timed out (missing-rank masks {masks})")
 
     def replay(self, bk: Bucket, parity: int) -> float:
-        """One step: the bucket's graph replayed; its GPU time in us."""
+        """One step: the bucket's graph replayed; its GPU time in us (behind an on-stream
+        barrier of all processes when there are several)."""
         g = bk.graphs[parity]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream_barrier()
         start.record()
         g.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    # --- reading back -------------------------------------------------------------------
+    # --- reading back (collective; the whole layer on process 0, None elsewhere) ---------
+    def all_ranks(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A per-hosted-rank buffer ``[n, ...]`` of every rank, ``[TP, ...]`` on the CPU."""
+        return self.procs.gather(t)
+
     def gather_pools(self):
-        """The whole layer's state and conv pools on the CPU, from the ranks' shards."""
+        """The whole layer's state and conv pools on the CPU, from the ranks' shards
+        (process 0; None, None elsewhere)."""
         state = torch.cat([L.state.cpu() for L in self.layers], dim=1)
-        conv = conv_cat([L.conv_state.cpu() for L in self.layers], self.cfg.conv_dim_first)
-        return state, conv
+        state = self.procs.gather(state.movedim(1, 0))  # heads first: ranks concatenate
+        convs = [L.conv_state.cpu()[None] for L in self.layers]
+        conv = self.procs.gather(torch.cat(convs, dim=0))
+        if state is None:
+            return None, None
+        return state.movedim(0, 1).contiguous(), conv_cat(list(conv), self.cfg.conv_dim_first)
+
+    def w_o_cpu(self, r: int) -> torch.Tensor:
+        """Rank ``r``'s ``w_o`` columns (CPU, from the model: any rank, hosted or not)."""
+        first, count = self.model.rank_heads(r)
+        return self.model.w_o[:, first * HEAD_DIM : (first + count) * HEAD_DIM].contiguous()
 
     def partials(self, bk: Bucket, parity: int):
-        """The producers' partials of the step just run [TP, N, HID] (CPU): produced again
-        from the step's attn_out (deterministic), read back from rank 0's mailbox, then
-        everything re-armed. Also whether every rank's mailbox held the same."""
-        for r in range(self.cfg.tp):
-            bk.comm.produce(bk.attn[r], self.w_o[r], parity, rank=r)
-        torch.cuda.synchronize(self.device)
-        boxes = [bk.comm.mailbox.local(r)[parity] for r in range(self.cfg.tp)]
-        same = all(torch.equal(b.view(torch.int16), boxes[0].view(torch.int16)) for b in boxes)
-        out = boxes[0].to("cpu", copy=True)
-        bk.comm.reset()
-        return out, same
+        """The producers' partials of the step just run [TP, N, HID] (CPU, process 0):
+        produced again from the step's attn_out (deterministic), read back from rank 0's
+        mailbox, then everything re-armed. Also whether every rank's mailbox held the same
+        (process 0; None elsewhere)."""
+        self.sync_all()  # every consumer of the step re-armed before the re-publish
+        for r in self.ranks:
+            i = self.local[r]
+            bk.comm.produce(bk.attn[i], self.w_o[i], parity, rank=r)
+        self.sync_all()  # every peer's partial landed
+        boxes = torch.stack([bk.comm.mailbox.local(r)[parity] for r in self.ranks])
+        every = self.procs.gather(boxes)  # [TP, TP, N, HID]
+        bk.comm.reset()  # re-arm (and barrier)
+        if every is None:
+            return None, None
+        bits = every.view(torch.int16)
+        same = all(torch.equal(bits[r], bits[0]) for r in range(self.cfg.tp))
+        return every[0].clone(), same
+
+
+LoopbackRunner = Runner  # the name scripts/bench_decode.py uses
+
+
+def _stream_barrier_fn(backend):
+    """An on-stream barrier of every process of ``backend`` (nvshmem ``barrier_all`` on the
+    stream), or a host barrier when it has none."""
+    if backend.name == "nvshmem":
+        try:
+            import nvshmem.core as nv
+
+            from tpcomm.backends.nvshmem import _TorchStream
+
+            def barrier(stream):
+                nv.barrier_all(_TorchStream(stream))
+
+            return barrier
+        except ImportError:
+            pass
+    print("note: no on-stream barrier on this backend; replays start behind a host barrier",
+          flush=True)  # fmt: skip
+    return lambda stream: backend.barrier()
 
 
 # --- the job --------------------------------------------------------------------------------
+
+_RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 
 def step_bytes(cfg: Config, kind: str, tokens: int) -> dict:
@@ -468,25 +651,39 @@ def step_bytes(cfg: Config, kind: str, tokens: int) -> dict:
     }
 
 
+def env_rank() -> int:
+    """This process's rank from the launcher's environment (0 for a plain process)."""
+    for var in _RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
 def main(args, backend_name: str, processes: int, launcher: str) -> int:
-    """``launch/decode.py`` on a GPU backend; the exit status."""
-    if backend_name == "nvshmem":
-        print(
-            "DECODE FAILED: --backend nvshmem (one rank per process) is not yet wired to the "
-            "GPU runner; run all ranks on one GPU with --backend loopback --tp N",
-            flush=True,
-        )
+    """``launch/decode.py`` on a GPU backend (loopback or nvshmem); the exit status."""
+    speak = env_rank() == 0
+
+    def refuse(message):
+        if speak:
+            print(f"DECODE FAILED: {message}", flush=True)
         return 2
-    if processes != 1:
-        print(
-            f"DECODE FAILED: --backend loopback runs every rank in one process; this job has "
-            f"{processes} (use --nproc-per-node 1 / -np 1)",
-            flush=True,
+
+    if backend_name not in ("loopback", "nvshmem"):
+        return refuse(f"launch/gpu.py runs loopback or nvshmem, not {backend_name}")
+    if backend_name == "loopback" and processes != 1:
+        return refuse(
+            f"--backend loopback runs every rank in one process; this job has {processes} "
+            "(use --nproc-per-node 1 / -np 1, or --backend nvshmem)"
         )
-        return 2
+    if backend_name == "nvshmem" and args.tp is not None and args.tp != processes:
+        return refuse(
+            f"--tp {args.tp} is for the loopback backend; the nvshmem backend runs one rank "
+            f"per process and GPU ({processes} here)"
+        )
+    tp = processes if backend_name == "nvshmem" else (args.tp or 2)
     try:
         cfg = Config(
-            tp=args.tp or 2, heads=args.heads, hidden=args.hidden, requests=args.requests,
+            tp=tp, heads=args.heads, hidden=args.hidden, requests=args.requests,
             tokens=args.tokens, blocks=args.blocks, steps=args.steps, seed=args.seed,
             groups=args.groups, conv_dim_first=args.conv_layout == "dim-first",
             padding=args.padding,
@@ -494,12 +691,19 @@ def main(args, backend_name: str, processes: int, launcher: str) -> int:
         cfg.validate()
         check_rows(cfg.requests, cfg.tokens)
         if not torch.cuda.is_available():
-            raise ValueError(f"--backend {backend_name} needs a CUDA GPU")
+            what = "a CUDA GPU per process" if backend_name == "nvshmem" else "a CUDA GPU"
+            raise ValueError(f"--backend {backend_name} needs {what}")
+        if backend_name == "nvshmem" and not nvshmem_installed():
+            raise ValueError(
+                "--backend nvshmem needs nvshmem4py (nvshmem.core; pip install "
+                "nvshmem4py-cu13); --backend loopback --tp N runs every rank on one GPU"
+            )
     except ValueError as e:
-        print(f"DECODE FAILED: {e}", flush=True)
-        return 2
+        return refuse(str(e))
     from tpcomm.symm import make_backend
 
+    if backend_name == "nvshmem":
+        return _run_nvshmem(args, cfg, launcher)
     backend = make_backend("loopback", world=cfg.tp)
     try:
         return run(args, cfg, backend, launcher)
@@ -507,19 +711,54 @@ def main(args, backend_name: str, processes: int, launcher: str) -> int:
         backend.teardown()
 
 
-def run(args, cfg: Config, backend, launcher="single") -> int:
+def nvshmem_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nvshmem") is not None
+
+
+def _run_nvshmem(args, cfg: Config, launcher: str) -> int:
+    """One rank in this process: the gloo group (checks, the uid broadcast) first, then
+    the nvshmem PE on the process's GPU; teardown frees, finalizes, destroys the group."""
+    from tpcomm import host
+    from tpcomm.symm import make_backend
+
+    if not getattr(args, "multicast", False):  # no NVLS (cuMulticastCreate) unless asked
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    info = host.init_distributed()
+    try:
+        device = info.local_rank % torch.cuda.device_count()
+        backend = make_backend("nvshmem", device=device, launcher=launcher)
+        try:
+            if (backend.rank, backend.world) != (info.rank, info.world):
+                raise RuntimeError(
+                    f"nvshmem PE {backend.rank} of {backend.world} is torch.distributed rank "
+                    f"{info.rank} of {info.world}: the launcher's ranks disagree"
+                )
+            return run(args, cfg, backend, launcher, Procs(info.world, info.rank))
+        finally:
+            backend.teardown()
+    finally:
+        host.finalize()
+
+
+def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = None) -> int:
+    """The steps on ``backend``'s ranks; with several processes every one calls this (the
+    checks and latencies meet on process 0, which prints the report)."""
+    procs = Procs() if procs is None else procs
     model = Model(cfg)
     exact_gate_weights(model.kda)  # before the shards and the unsharded copy share it
     try:
-        runner = LoopbackRunner(cfg, model, backend, kernel=args.kernel,
-                                gate_mode=args.gate_mode, pdl=args.pdl)  # fmt: skip
+        runner = Runner(cfg, model, backend, kernel=args.kernel, gate_mode=args.gate_mode,
+                        pdl=args.pdl, procs=procs)  # fmt: skip
     except ValueError as e:
-        print(f"DECODE FAILED: {e}", flush=True)
+        if procs.root:
+            print(f"DECODE FAILED: {e}", flush=True)
         return 2
-    unsharded = Unsharded(model) if args.check_every else None
+    unsharded = Unsharded(model) if args.check_every and procs.root else None
     schedule = Schedule(cfg)
     check, kinds = rep.Checks(), {}
-    latency: dict[str, list[float]] = {}
+    latency: list[tuple[str, float]] = []  # (kind, us) per step, this process's ranks
     worst = {"kda_ulp": 0.0, "kda_exact": 1.0, "state": 0.0, "output_ulp": 0.0,
              "partial_ulp": 0.0, "prefix": 0.0, "output": 0.0}  # fmt: skip
     for _ in range(cfg.steps):
@@ -529,73 +768,91 @@ def run(args, cfg: Config, backend, launcher="single") -> int:
         exact_gate_inputs(step)
         check_slot_values(step.slots, step.accepted, plan.tokens, cfg.pages, cfg.pages)
         parity = plan.index & 1
+        error = None
         try:
             bk = runner.bucket(plan.tokens, plan.record)
             runner.fill(bk, plan, step, prefix, blocks)
             _, eager, staged = runner.graph(bk, parity)
         except (RuntimeError, ValueError) as e:
-            check(f"{plan.kind}: first run", False, plan.index, str(e))
+            error = str(e)
+        errors = [f"rank {r}: {e}" for r, e in enumerate(procs.objects(error)) if e]
+        if errors:
+            detail = errors[0] if procs.count > 1 else error
+            check(f"{plan.kind}: first run", False, plan.index, detail)
             break
-        checked = unsharded is not None and plan.index % args.check_every == 0
+        checked = bool(args.check_every) and plan.index % args.check_every == 0
+        before_state = None
         if checked:
             before_state, before_conv = runner.gather_pools()
-            unsharded.kda.state.copy_(before_state)
-            unsharded.kda.conv_state.copy_(before_conv)
-        latency.setdefault(plan.kind, []).append(runner.replay(bk, parity))
-        masks = bk.comm.errors[:, 0].tolist()
+            if unsharded is not None:
+                unsharded.kda.state.copy_(before_state)
+                unsharded.kda.conv_state.copy_(before_conv)
+        latency.append((plan.kind, runner.replay(bk, parity)))
+        masks = runner.timeout_masks(bk)
         if not check("no consumer timeout", not any(masks), plan.index, f"masks {masks}"):
             bk.comm.reset()
         if plan.index == 1:
             _inject(args.fault, runner, bk)
 
-        same = all(
-            torch.equal(bk.output[r].view(torch.int16), bk.output[0].view(torch.int16))
-            and torch.equal(bk.prefix[r].view(torch.int16), bk.prefix[0].view(torch.int16))
-            for r in range(cfg.tp)
-        )
-        check("outputs identical on all ranks", same, plan.index)
+        outputs, prefixes = runner.all_ranks(bk.output), runner.all_ranks(bk.prefix)
+        if procs.root:
+            o, p = outputs.view(torch.int16), prefixes.view(torch.int16)
+            same = all(torch.equal(o[r], o[0]) and torch.equal(p[r], p[0]) for r in range(cfg.tp))
+            check("outputs identical on all ranks", same, plan.index)
         if eager is not None:  # the first step of this graph: its replay is the eager run's
-            check("graph replay == eager (bitwise)", _same(runner.results(bk), eager), plan.index)
+            same = procs.all_true(_same(runner.results(bk), eager))
+            check("graph replay == eager (bitwise)", same, plan.index)
         if staged is not None:
-            check("stage pass == eager (bitwise)", _same(staged, eager), plan.index)
+            check("stage pass == eager (bitwise)", procs.all_true(_same(staged, eager)), plan.index)
         if checked:
             _check_step(runner, unsharded, bk, plan, step, prefix, blocks,
                         before_state, check, worst)  # fmt: skip
 
-    ok = not check.failures
-    report = _report(args, cfg, runner, launcher, kinds, latency, check, worst, ok)
+    ok = procs.all_true(not check.failures)
+    per_process = procs.objects(latency)
+    stages = procs.objects({b.kind: b.stage_us for b in runner.buckets.values() if b.stage_us})
+    runner.sync_all()  # nothing in flight on any GPU before the backend is torn down
+    if not procs.root:
+        return 0 if ok else 1
+    report = _report(args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok)
     return rep.finish(report, check.failures, args.json, _print)
 
 
 def _check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, check, worst):
+    """Every process takes part (gathers, the mailbox read-back); process 0 compares."""
     cfg, model = runner.cfg, runner.model
     i = plan.index
+    attn_all = runner.all_ranks(bk.attn)  # [TP, N, D_local]
+    state, conv = runner.gather_pools()
+    armed = runner.procs.all_true(bk.comm.armed())
+    partials, same = runner.partials(bk, plan.index & 1)
+    if unsharded is None:
+        return
     ref = unsharded.step(plan, step, prefix, blocks, groups=bk.comm.groups)
-    attn = torch.cat(list(bk.attn.cpu()), dim=1)
+    attn = torch.cat(list(attn_all), dim=1)
     ok, exact, ulps, detail = ulp_check(attn, ref["attn"], row=HEAD_DIM, o_flip=True)
     check("kda outputs vs unsharded (1 ulp + o's flip)", ok, i, detail)
     worst["kda_ulp"] = max(worst["kda_ulp"], ulps)
     worst["kda_exact"] = min(worst["kda_exact"], exact)
-    state, conv = runner.gather_pools()
     within, untouched, ratio = state_check(state, unsharded.kda.state, before_state)
     check("state pages vs unsharded (1e-5 of page max)", within, i, f"worst {ratio:.2e}")
     check("state pages the step leaves alone unchanged (bitwise)", untouched, i)
     worst["state"] = max(worst["state"], ratio)
     check("conv pages == unsharded (bitwise)", torch.equal(conv, unsharded.kda.conv_state), i)
 
-    check("mailboxes re-armed", bk.comm.armed(), i)
-    partials, same = runner.partials(bk, plan.index & 1)
+    check("mailboxes re-armed", armed, i)
     check("partials identical in every rank's mailbox", same, i)
     from tpcomm.oproj import reference as oref
 
-    per, bad = bk.attn.cpu(), []
+    bad = []
     for r in range(cfg.tp):
-        ok, _, ulps, detail = ulp_check(partials[r], oref.project(per[r], runner.w_o[r].cpu()))
+        want = oref.project(attn_all[r], runner.w_o_cpu(r))
+        ok, _, ulps, detail = ulp_check(partials[r], want)
         bad += [] if ok else [f"rank {r}: {detail}"]
         worst["partial_ulp"] = max(worst["partial_ulp"], ulps)
     check("partials vs reference projection (1 ulp)", not bad, i, "; ".join(bad[:2]))
     want_out, want_prefix = model.consume(partials, prefix, blocks, groups=bk.comm.groups)
-    got_prefix, got_out = bk.prefix[0].cpu(), bk.output[0].cpu()
+    got_prefix, got_out = bk.prefix[0].cpu(), bk.output[0].cpu()  # rank 0: row 0 here
     check("prefix == TP reference math (bitwise)",
           torch.equal(got_prefix.view(torch.int16), want_prefix.view(torch.int16)), i)  # fmt: skip
     ok, _, ulps, detail = ulp_check(got_out, want_out)
@@ -606,11 +863,16 @@ def _check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state,
 
 
 def _inject(fault, runner, bk):
-    """``--fault``: the last rank corrupts one output value or one state element."""
+    """``--fault``: the last rank corrupts one output value or one state element (in the
+    process that hosts it)."""
+    last = runner.cfg.tp - 1
+    if fault == "none" or last not in runner.local:
+        return
+    i = runner.local[last]
     if fault == "output":
-        bk.output[-1].view(torch.int16)[0, 0] ^= 1
+        bk.output[i].view(torch.int16)[0, 0] ^= 1
     elif fault == "state":
-        runner.layers[-1].state.view(torch.int32)[-1, 0, 0, 0] ^= 1 << 22
+        runner.layers[i].state.view(torch.int32)[-1, 0, 0, 0] ^= 1 << 22
 
 
 def _stats(values):
@@ -626,32 +888,55 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _report(args, cfg, runner, launcher, kinds, latency, check, worst, ok):
+def slowest_per_step(per_process):
+    """Per step, the slowest process's replay: ``per_process`` is every process's list of
+    (kind, us); returns {kind: [us per step]} (a step's latency is its slowest rank's)."""
+    latency: dict[str, list[float]] = {}
+    for entries in zip(*per_process, strict=True):
+        latency.setdefault(entries[0][0], []).append(max(us for _, us in entries))
+    return latency
+
+
+def _report(args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok):
     buckets = sorted(runner.buckets.values(), key=lambda b: (b.tokens, b.record))
+    latency = slowest_per_step(per_process)
     everything = [v for vs in latency.values() for v in vs]
     lat = {k: _stats(v) for k, v in latency.items()}
     if everything:
         lat["step"] = _stats(everything)
+    per_rank = None
+    if len(per_process) > 1 and everything:  # nvshmem: one process per rank
+        per_rank = [_stats([us for _, us in entries]) for entries in per_process]
+    breakdown = {}
+    for kind in {k for d in stages for k in d}:
+        names = next(d[kind] for d in stages if kind in d)
+        breakdown[kind] = {n: max(d[kind][n] for d in stages if kind in d) for n in names}
     props = torch.cuda.get_device_properties(runner.device)
+    multicast = any(c.multicast_base for c in runner.comms.values())
     extra = {
         "device": props.name,
+        "processes": runner.procs.count,
         "kernel": {b.kind: b.kda_choice.kernel for b in buckets if b.kda_choice},
         "kernel_reason": {b.kind: b.kda_choice.reason for b in buckets if b.kda_choice},
         "gate_mode": args.gate_mode,
         "pdl": bool(args.pdl),
         "groups_chosen": {str(n): c.groups for n, c in sorted(runner.comms.items())},
+        "publish": "multicast" if multicast else "per peer",
         "exact_gate_grids": True,
     }
-    return {
-        "config": rep.config(cfg, "loopback", launcher, **extra),
+    report = {
+        "config": rep.config(cfg, runner.backend.name, launcher, **extra),
         "steps": {"total": sum(kinds.values()), **kinds},
         "latency": lat,
-        "breakdown": {b.kind: b.stage_us for b in buckets if b.stage_us},
+        "breakdown": {b.kind: breakdown[b.kind] for b in buckets if b.kind in breakdown},
         "bytes": {b.kind: step_bytes(cfg, b.kind, b.tokens) for b in buckets},
         "checks": check.as_dict(),
         "worst": worst,
         "ok": ok,
     }
+    if per_rank is not None:
+        report["per_rank"] = per_rank
+    return report
 
 
 def _print(r):
@@ -660,23 +945,30 @@ def _print(r):
     kernels = ", ".join(f"{k}: {v}" for k, v in c["kernel"].items())
     groups = ", ".join(f"{v} at {k} rows" for k, v in c["groups_chosen"].items())
     print(
-        f"gpu      {c['device']}; KDA {kernels}; gate mode {c['gate_mode']}, "
-        f"pdl {c['pdl']}; consumer groups {groups}"
+        f"gpu      {c['device']} x {c['processes']} process(es); KDA {kernels}; gate mode "
+        f"{c['gate_mode']}, pdl {c['pdl']}; consumer groups {groups}; publish {c['publish']}"
     )
-    print(f"{'latency (graph replay, all ranks)':<36}{'median us':>11}{'p99 us':>10}"
-          f"{'max us':>10}{'steps':>7}{'floor us':>10}")  # fmt: skip
+    title = "latency (graph replay, all ranks)"
+    if c["processes"] > 1:
+        title = "latency (graph replay, max over ranks)"
+    print(f"{title:<40}{'median us':>11}{'p99 us':>10}{'max us':>10}{'steps':>7}"
+          f"{'floor us':>10}")  # fmt: skip
     for name, v in r["latency"].items():
         floor = r["bytes"].get(name, {}).get("floor_us")
         f = f"{floor:>10.2f}" if floor is not None else f"{'':>10}"
-        print(f"  {name:<34}{v['median_us']:>11.2f}{v['p99_us']:>10.2f}{v['max_us']:>10.2f}"
+        print(f"  {name:<38}{v['median_us']:>11.2f}{v['p99_us']:>10.2f}{v['max_us']:>10.2f}"
               f"{v['n']:>7}{f}")  # fmt: skip
-    print("breakdown (each stage of all ranks as its own graph, events, us)")
+    for rank, v in enumerate(r.get("per_rank", [])):
+        print(f"  {'rank ' + str(rank) + ' alone':<38}{v['median_us']:>11.2f}"
+              f"{v['p99_us']:>10.2f}{v['max_us']:>10.2f}{v['n']:>7}")  # fmt: skip
+    where = "each stage of all ranks" if c["processes"] == 1 else "each stage, max over ranks"
+    print(f"breakdown ({where} as its own graph, events, us)")
     for kind, stages in r["breakdown"].items():
         cells = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
-        print(f"  {kind:<34}{cells}; sum {sum(stages.values()):.2f}")
+        print(f"  {kind:<38}{cells}; sum {sum(stages.values()):.2f}")
     print("bytes per step (every request live; floor = (state + w_o) / 4.16 TB/s)")
     for kind, b in r["bytes"].items():
-        print(f"  {kind:<34}state {b['state'] / 1e6:.2f} MB, w_o {b['w_o'] / 1e6:.2f} MB, "
+        print(f"  {kind:<38}state {b['state'] / 1e6:.2f} MB, w_o {b['w_o'] / 1e6:.2f} MB, "
               f"mailbox stores {b['mailbox_stores'] / 1e6:.2f} MB")  # fmt: skip
     rep.print_checks(r)
     w = r["worst"]

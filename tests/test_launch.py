@@ -10,6 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "decode.py")
+HOST = ["--backend", "host"]  # explicit: on a multi-GPU machine auto would pick nvshmem
 SMALL = ["--hidden", "1024", "--requests", "3", "--tokens", "3", "--blocks", "2", "--steps", "4"]
 
 
@@ -28,6 +29,7 @@ def torchrun(n, *args, timeout=600):
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
         SCRIPT,
+        *HOST,
         *args,
     ]
     return _run(cmd, timeout)
@@ -38,7 +40,7 @@ def mpirun(n, *args, timeout=600):
     if exe is None:
         pytest.skip("no mpirun (pip install '.[mpi]')")
     pytest.importorskip("mpi4py")
-    return _run([exe, "-np", str(n), sys.executable, SCRIPT, *args], timeout)
+    return _run([exe, "-np", str(n), sys.executable, SCRIPT, *HOST, *args], timeout)
 
 
 def _run(cmd, timeout):

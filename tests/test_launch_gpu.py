@@ -196,6 +196,9 @@ def test_loopback_without_cuda_fails_clearly(capsys):
     assert "at most 8" in capsys.readouterr().out
 
 
-def test_nvshmem_is_not_yet(capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend nvshmem")
+def test_nvshmem_without_cuda_fails_clearly(capsys):
     assert decode.main(["--backend", "nvshmem"]) == 2
-    assert "not yet" in capsys.readouterr().out
+    assert "needs a CUDA GPU per process" in capsys.readouterr().out
+    assert decode.main(["--backend", "nvshmem", "--tp", "4"]) == 2
+    assert "--tp 4 is for the loopback backend" in capsys.readouterr().out
