@@ -161,7 +161,7 @@ def step_to(step: Step, device) -> Step:
     )
 
 
-def head_columns(heads_total, first, count):
+def head_columns(first, count):
     """Channel indices of heads ``first .. first+count-1`` within a [*, H*128] tensor."""
     return torch.arange(first * HEAD_DIM, (first + count) * HEAD_DIM)
 
@@ -169,7 +169,7 @@ def head_columns(heads_total, first, count):
 def shard_layer(layer: Layer, first, count, pool_state=None, pool_conv=None) -> Layer:
     """The weights of heads ``first .. first+count-1`` (contiguous copies) and their pools."""
     H = layer.heads
-    cols = head_columns(H, first, count)
+    cols = head_columns(first, count)
     part_cols = torch.cat([p * H * HEAD_DIM + cols for p in range(3)])
     conv = layer.conv_state
     conv_shard = conv[:, part_cols, :] if layer.conv_dim_first else conv[:, :, part_cols]
@@ -191,7 +191,7 @@ def shard_layer(layer: Layer, first, count, pool_state=None, pool_conv=None) -> 
 def shard_step(step: Step, heads_total, first, count) -> Step:
     """The activations of heads ``first .. first+count-1``; slot tables are shared."""
     H = heads_total
-    cols = head_columns(H, first, count).to(step.x.device)
+    cols = head_columns(first, count).to(step.x.device)
     part_cols = torch.cat([p * H * HEAD_DIM + cols for p in range(3)])
     return Step(
         x=step.x[:, part_cols].contiguous(),

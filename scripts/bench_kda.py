@@ -108,7 +108,6 @@ def ours(layer, steps, kernel, gate_mode=0, cluster=None):
 def fla_recurrence(layer, steps, H, B, T):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    D = H * 128
     prepared = []
     for s in steps:
         qkv = s.x.view(B * T, 3, H, 128)
@@ -128,7 +127,6 @@ def fla_recurrence(layer, steps, H, B, T):
             g, beta = g.view(B, 1, H, 128), beta.view(B, 1, H)
         out = torch.empty_like(v)
         prepared.append((q, k, v, g, beta, out, extra))
-    _ = D
 
     def fn():
         for q, k, v, g, beta, out, extra in prepared:

@@ -84,7 +84,7 @@ def written_pages(step, records):
     return pages
 
 
-def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False):
+def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False, cluster=None):
     import kda
 
     rows, dim = step.x.shape[0], layer.heads * 128
@@ -94,7 +94,7 @@ def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False):
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
         layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, records=records,
-        kernel=kernel, gate_mode=gate_mode, pdl=pdl, out=out,
+        kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl, out=out,
     )  # fmt: skip
     return out
 
@@ -177,6 +177,9 @@ CASES = [
     (1, 130, 3, False, True, False, (1,), 1, torch.bfloat16, True),
 ]
 KERNELS = ["wide", "stream"]
+# (kernel, cluster) for the tests that every kernel must pass (KdaSplit at each cluster size)
+EVERY_KERNEL = [("wide", None), ("stream", None), ("split", 2), ("split", 4), ("split", 8)]
+EVERY_KERNEL_IDS = ["wide", "stream", "split2", "split4", "split8"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -193,8 +196,8 @@ def test_decode_matches_reference(kernel, case):
              kernel=kernel, gate_mode=gate_mode, conv_dtype=conv_dtype, holes=holes)  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_steps_in_a_row(kernel):
+@pytest.mark.parametrize("kernel,cluster", EVERY_KERNEL, ids=EVERY_KERNEL_IDS)
+def test_steps_in_a_row(kernel, cluster):
     """Three decode steps then two verify steps on the same pools, kernel vs reference."""
     H, B, pages = 6, 8, 40
     layer = kt.make_layer(H, pages, window=8, seed=3, device="cuda")
@@ -206,15 +209,15 @@ def test_steps_in_a_row(kernel):
                             seed=10 + i, device="cuda")  # fmt: skip
         before = layer.state.clone()
         ref = kt.run_reference(ref_layer, step)
-        got = call_kernel(layer, step, kernel)
+        got = call_kernel(layer, step, kernel, cluster=cluster)
         check_state(layer.state, ref_layer.state, before, written_pages(step, None))
         assert torch.equal(layer.conv_state, ref_layer.conv_state)
         check_output(got, ref, H)
         layer.state.copy_(ref_layer.state)  # the next step starts from the same state
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_cuda_graph_replay(kernel):
+@pytest.mark.parametrize("kernel,cluster", EVERY_KERNEL, ids=EVERY_KERNEL_IDS)
+def test_cuda_graph_replay(kernel, cluster):
     """Capture one step in a CUDA graph, replay it with new inputs many times."""
     H, B, T, pages = 12, 16, 2, 40
     layer = kt.make_layer(H, pages, window=6, seed=5, device="cuda")
@@ -229,7 +232,8 @@ def test_cuda_graph_replay(kernel):
             step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
             step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
             layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-            eps=kt.EPS, accepted=step.accepted, kernel=kernel, out=out, gate_mode=2,
+            eps=kt.EPS, accepted=step.accepted, kernel=kernel, cluster=cluster, out=out,
+            gate_mode=2,
         )  # fmt: skip
 
     launch()  # compile outside the capture
@@ -256,8 +260,8 @@ def test_cuda_graph_replay(kernel):
         layer.state.copy_(ref_layer.state)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_pdl_after_producer(kernel):
+@pytest.mark.parametrize("kernel,cluster", EVERY_KERNEL, ids=EVERY_KERNEL_IDS)
+def test_pdl_after_producer(kernel, cluster):
     """With PDL the step waits for the kernel that writes its inputs."""
     H, B, pages = 12, 40, 50
     layer = kt.make_layer(H, pages, seed=7, device="cuda")
@@ -268,7 +272,7 @@ def test_pdl_after_producer(kernel):
     step.x.zero_()
     torch.cuda._sleep(2_000_000)  # a slow predecessor, then the producer of x
     step.x.copy_(source)
-    got = call_kernel(layer, step, kernel, pdl=True)
+    got = call_kernel(layer, step, kernel, pdl=True, cluster=cluster)
     torch.cuda.synchronize()
     assert torch.equal(layer.conv_state, ref_layer.conv_state)
     check_output(got, ref, H)

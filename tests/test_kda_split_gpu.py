@@ -12,6 +12,7 @@ import torch
 from test_kda_kernels_gpu import (
     POISON,
     bf16_ulp,
+    call_kernel,
     check_output,
     check_state,
     make_records,
@@ -25,21 +26,6 @@ from kda import testing as kt
 pytestmark = pytest.mark.gpu
 
 CLUSTERS = [2, 4, 8]
-
-
-def call_split(layer, step, cluster, records=None, gate_mode=2, pdl=False):
-    import kda
-
-    rows, dim = step.x.shape[0], layer.heads * 128
-    out = torch.full((rows, dim), POISON, dtype=torch.bfloat16, device=step.x.device)
-    kda.decode(
-        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
-        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
-        accepted=step.accepted, conv_dim_first=layer.conv_dim_first, records=records,
-        kernel="split", cluster=cluster, gate_mode=gate_mode, pdl=pdl, out=out,
-    )  # fmt: skip
-    return out
 
 
 def check_records(step, B, ref_records, got_records):
@@ -77,7 +63,8 @@ def run_split(H, B, T, cluster, *, dim_first, bias, record, padding, gate_mode=2
     ref_records = make_records(B, H, T, device) if record else None
     got_records = make_records(B, H, T, device) if record else None
     ref = kt.run_reference(ref_layer, step, records=ref_records)
-    got = call_split(layer, step, cluster, records=got_records, gate_mode=gate_mode)
+    got = call_kernel(layer, step, "split", records=got_records, gate_mode=gate_mode,
+                      cluster=cluster)  # fmt: skip
     torch.cuda.synchronize()
     check_state(layer.state, ref_layer.state, before, written_pages(step, ref_records))
     assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"
@@ -149,83 +136,5 @@ def test_auto_picks_split_for_one_request():
     check_output(out, ref, 6)
 
 
-@pytest.mark.parametrize("cluster", CLUSTERS)
-def test_steps_in_a_row(cluster):
-    """Three decode steps then two verify steps on the same pools, split vs reference."""
-    H, B, pages = 6, 4, 24
-    layer = kt.make_layer(H, pages, window=8, seed=3, device="cuda")
-    ref_layer = layer.clone()
-    for i in range(5):
-        T = 1 if i < 3 else 3
-        table = (1 + torch.arange(B * T, dtype=torch.int32).view(B, T)) % pages
-        step = kt.make_step(B, T, H, pages=pages, slot_table=table, padding=(i % B,),
-                            seed=10 + i, device="cuda")  # fmt: skip
-        before = layer.state.clone()
-        ref = kt.run_reference(ref_layer, step)
-        got = call_split(layer, step, cluster)
-        check_state(layer.state, ref_layer.state, before, written_pages(step, None))
-        assert torch.equal(layer.conv_state, ref_layer.conv_state)
-        check_output(got, ref, H)
-        layer.state.copy_(ref_layer.state)
-
-
-@pytest.mark.parametrize("cluster", CLUSTERS)
-def test_cuda_graph_replay(cluster):
-    """Capture one split step in a CUDA graph, replay it with new inputs many times."""
-    import kda
-
-    H, B, T, pages = 6, 4, 2, 16
-    layer = kt.make_layer(H, pages, window=6, seed=5, device="cuda")
-    step = kt.make_step(B, T, H, pages=pages, padding=(2,), seed=6, device="cuda")
-    out = torch.empty(B * T, H * 128, dtype=torch.bfloat16, device="cuda")
-    ref_layer = layer.clone()
-
-    def launch():
-        kda.decode(
-            step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
-            step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
-            layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-            eps=kt.EPS, accepted=step.accepted, kernel="split", cluster=cluster, out=out,
-            gate_mode=2,
-        )  # fmt: skip
-
-    launch()  # compile outside the capture
-    layer.state.copy_(ref_layer.state)
-    layer.conv_state.copy_(ref_layer.conv_state)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    for i in range(7):
-        fresh = kt.make_step(B, T, H, pages=pages, padding=(2,), seed=20 + i, device="cuda")
-        for name in ("x", "f_a", "beta", "gate", "accepted"):
-            getattr(step, name).copy_(getattr(fresh, name))
-        before = layer.state.clone()
-        out.fill_(POISON)
-        graph.replay()
-        ref = kt.run_reference(ref_layer, step)
-        torch.cuda.synchronize()
-        check_state(layer.state, ref_layer.state, before, written_pages(step, None))
-        assert torch.equal(layer.conv_state, ref_layer.conv_state)
-        check_output(out, ref, H)
-        layer.state.copy_(ref_layer.state)
-
-
-@pytest.mark.parametrize("cluster", CLUSTERS)
-def test_pdl_after_producer(cluster):
-    """With PDL the step waits for the kernel that writes its inputs."""
-    H, B, pages = 6, 2, 8
-    layer = kt.make_layer(H, pages, seed=7, device="cuda")
-    step = kt.make_step(B, 1, H, pages=pages, seed=8, device="cuda")
-    ref_layer = layer.clone()
-    ref = kt.run_reference(ref_layer, step)
-    source = step.x.clone()
-    step.x.zero_()
-    torch.cuda._sleep(2_000_000)  # a slow predecessor, then the producer of x
-    step.x.copy_(source)
-    got = call_split(layer, step, cluster, pdl=True)
-    torch.cuda.synchronize()
-    assert torch.equal(layer.conv_state, ref_layer.conv_state)
-    check_output(got, ref, H)
+# Steps in a row, CUDA-graph replay and PDL run for every kernel (each cluster size) in
+# tests/test_kda_kernels_gpu.py.

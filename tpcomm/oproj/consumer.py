@@ -26,7 +26,7 @@ in the reference. Only the order of the fp32 reductions differs from the referen
 ``output`` is within 1 bf16 ulp of it and identical on every rank.
 
 Protocol: polls are bounded (``globaltimer`` budget). A thread whose poll expires ORs the
-missing-rank mask (bit r: rank r) into the error word (the word after it is scratch); its
+missing-rank mask (bit r: rank r) into the error word (``ptx.poll_groups``); its
 CTA still takes part in the cluster exchanges (no peer can hang on it) but writes nothing:
 no ``prefix``, ``output``, ``xmoe`` or hint, and it re-arms no slot of the failed group.
 Otherwise every thread re-arms (sentinel) the mailbox groups it read. Optional ``xmoe``
@@ -295,12 +295,10 @@ def _kernel_class():
                 n: cutlass.Constexpr = min(POLL_CHUNK, count - lo)
                 if failed == 0:
                     addresses = [slot0 + (first + lo + i) * slot_bytes for i in range(n)]
-                    # poll_groups ORs a chunk-relative mask: give it the scratch word, and
-                    # put the rank mask into the error word here
-                    missing = ptx.poll_groups(raw, addresses, n, budget_ns, a_error + 4)
+                    missing = ptx.poll_groups(
+                        raw, addresses, n, budget_ns, a_error, first + lo
+                    )  # ORs the rank-numbered mask into the error word on expiry
                     failed = missing << (first + lo)
-                    if failed != 0:
-                        ptx.raise_error(a_error, failed)
                     for i in cutlass.range_constexpr(n):
                         for j in cutlass.range_constexpr(4):
                             x, y = ptx.unpack_bf16x2(raw[i * 4 + j])
