@@ -27,12 +27,13 @@ def recorded_step(H, B, T, *, padding=(), seed=0, extra_columns=0, holes=False):
     step = kt.make_step(B, T, H, pages=pages, slot_table=table, padding=padding,
                         seed=seed + 1, device="cuda")  # fmt: skip
     if holes:
-        # Some tokens' states are not kept (slot 0) while the checkpoint slot stays live.
+        # Some tokens' states are not kept (slot 0) while the checkpoint slot and the
+        # conv page (column 0) stay live.
         s = step.slots.clone()
         for b in range(B):
             c = int(step.accepted[b]) - 1
             for t in range(T):
-                if t != c and (b + t) % 3 == 0 and b not in padding:
+                if t not in (0, c) and (b + t) % 3 == 0 and b not in padding:
                     s[b, t] = 0
         step.slots = s
     records = make_records(B, H, T, "cuda")

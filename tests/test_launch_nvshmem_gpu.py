@@ -55,7 +55,10 @@ def free_port():
 
 def _env():
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **NO_MULTICAST)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **NO_MULTICAST)
+    if os.geteuid() == 0:  # Open MPI's mpirun refuses root without these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
 
 
 def _run(cmd, timeout):
