@@ -7,9 +7,14 @@ state, keys ``4 * (tid % LANES + LANES * c) + [0, 4)`` for chunk ``c`` in 0..KCH
 row are adjacent lanes, so a row's dot product is a butterfly over LANES lanes.
 
 Numerics (the reference's rounding points; only fp32 reduction order differs):
-- SiLU ``x / (1 + exp(-x))`` (IEEE division, ``exp`` evaluated in fp64 and rounded to
-  fp32 as the reference does, ``add.rn`` so that nothing is contracted) rounded to bf16;
-- decay ``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``;
+- SiLU ``x / (1 + exp(-x))`` (IEEE division, ``add.rn`` so that nothing is contracted)
+  rounded to bf16, bit for bit the reference's: a fast fp32 ``exp`` first; only when that
+  quotient lies within ``SILU_MARGIN`` fp32 ulps of a bf16 rounding midpoint (where the
+  fast exp's 2-ulp error could flip the bf16 bit) is it recomputed with ``exp`` evaluated
+  in fp64 and rounded once to fp32, as the reference does (a rare, divergent branch);
+- decay ``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))`` and the sigmoids
+  with the fast fp32 ``exp`` (within a few fp32 ulps of the reference: state and outputs
+  are compared with tolerances, and the recover kernel uses the same function);
 - ``rsqrt(s)`` as ``1 / sqrt(s)`` (both correctly rounded);
 - recurrence products with ``fma2`` / ``mul2`` on pairs of keys: Blackwell's packed
   ``fma.rn.f32x2`` / ``mul.rn.f32x2`` when ``packed`` (sm_100a), else two scalar
@@ -22,7 +27,7 @@ butterfly-summed over the row's LANES lanes.
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64
+from cutlass import BFloat16, Float32, Float64, Int32
 
 from .dispatch import has_packed_fma  # noqa: F401  (the compile-time arch switch)
 
@@ -54,11 +59,24 @@ def to_bf16_f32(value):
     return Float32(BFloat16(value))
 
 
+SILU_MARGIN = 16  # fp32 ulps around a bf16 midpoint where the SiLU takes the exact path
+
+
 def exp_f32(value):
-    """``exp`` rounded once to fp32 from an fp64 evaluation: the reference's ``_exp``, so
-    a SiLU output rounds to the reference's bf16 bit for bit (CUDA's ``expf`` is off by
-    up to 2 ulp, which flips a bf16 rounding of q, k or v now and then)."""
+    """Fast fp32 ``exp`` (CUDA's ``expf``: within 2 ulp)."""
+    return cute.math.exp(Float32(value))
+
+
+def exp_f32_exact(value):
+    """``exp`` rounded once to fp32 from an fp64 evaluation: the reference's ``_exp``."""
     return Float32(cute.math.exp(Float64(value)))
+
+
+def f32_bits(value):
+    """The 32 bits of an fp32 value as Int32 (no memory access)."""
+    return cute.arch.inline_ptx(
+        "mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[Float32(value)]
+    )
 
 
 def add_rn(a, b):
@@ -76,9 +94,19 @@ def sigmoid(value):
     return Float32(1.0) / add_rn(Float32(1.0), exp_f32(-value))
 
 
-def silu_bf16(value):
-    """The convolution's SiLU ``x / (1 + exp(-x))``, rounded to bf16 (returned as fp32)."""
-    return to_bf16_f32(value / add_rn(Float32(1.0), exp_f32(-value)))
+@cute.jit
+def silu_bf16(value: Float32) -> Float32:
+    """The convolution's SiLU ``x / (1 + exp(-x))``, rounded to bf16 (returned as fp32),
+    bit for bit the reference's (fp64-evaluated exp): the fast quotient is within a few
+    ulps of the exact one, so its bf16 rounding can only differ when it lies within
+    ``SILU_MARGIN`` ulps of a midpoint (low 16 bits near 0x8000); then recompute exactly."""
+    x = Float32(value)
+    y = x / add_rn(Float32(1.0), exp_f32(-x))
+    low = f32_bits(y) & Int32(0xFFFF)
+    near = (low - Int32(0x8000) <= Int32(SILU_MARGIN)) & (Int32(0x8000) - low <= Int32(SILU_MARGIN))
+    if near:
+        y = x / add_rn(Float32(1.0), exp_f32_exact(-x))
+    return to_bf16_f32(y)
 
 
 def rsqrt_f32(value):

@@ -19,8 +19,25 @@ sentence saying why. The rule follows the kernels' costs and the H200 measuremen
   recurrence over 128 rows); splitting each head's rows over a cluster of C CTAs cuts that
   by up to C at the price of repeated conv / gate work per CTA and two cluster exchanges.
   The cluster is the largest C in (8, 4, 2) with ``items * C <= SPLIT_MAX_CTAS_PER_SM *
-  sms``. The crossover is the intended one, NOT yet measured (issue 5 asks for
-  ``scripts/bench_kda.py``'s small-batch table): adjust ``SPLIT_MAX_CTAS_PER_SM`` from it.
+  sms``: at most one CTA per SM.
+
+Measured crossover (H200, ``python scripts/bench_kda.py --small``, CUDA graphs, us per
+step; the best kernel of each row is the one this rule picks):
+
+    H  B  T | items | wide | split2 | split4 | split8 | rule
+    6  1  1 |   6   |  6.5 |   5.9  |   5.3  |   5.1  | split8
+    6  2  1 |  12   |  7.6 |   6.9  |   6.5  |   6.3  | split8 (96 CTAs)
+    6  4  1 |  24   |  7.8 |   7.2  |   6.9  |   7.7  | split4 (split8: 192 CTAs > 132 SMs)
+    6  8  1 |  48   |  8.2 |   7.8  |   8.9  |  12.9  | split2
+   12  4  1 |  48   |  8.3 |   7.8  |   8.7  |  12.7  | split2
+   12  8  1 |  96   |  9.7 |  10.6  |  14.4  |  19.6  | wide (split2: 192 CTAs)
+    6  1  4 |   6   | 15.8 |  12.6  |  10.9  |  10.1  | split8
+   12  2  4 |  24   | 16.4 |  13.0  |  11.6  |  12.0  | split4
+   12  4  4 |  48   | 16.9 |  14.1  |  14.4  |  21.7  | split2
+   12  8  4 |  96   | 19.9 |  19.9  |  26.4  |  38.9  | wide
+
+  Past one CTA per SM a cluster's CTAs share SMs and the split loses its point: every
+  measured shape's best kernel is the rule's choice (within 1%).
 """
 
 from __future__ import annotations
@@ -30,12 +47,11 @@ from dataclasses import dataclass
 KERNELS = ("auto", "wide", "stream", "split")
 CLUSTERS = (2, 4, 8)
 CTAS_PER_SM = 2
-# KdaSplit while its CTAs fit this many per SM (intended crossover, to be measured on the
-# H200: H = 6 gives split up to B = 11 with cluster 2, B <= 2 with cluster 8).
+# KdaSplit while its CTAs fit this many per SM (measured crossover: the table above; at
+# H = 6 split runs up to B = 11 with cluster 2, B <= 2 with cluster 8).
 SPLIT_MAX_CTAS_PER_SM = 1
-# KdaSplit joins the auto choice once it has passed its GPU tests and the crossover above
-# is measured; until then "auto" keeps to the GPU-validated wide / stream.
-SPLIT_IN_AUTO = False
+# KdaSplit is in the auto choice (GPU-validated against the reference on the H200).
+SPLIT_IN_AUTO = True
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 

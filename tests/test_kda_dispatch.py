@@ -69,9 +69,11 @@ def test_few_items_pick_split_with_the_largest_cluster_that_fits():
     assert choose(limit + 1, 1, 1, sms=132).kernel == "wide"
 
 
-def test_split_stays_out_of_auto_until_validated():
-    assert not dispatch.SPLIT_IN_AUTO  # flip with the GPU run and the measured crossover
-    assert dispatch.choose(1, 6, 1, sms=132).kernel == "wide"
+def test_auto_takes_split_for_few_items():
+    assert dispatch.SPLIT_IN_AUTO  # GPU-validated; crossover measured (dispatch docstring)
+    assert dispatch.choose(1, 6, 1, sms=132).kernel == "split"
+    assert dispatch.choose(8, 12, 1, sms=132).kernel == "wide"  # 96 items: wide measured best
+    assert dispatch.choose(1, 6, 1, sms=132, split_in_auto=False).kernel == "wide"
 
 
 def test_forced_split_and_cluster():
