@@ -13,7 +13,14 @@ CUDA graphs of ``--iters`` steps, median of ``--repeats`` replays.
 
 Producer rows: one rank's ``OprojProducer`` (GEMM + fan-out publish into every mailbox,
 8 weight copies cycled so that L2 does not hold them) and all ranks' producers +
-consumers per step. The fused TP16 kernel is not written yet: no row for it.
+consumers per step.
+
+Fused rows (``OprojFused``: producer + consumer in one launch, ``produce_consume``):
+``fused 1`` is one rank's launch alone (the other ranks' slots refilled by a copy whose
+time is subtracted; planned for one launch on the GPU, as with one rank per GPU), floor =
+weights + fan-out stores + the consumer's bytes; ``fused all`` every rank's launch at
+once (``run_ranks(fused=True)``), skipped where the plan refuses them (co-residency),
+floor as ``prod+cons all``. The plan's tiles per producer group (T) are reported.
 
     python scripts/bench_oproj.py [--quick] [--json PATH]
 """
@@ -122,6 +129,27 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     )
     w_bytes = hid * d_local * 2
     row["floor_producer_us"] = (w_bytes + tp * tokens * hid * 2) / COPY_TBPS / 1e6
+    # one rank's fused producer + consumer: its own slot comes from its producer
+    comm.mailbox.arm()  # the producer rows above left rank 0's own slots published
+    others = a["partials"][1:]
+
+    def refill_others(i):
+        box[i & 1, 1:].copy_(others)
+
+    def fused_alone(i):
+        refill_others(i)
+        comm.produce_consume(attn, w_os[i % ROTATE], prefix, a["blocks"], a["norm"],
+                             a["query"], a["out_norm"], out, i, rank=0, launches=1)  # fmt: skip
+
+    try:
+        row["fused_tiles_alone"] = comm.fused_plan(launches=1).tiles
+        t_copy = _graph_time(refill_others, iters, repeats)
+        row["fused_alone_us"] = _graph_time(fused_alone, iters, repeats) - t_copy
+    except ValueError as e:
+        row["fused_alone_us"] = None
+        row["fused_alone_skipped"] = str(e)
+    row["floor_fused_alone_us"] = row["floor_producer_us"] + row["floor_alone_us"]
+    row["errors_alone"] += int(comm.errors.abs().sum())
     backend.teardown()
     # all ranks at once
     backend = LoopbackBackend(tp)
@@ -145,8 +173,31 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         row["produce_consume_all_us"] = _graph_time(produce_all, iters, repeats)
         row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
         row["errors_all"] = int(comm.errors.abs().sum())
+
+        def fused_all(i):
+            comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
+                           a["out_norm"], outs, i, w_os=w_all, fused=True)  # fmt: skip
+
+        try:
+            try:
+                row["fused_tiles_all"] = comm.fused_plan().tiles
+            except ValueError:
+                # the plan's groups do not fit 16 launches on one GPU: one polling group
+                # (what a loopback deployment would run) before giving up
+                backend.teardown()
+                backend = LoopbackBackend(tp)
+                comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS,
+                                      budget_ns=BUDGET, groups=1)  # fmt: skip
+                row["fused_tiles_all"] = comm.fused_plan().tiles
+            row["fused_all_groups"] = comm.groups
+            row["fused_all_us"] = _graph_time(fused_all, iters, repeats)
+            row["errors_all"] += int(comm.errors.abs().sum())
+        except ValueError as e:
+            row["fused_all_us"] = None
+            row["fused_all_skipped"] = str(e)
     except ValueError as e:
         row["publish_consume_all_us"] = row["produce_consume_all_us"] = None
+        row["fused_all_us"] = None
         row["all_skipped"] = str(e)
     backend.teardown()
     prefix = a["prefix"].clone()
@@ -171,7 +222,7 @@ def main():
     rows = []
     head = f"{'TP':>3} {'T':>2} {'nb':>3} | {'cons 1':>7} {'floor':>5} | {'prod 1':>7} "
     head += f"{'floor':>5} | {'pub+cons all':>12} {'floor':>5} | {'prod+cons all':>13} "
-    head += f"{'floor':>6} | {'torch':>6}"
+    head += f"{'floor':>6} | {'fused 1':>7} {'floor':>5} | {'fused all':>9} | {'torch':>6}"
     print(head)
 
     def cell(v, width, digits=2):
@@ -185,7 +236,14 @@ def main():
               f"{cell(r['floor_producer_us'], 5)} | {cell(r['publish_consume_all_us'], 12)} "
               f"{cell(r['floor_all_us'], 5)} | {cell(r['produce_consume_all_us'], 13)} "
               f"{cell(r.get('floor_produce_consume_all_us'), 6)} | "
+              f"{cell(r['fused_alone_us'], 7)} {cell(r['floor_fused_alone_us'], 5)} | "
+              f"{cell(r['fused_all_us'], 9)} | "
               f"{cell(r['torch_us'], 6)}", flush=True)  # fmt: skip
+        for key in ("fused_alone_skipped", "fused_all_skipped", "all_skipped"):
+            if key in r:
+                print(f"    {key}: {r[key]}", flush=True)
+        if r.get("fused_all_us") is not None:
+            print(f"    fused all: groups {r['fused_all_groups']}, tiles {r['fused_tiles_all']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -18,9 +18,11 @@ groups poll the mailbox and whether twoshot is worth it.
 ``TwoshotRows``: receive views and gather rows) on a ``tpcomm.symm`` backend,
 the error words and hint counters, and launches the producer (``OprojProducer``: the
 o-projection GEMM) or the publisher (a ready partial) and the ``OprojConsumer`` per rank
-(``run_ranks`` runs every loopback rank on its own stream). ``allreduce_attnres`` is the
-one-call form for one rank. Validation raises ``ValueError`` naming the argument
-before any launch.
+(``run_ranks`` runs every loopback rank on its own stream), or both in one launch
+(``produce_consume``: ``tpcomm.oproj.fused.OprojFused``, bitwise the same results; it
+refuses, before any launch, a shape whose CTAs cannot all be resident on the GPU, every
+loopback rank's launch counted). ``allreduce_attnres`` is the one-call form for one rank.
+Validation raises ``ValueError`` naming the argument before any launch.
 """
 
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import torch
 from tpcomm.checks import check_tensor
 from tpcomm.mailbox import Mailbox, TwoshotRows
 from tpcomm.oproj import consumer as C
+from tpcomm.oproj import fused as F
 from tpcomm.oproj.reference import check_consume
 
 POLL_CHUNK = C.POLL_CHUNK
@@ -120,6 +123,7 @@ class OprojAllReduce:
         self._no_xmoe = torch.zeros((1, tokens, hid), **bf)
         self._no_recv = torch.zeros((8,), **bf)
         self._fns = None
+        self._fused_plans = {}
         backend.check_coresident(
             (hid // C.SLICE) * tokens, C.GROUP_THREADS * groups, C.min_blocks_per_sm(groups)
         )
@@ -198,9 +202,9 @@ class OprojAllReduce:
             Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream),
         )  # fmt: skip
 
-    def produce(self, attn_out, w_o, step, rank=None, stream=None):
-        """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
-        rank, step = self._rank(rank), self._step(step)
+    def _check_projection(self, attn_out, w_o):
+        """ValueError naming the argument unless ``attn_out`` [tokens, D_local] and ``w_o``
+        [HID, D_local] fit; returns D_local."""
         if not isinstance(attn_out, torch.Tensor) or attn_out.dim() != 2:
             raise ValueError("attn_out must be a 2-D [tokens, D_local] torch.Tensor")
         d_local = attn_out.shape[1]
@@ -210,6 +214,12 @@ class OprojAllReduce:
             "attn_out", attn_out, (self.tokens, d_local), torch.bfloat16, self.device
         )
         _check_device_tensor("w_o", w_o, (self.hid, d_local), torch.bfloat16, self.device)
+        return d_local
+
+    def produce(self, attn_out, w_o, step, rank=None, stream=None):
+        """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
+        rank, step = self._rank(rank), self._step(step)
+        d_local = self._check_projection(attn_out, w_o)
         import cuda.bindings.driver as cuda
         from cutlass import Int32, Int64
 
@@ -231,30 +241,96 @@ class OprojAllReduce:
         if not checked:
             self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
         import cuda.bindings.driver as cuda
-        from cutlass import Float32, Int32, Int64
 
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
+        self.functions()[1](*args, cuda.CUstream(stream.cuda_stream))
+
+    def _consumer_args(self, rank, prefix, blocks, norm, query, out_norm, output, step, xmoe):
+        """The consumer's launch arguments (``OprojConsumerKernel.__call__`` less the stream)."""
+        from cutlass import Float32, Int32, Int64
+
         if self.twoshot:
             box = self.rows.gather_row(rank).view(2, 1, self.tokens, self.hid)
             recv = self.rows.receive_view(rank).view(-1)
         else:
             box, recv = self.mailbox.local(rank), self._no_recv
-        self.functions()[1](
+        return (
             _dl(box), _dl(prefix),
             _dl(self._no_blocks if blocks is None else blocks),
             _dl(norm), _dl(query), _dl(out_norm), _dl(output),
             _dl(self._no_xmoe if xmoe is None else xmoe), _dl(self.hints(rank), 4),
             Float32(self.eps), Float32(self.out_eps), _dl(self.error(rank), 4),
             Int32(step & 1), Int64(self.budget_ns), _dl(recv), _dl(self.gather_peers[rank], 8),
-            Int32(rank), cuda.CUstream(stream.cuda_stream),
+            Int32(rank),
+        )  # fmt: skip
+
+    # --- fused producer + consumer ------------------------------------------------------
+    def fused_plan(self, tiles=None, limits=None, launches=None):
+        """The fused launch on this GPU (``tpcomm.oproj.fused.plan_fused``): ValueError when
+        its CTAs cannot all be resident. ``launches``: launches sharing the GPU at once;
+        default every rank's on a one-GPU backend (loopback), else 1 (a benchmark of one
+        loopback rank alone passes 1). ``limits`` (``DeviceLimits``) overrides the
+        device's."""
+        key = (tiles, limits, launches)
+        if key not in self._fused_plans:
+            if limits is None:
+                if self.device.type != "cuda":
+                    raise ValueError(f"the fused plan needs a CUDA device; got {self.device}")
+                limits = F.DeviceLimits.of(self.device)
+            shared = self.backend.world if self.backend.single_device else 1
+            plan = F.plan_fused(
+                self.tp, self.tokens, self.hid, self.nb, self.groups, limits,
+                launches=shared if launches is None else launches, tiles=tiles,
+                xmoe_reps=self.xmoe_reps,
+            )  # fmt: skip
+            if launches is None:  # the backend's own rule too (loopback: world launches)
+                self.backend.check_coresident(plan.ctas, plan.threads, plan.launch_bound)
+            self._fused_plans[key] = plan
+        return self._fused_plans[key]
+
+    def fused_function(self, d_local, tiles=None, pdl=False, launches=None):
+        """The compiled ``OprojFused`` for this all-reduce (plans first: may refuse)."""
+        plan = self.fused_plan(tiles, launches=launches)
+        return F.compiled_fused(
+            self.tp, self.hid, self.nb, d_local, plan.tiles, self.has_delta, self.groups,
+            self.xmoe_reps, self.multicast_base != 0, self.fence, bool(pdl), self.twoshot,
+        )  # fmt: skip
+
+    def produce_consume(self, attn_out, w_o, prefix, blocks, norm, query, out_norm, output,
+                        step, *, xmoe=None, rank=None, stream=None, tiles=None, pdl=False,
+                        launches=None, checked=False):  # fmt: skip
+        """Rank ``rank``'s ``produce`` + ``consume`` in one launch (``OprojFused``): its
+        ``bf16(attn_out @ w_o^T)`` into every rank's mailbox, then the all-reduce, AttnRes
+        and norm; ``prefix`` updated in place. Bitwise what ``produce`` then ``consume``
+        give. ``tiles`` overrides the plan's tiles per producer group, ``launches`` its
+        count of launches sharing the GPU (``fused_plan``); ``pdl`` launches with
+        programmatic dependent launch (waits for the previous kernel in-kernel)."""
+        rank, step = self._rank(rank), self._step(step)
+        d_local = self._check_projection(attn_out, w_o)
+        if not checked:
+            self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
+        fn = self.fused_function(d_local, tiles, pdl, launches)
+        import cuda.bindings.driver as cuda
+        from cutlass import Int64
+
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
+        fn(
+            _dl(attn_out), _dl(w_o), _dl(self.peers[rank], 8), Int64(self.multicast_base),
+            *args, cuda.CUstream(stream.cuda_stream),
         )  # fmt: skip
 
     def run_ranks(self, partials, prefixes, blocks, norm, query, out_norm, outputs, step,
-                  *, xmoes=None, ranks=None, publishers=None, w_os=None):  # fmt: skip
+                  *, xmoes=None, ranks=None, publishers=None, w_os=None, fused=False,
+                  pdl=False):  # fmt: skip
         """Loopback: each rank publishes ``partials[r]`` and consumes on its own stream.
 
         With ``w_os`` [TP, HID, D_local], ``partials`` are the ranks' ``attn_out``
-        [TP, tokens, D_local] and the ``OprojProducer`` computes and publishes them.
+        [TP, tokens, D_local] and the ``OprojProducer`` computes and publishes them; with
+        ``fused`` too, each rank does both in one ``OprojFused`` launch
+        (``produce_consume``; a rank publishes exactly when it consumes: ``ranks`` limits
+        both, ``publishers`` must be left out; ``pdl`` as in ``produce_consume``).
 
         ``prefixes``/``outputs`` [TP, tokens, HID] (one per rank), ``xmoes``
         [TP, reps, tokens, HID]; ``ranks`` limits the consumers, ``publishers`` the ranks
@@ -265,15 +341,30 @@ class OprojAllReduce:
             raise ValueError("run_ranks needs a backend with one stream per rank (loopback)")
         ranks = self.backend.ranks if ranks is None else tuple(ranks)
         publishers = ranks if publishers is None else tuple(publishers)
+        if fused and w_os is None:
+            raise ValueError("run_ranks(fused=True) needs w_os: the fused kernel projects")
+        if fused and set(publishers) != set(ranks):
+            raise ValueError("run_ranks(fused=True): a rank publishes exactly when it consumes; "
+                             "limit both with ranks, not publishers")  # fmt: skip
         for r in ranks:
             x = None if xmoes is None else xmoes[r]
             self.check(prefixes[r], blocks, norm, query, out_norm, outputs[r], x)
+            if fused:
+                self._check_projection(partials[r], w_os[r])
+        if fused:  # plan (may refuse) and compile before the first rank starts polling
+            self.fused_function(partials.shape[-1], pdl=pdl)
         current = torch.cuda.current_stream(self.device)
         fork = torch.cuda.Event()
         fork.record(current)
         for r in sorted(set(ranks) | set(publishers)):
             streams[r].wait_event(fork)
             with torch.cuda.stream(streams[r]):
+                if fused:
+                    x = None if xmoes is None else xmoes[r]
+                    self.produce_consume(partials[r], w_os[r], prefixes[r], blocks, norm, query,
+                                         out_norm, outputs[r], step, xmoe=x, rank=r,
+                                         stream=streams[r], pdl=pdl, checked=True)  # fmt: skip
+                    continue
                 if r in publishers and w_os is not None:
                     self.produce(partials[r], w_os[r], step, rank=r, stream=streams[r])
                 elif r in publishers:

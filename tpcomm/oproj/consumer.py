@@ -43,6 +43,14 @@ mailbox (``S = 1``: group 0 polls it, other groups are empty and add +0.0), exac
 ``reference.consume(..., twoshot=True)``. In the error word, bit r of a failed reduce is
 rank r's receive slot; bit 0 of a failed gather poll is the gather row.
 
+PDL (``pdl=True``): dependents are triggered at once; the wait for the previous kernel
+comes at the end (the producer, launched before, writes nothing this kernel reads but the
+mailbox). With ``early_wait`` (the fused kernel, ``tpcomm.oproj.fused``, whose previous
+kernel writes ``attn_out``) the wait comes after the AttnRes pre-phase instead, before
+``prefix`` is read and before any mailbox poll. ``body`` is one CTA's work, shared by
+this kernel and the fused one; ``smem_bytes`` is its shared memory (plain Python, for
+the co-residency rules).
+
 The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
 """
 
@@ -76,6 +84,37 @@ def min_blocks_per_sm(groups: int) -> int:
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def smem_layout(hid: int, nb: int, groups: int) -> list[tuple[int, int]]:
+    """(bytes, alignment) of each shared allocation of ``allocate``, in its order."""
+    ctas = hid // SLICE
+    kpre, kpost = max(1, pow2_at_least(2 * nb) if nb else 0), 4 if nb else 1
+    return [
+        (2 * 8, 8),  # the two exchange mbarriers
+        ((4 + nb) * GROUP_THREADS * 16, 16),  # prefetch rows
+        (max(1, groups - 1) * GROUP_THREADS * 8 * 4, 16),  # the helper groups' sums
+        (4 * kpre * 4, 16),
+        (4 * kpost * 4, 16),
+        (ctas * kpre * 4, 16),
+        (ctas * kpost * 4, 16),
+        (kpre * 4, 16),
+        (kpost * 4, 16),
+        (4 * 4, 16),  # error flag
+    ]
+
+
+def pack_smem(allocations) -> int:
+    """Bytes a sequence of (bytes, alignment) allocations takes (a bump allocator)."""
+    offset = 0
+    for size, align in allocations:
+        offset = -(-offset // align) * align + size
+    return offset
+
+
+def smem_bytes(hid: int, nb: int, groups: int) -> int:
+    """Dynamic shared memory of one consumer CTA (what the DSL passes at launch)."""
+    return pack_smem(smem_layout(hid, nb, groups))
 
 
 def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
@@ -149,13 +188,15 @@ def _kernel_class():
         twoshot (and its sys fence before the gather publish)."""
 
         def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
-                     twoshot=False, fence=False):  # fmt: skip
+                     twoshot=False, fence=False, early_wait=False):  # fmt: skip
             check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
             self.tp, self.hid, self.nb = tp, hid, nb
             self.twoshot, self.fence = bool(twoshot), bool(fence)
             self.slots = 1 if twoshot else tp  # mailbox slots polled: the gather row alone
             self.has_delta, self.groups = bool(has_delta), groups
             self.xmoe_reps, self.pdl = xmoe_reps, bool(pdl)
+            # PDL wait before the polls and the prefix read (the fused kernel), else at the end
+            self.wait_before_poll = self.pdl and bool(early_wait)
             self.ctas = hid // SLICE
             self.kpre = pow2_at_least(2 * nb) if nb else 0
             self.kpost = 4 if nb else 1
@@ -247,19 +288,24 @@ def _kernel_class():
         @cute.jit
         def prefetch(self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query,
                      a_out_norm):  # fmt: skip
+            """cp.async of this thread's rows; the prefix row waits for the PDL wait when
+            ``wait_before_poll`` (``prefetch_prefix`` then)."""
             if cutlass.const_expr(self.nb > 0):
                 cp_async_16(saddr(pf, (ROW_NORM, tid, 0)), a_norm + col_bytes)
                 cp_async_16(saddr(pf, (ROW_QUERY, tid, 0)), a_query + col_bytes)
             cp_async_16(saddr(pf, (ROW_OUT_NORM, tid, 0)), a_out_norm + col_bytes)
             hid_bytes = Int64(self.hid * 2)
-            if cutlass.const_expr(self.has_delta):
-                cp_async_16(
-                    saddr(pf, (ROW_PREFIX, tid, 0)), a_prefix + token * hid_bytes + col_bytes
-                )
+            if cutlass.const_expr(self.has_delta and not self.wait_before_poll):
+                self.prefetch_prefix(pf, tid, col_bytes, token, a_prefix)
             for b in cutlass.range_constexpr(self.nb):
                 src = a_blocks + (token * self.nb + b) * hid_bytes + col_bytes
                 cp_async_16(saddr(pf, (ROW_BLOCK + b, tid, 0)), src)
             cute.arch.cp_async_commit_group()
+
+        @cute.jit
+        def prefetch_prefix(self, pf, tid, col_bytes, token, a_prefix):
+            hid_bytes = Int64(self.hid * 2)
+            cp_async_16(saddr(pf, (ROW_PREFIX, tid, 0)), a_prefix + token * hid_bytes + col_bytes)
 
         @cute.jit
         def exchange(self, values, k: cutlass.Constexpr[int], warp_sums, ex, total, bar, tid, cta):
@@ -318,6 +364,8 @@ def _kernel_class():
         @cute.jit
         def helper(self, group, parts, flag, slot0, slot_bytes, budget_ns, a_error, tid):
             """Groups 1..: poll their slots, park the fp32 sum for the lead, re-arm."""
+            if cutlass.const_expr(self.wait_before_poll):
+                cute.arch.griddepcontrol_wait()
             acc = cute.make_rmem_tensor(8, Float32)
             raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
             for g in cutlass.range_constexpr(1, self.groups):
@@ -402,6 +450,12 @@ def _kernel_class():
                         else:
                             mix[j] = cute.math.fma(expo[b], v[j], mix[j])
                 qpart = dot8(mix, mix)
+            if cutlass.const_expr(self.wait_before_poll):
+                # everything above reads only what no kernel of this step writes
+                cute.arch.griddepcontrol_wait()
+                if cutlass.const_expr(self.has_delta):
+                    self.prefetch_prefix(pf, tid, col_bytes, token, a_prefix)
+                    cute.arch.cp_async_commit_group()
             # 2. (twoshot: reduce this rank's shard into every gather row first) this group's
             # mailbox slots, then the other groups' sums in group order
             if cutlass.const_expr(self.twoshot):
@@ -428,6 +482,8 @@ def _kernel_class():
             # 3. prefix_new = bf16(prefix + bf16(attn)) (or bf16(attn))
             words = [ptx.pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
             if cutlass.const_expr(self.has_delta):
+                if cutlass.const_expr(self.wait_before_poll):
+                    cute.arch.cp_async_wait_group(0)
                 old = self.row(pf, ROW_PREFIX, tid)
                 summed = []
                 for j in cutlass.range_constexpr(4):
@@ -490,8 +546,20 @@ def _kernel_class():
                    gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
             thread, _, _ = cute.arch.thread_idx()
             cta, token, _ = cute.arch.block_idx()
-            group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
             smem = self.allocate()
+            self.body(smem, thread, cta, token, a_mailbox, a_prefix, a_blocks, a_norm, a_query,
+                      a_out_norm, a_output, a_xmoe, a_hints, a_error, tokens, eps, out_eps,
+                      step, budget_ns, a_recv, gather_peers, rank)  # fmt: skip
+
+        @cute.jit
+        def body(self, smem, thread, cta, token, a_mailbox: Int64, a_prefix: Int64,
+                 a_blocks: Int64, a_norm: Int64, a_query: Int64, a_out_norm: Int64,
+                 a_output: Int64, a_xmoe: Int64, a_hints: Int64, a_error: Int64, tokens: Int32,
+                 eps: Float32, out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
+                 gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
+            """One CTA of token ``token``'s cluster (CTA ``cta`` of it), ``smem`` from
+            ``allocate``: what ``kernel`` runs, and the fused kernel's consumer CTAs."""
+            group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
             bars, pf, flag = smem[0], smem[1], smem[9]
             ptx.arm_exchanges(bars, (4 * self.ctas * max(1, self.kpre), 4 * self.ctas * self.kpost))
             if thread == 0:

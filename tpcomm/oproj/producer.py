@@ -23,7 +23,8 @@ fragments are added in warp order through shared memory, and 128 threads publish
 16 features x tokens as 16-byte groups (8 peers per group in parallel). Only the order of
 the fp32 accumulation differs from ``tpcomm.oproj.reference.project`` (within 1 bf16 ulp).
 With ``pdl`` it waits for the previous kernel (the KDA step) before reading ``attn_out``
-and lets the consumer launch at once.
+and lets the consumer launch at once. ``OprojProducer.tile`` is one CTA's 16-feature tile
+for any 128 threads: the fused kernel (``tpcomm.oproj.fused``) runs several per CTA.
 
 The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
 """
@@ -156,6 +157,7 @@ def compiled_publisher(tp, hid, multicast=False, fence=False, pdl=False, arch=No
 FEATURES = 16  # output features per CTA (the MMA's M)
 K_CHUNK = 32  # k per warp iteration (two m16n8k16)
 WARPS = 4
+TILE_SMEM_BYTES = WARPS * 32 * 4 * 4  # fp32 fragments of one tile, summed in warp order
 
 
 @functools.cache
@@ -231,18 +233,30 @@ def _producer_class():
                    tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
             tid, _, _ = cute.arch.thread_idx()
             cta, _, _ = cute.arch.block_idx()
-            warp, lane = tid // 32, tid % 32
-            g, t = lane // 4, lane % 4
             smem = cutlass.memory.SmemAllocator()
             red = smem_tensor(smem, Float32, (WARPS, 32, 4))
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
+            self.tile(a_attn, a_w, peers, multicast_base, tokens, rank, step, cta, tid, red,
+                      0, None, self.pdl)  # fmt: skip
+
+        @cute.jit
+        def tile(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
+                 tokens: Int32, rank: Int32, step: Int32, index, tid, red, warp0,
+                 barrier_id, wait: cutlass.Constexpr[bool]):  # fmt: skip
+            """One 16-feature tile ``index`` (features ``16 index ..``) by the 128 threads
+            ``tid`` = 0..127 of four warps: GEMM, warp-order sum through ``red[warp0 ..
+            warp0 + 3]``, publish. ``barrier_id`` None: the CTA barrier, else a 128-thread
+            named barrier (the fused kernel runs several tiles per CTA). With ``wait`` the
+            previous kernel (PDL) is waited for before ``attn_out`` is read."""
+            warp, lane = tid // 32, tid % 32
+            g, t = lane // 4, lane % 4
             row_bytes = Int64(self.d * 2)
-            w_lo = a_w + Int64(cta * FEATURES + g) * row_bytes + t * 16
+            w_lo = a_w + Int64(index * FEATURES + g) * row_bytes + t * 16
             w_hi = w_lo + 8 * row_bytes
             b_row = a_attn + Int64(cutlass.min(g, tokens - 1)) * row_bytes + t * 16
             live = g < tokens
-            if cutlass.const_expr(self.pdl):
+            if cutlass.const_expr(wait):
                 cute.arch.griddepcontrol_wait()
             acc = cute.make_rmem_tensor(4, Float32)
             for j in cutlass.range_constexpr(4):
@@ -260,8 +274,11 @@ def _producer_class():
                 for j in cutlass.range_constexpr(4):
                     acc[j] = d[j]
             for j in cutlass.range_constexpr(4):
-                red[warp, lane, j] = acc[j]
-            cute.arch.barrier()
+                red[warp0 + warp, lane, j] = acc[j]
+            if cutlass.const_expr(barrier_id is None):
+                cute.arch.barrier()
+            else:
+                cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
             # thread -> (token n, half h of the 16 features, peer lane q)
             group, q = tid // 8, tid % 8
             n, h = group // 2, group % 2
@@ -269,12 +286,12 @@ def _producer_class():
                 values = []
                 for j in cutlass.range_constexpr(8):
                     src = (j * 4 + n // 2, 2 * h + n % 2)  # (lane, register) holding it
-                    s = red[0, src[0], src[1]] + red[1, src[0], src[1]]
-                    s = s + red[2, src[0], src[1]]
-                    values.append(s + red[3, src[0], src[1]])
+                    s = red[warp0, src[0], src[1]] + red[warp0 + 1, src[0], src[1]]
+                    s = s + red[warp0 + 2, src[0], src[1]]
+                    values.append(s + red[warp0 + 3, src[0], src[1]])
                 words = [ptx.pack_bf16x2(values[2 * j], values[2 * j + 1]) for j in range(4)]
                 slot_bytes = Int64(tokens) * (self.hid * 2)
-                column = cta * FEATURES + h * 8
+                column = index * FEATURES + h * 8
                 offset = (Int64(step & 1) * self.tp + rank) * slot_bytes
                 offset = offset + (Int64(n) * self.hid + column) * 2
                 if cutlass.const_expr(self.fence):
