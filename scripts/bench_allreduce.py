@@ -9,8 +9,9 @@ they capture:
 
 - ``ours: producer + consumer``: ``OprojAllReduce.produce`` (bf16(attn @ w_o^T) published
   into every rank's mailbox) then ``consume`` (rank-order sum, residual, AttnRes, RMSNorm)
-  on the nvshmem backend, per-peer stores (no multicast); two launches in one graph (the
-  single fused kernel is not written yet);
+  on the nvshmem backend, per-peer stores (no multicast); two launches in one graph;
+- ``ours: fused producer + consumer``: the same in one ``OprojFused`` launch per rank
+  (``produce_consume``), first checked bitwise equal to the unfused pair;
 - ``ours: consumer alone``: the partials published first (untimed), then the consumer;
 - ``nccl: all_reduce``, ``nccl: all_reduce + torch ops`` and ``nccl: gemm + all_reduce +
   torch ops``: ``torch.distributed.all_reduce`` (NCCL) of the bf16 partial, followed by the
@@ -227,7 +228,8 @@ class Bench:
         from tpcomm.oproj.producer import compiled_producer
 
         a = self.args
-        names = ("ours: producer + consumer", "ours: consumer alone")
+        names = ("ours: producer + consumer", "ours: consumer alone",
+                 "ours: fused producer + consumer")  # fmt: skip
         try:
             comm = OprojAllReduce(self.backend, tokens, a.hidden, nb, groups=a.groups,
                                   eps=EPS, out_eps=OUT_EPS, budget_ns=BUDGET_NS)  # fmt: skip
@@ -241,6 +243,7 @@ class Bench:
         compiled_producer(comm.tp, comm.hid, self.d_local, comm.multicast_base != 0,
                           comm.fence, twoshot=comm.twoshot)  # fmt: skip
         prefix = x["prefix"].clone()
+        self._prefix0 = x["prefix"]
         output = torch.empty_like(prefix)
         args = (x["blocks"], x["norm"], x["query"], x["out_norm"], output)
 
@@ -284,6 +287,9 @@ class Bench:
             comm.reset()
 
         self.backend.barrier()
+        self.fused(comm, tokens, nb, x, prefix, args)
+
+        self.backend.barrier()
         pubs, cons = [], []
         for parity in (0, 1):
             fn, _ = self.capture(lambda parity=parity: comm.publish(x["partial"], parity))
@@ -297,6 +303,52 @@ class Bench:
             self.failures.append(f"ours (consumer alone) at {tokens} tokens: timeouts")
             comm.reset()
         self.backend.barrier()
+
+    def fused(self, comm, tokens, nb, x, prefix, args):
+        """``ours: fused producer + consumer``: ``produce_consume`` (one ``OprojFused``
+        launch per rank), checked bitwise against the unfused pair's step first."""
+        name = "ours: fused producer + consumer"
+        try:
+            comm.fused_function(self.d_local)  # plan (may refuse) + compile before polls
+        except ValueError as e:
+            self.record(name, tokens, nb, refused=str(e))
+            return
+        output = args[-1]
+        want_prefix, want_out = prefix.clone(), output.clone()
+        prefix.copy_(self._prefix0)
+        self.backend.barrier()
+        comm.produce(x["attn"], x["w_o"], 0)
+        self.backend.barrier()
+        comm.consume(prefix, *args, 0)
+        torch.cuda.synchronize(self.device)
+        want_prefix.copy_(prefix)
+        want_out.copy_(output)
+        prefix.copy_(self._prefix0)
+        self.backend.barrier()
+        comm.produce_consume(x["attn"], x["w_o"], prefix, *args, 1)
+        torch.cuda.synchronize(self.device)
+        same = torch.equal(prefix.view(torch.int16), want_prefix.view(torch.int16)) and (
+            torch.equal(output.view(torch.int16), want_out.view(torch.int16))
+        )
+        differ = self.host_max(0.0 if same else 1.0)
+        self.backend.barrier()
+        graphs, how = [], "graph"
+        for parity in (0, 1):
+            fn, how = self.capture(
+                lambda parity=parity: comm.produce_consume(
+                    x["attn"], x["w_o"], prefix, *args, parity, checked=True
+                )
+            )
+            graphs.append(fn)
+        times = self.measure(graphs)
+        errors = self.host_max(float(comm.errors[:, 0].abs().sum().item()))
+        self.record(name, tokens, nb, times, how + ("" if differ == 0 else "; NOT BITWISE"),
+                    timeouts=errors, bitwise_vs_unfused=differ == 0)  # fmt: skip
+        if differ:
+            self.failures.append(f"fused at {tokens} tokens, nb {nb}: differs from unfused")
+        if errors:
+            self.failures.append(f"fused at {tokens} tokens, nb {nb}: consumer timeouts")
+            comm.reset()
 
     def host_max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)

@@ -25,6 +25,7 @@ from launch import decode, gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "decode.py")
 BENCH = os.path.join(ROOT, "scripts", "bench_allreduce.py")
+HAZARDS = os.path.join(ROOT, "tests", "nvshmem_hazards.py")
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -184,6 +185,18 @@ def test_bench_allreduce_runs(nproc, tmp_path):
     refused = [r for r in ours if r["tokens"] == 32]
     assert all(r.get("refused") for r in refused)
     assert all(r["median_us"] > 0 for r in ours if r["tokens"] != 32)
+    fused = [r for r in rows if r["variant"] == "ours: fused producer + consumer"]
+    assert {r["tokens"] for r in fused} == {1, 8, 32}
+    assert all(r["bitwise_vs_unfused"] and r["median_us"] > 0 for r in fused if r["tokens"] < 32)
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_hazards_across_gpus(nproc):
+    """tpcomm's hazards on real GPUs: 1000 graph replays, a delayed rank, a dead rank."""
+    p, lines = torchrun(nproc, HAZARDS, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert lines and lines[-1] == "HAZARDS OK", p.stdout[-4000:] + p.stderr[-4000:]
     print(p.stdout)
 
 
