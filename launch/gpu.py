@@ -350,9 +350,25 @@ class Runner:
             bk.blocks.copy_(blocks)
 
     # --- launches --------------------------------------------------------------------------
+    def kda_choice(self, bk: Bucket):
+        """The bucket's KDA kernel (``kda.dispatch.choose``), chosen once. Every rank this
+        process hosts shares the GPU (loopback: all TP ranks), so the dispatcher sees a
+        rank's share of the SMs: KdaSplit spreading one rank's few items over the whole
+        GPU would only crowd out the other ranks."""
+        if bk.kda_choice is None:
+            from kda import dispatch
+
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            bk.kda_choice = dispatch.choose(
+                self.cfg.requests, self.cfg.heads_per_rank, bk.tokens,
+                sms=max(1, sms // len(self.local)), kernel=self.kernel,
+            )  # fmt: skip
+        return bk.kda_choice
+
     def _kda(self, bk: Bucket, r: int) -> None:
         import kda
 
+        choice = self.kda_choice(bk)
         i = self.local[r]
         L = self.layers[i]
         kda.decode(
@@ -361,8 +377,8 @@ class Runner:
             lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, accepted=bk.accepted,
             conv_dim_first=L.conv_dim_first,
             records=(bk.v_records[i], bk.kg_records[i]) if bk.record else None,
-            kernel=bk.kda_choice.kernel, gate_mode=self.gate_mode, pdl=self.pdl, out=bk.attn[i],
-            cluster=bk.kda_choice.cluster if bk.kda_choice.kernel == "split" else None,
+            kernel=choice.kernel, gate_mode=self.gate_mode, pdl=self.pdl, out=bk.attn[i],
+            cluster=choice.cluster if choice.kernel == "split" else None,
         )  # fmt: skip
 
     def _recover(self, bk: Bucket, r: int) -> None:
@@ -488,17 +504,7 @@ class Runner:
         the pools and prefixes are as before the call. Collective with several processes."""
         if parity in bk.graphs:
             return bk.graphs[parity], None, None
-        from kda import dispatch
-
-        if bk.kda_choice is None:
-            # every rank this process hosts shares the GPU (loopback: all TP ranks), so the
-            # dispatcher sees a rank's share of the SMs: KdaSplit spreading one rank's few
-            # items over the whole GPU would only crowd out the other ranks
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            bk.kda_choice = dispatch.choose(
-                self.cfg.requests, self.cfg.heads_per_rank, bk.tokens,
-                sms=max(1, sms // len(self.local)), kernel=self.kernel,
-            )  # fmt: skip
+        self.kda_choice(bk)
         saved = self.snapshot(bk)
         self.enqueue(bk, parity, eager=True)  # eager: compiles and loads every kernel
         torch.cuda.synchronize(self.device)

@@ -41,6 +41,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 import torch  # noqa: E402
 
 from kda import testing as kt  # noqa: E402
+from kda.ops import plan as plan_kda  # noqa: E402
 from launch import gpu  # noqa: E402
 from launch.layer import EPS, OUT_EPS, Config, Model, Schedule  # noqa: E402
 
@@ -105,6 +106,8 @@ def alone(cfg, model, replays):
         runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS)
         plan, step, prefix, blocks = _step(cfg, model)
         bk = runner.bucket(1, False)
+        # one rank of a multi-GPU run has the whole GPU: the kernel a lone rank gets
+        bk.kda_choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
         runner.fill(bk, plan, step, prefix, blocks)
         partial = torch.randn(bk.rows, cfg.hidden, device=runner.device).to(torch.bfloat16)
 
