@@ -869,7 +869,10 @@ def _check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state,
     ok, _, ulps, detail = ulp_check(got_out, want_out)
     check("output vs TP reference math (1 ulp)", ok, i, detail)
     worst["output_ulp"] = max(worst["output_ulp"], ulps)
-    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], ref["u_out"])
+    # the epilogue of the TP prefix (bitwise got_prefix, checked above), in fp64
+    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], ref["epi_out"])
+    check("prefix vs unsharded o-proj (within bound)", p <= 1, i, f"worst {p:.3f}")
+    check("output vs fp64 epilogue of the prefix (within bound)", o <= 1, i, f"worst {o:.3f}")
     worst["prefix"], worst["output"] = max(worst["prefix"], p), max(worst["output"], o)
 
 
@@ -986,6 +989,6 @@ def _print(r):
     print(
         f"  worst: kda {w['kda_ulp']:.2f} ulp (exact >= {w['kda_exact']:.4f}), state "
         f"{w['state']:.2e} of page max, partials {w['partial_ulp']:.2f} ulp, output "
-        f"{w['output_ulp']:.2f} ulp; vs unsharded o-proj, error / bound: prefix "
-        f"{w['prefix']:.3f}, output {w['output']:.3f}"
+        f"{w['output_ulp']:.2f} ulp; error / bound: prefix vs unsharded o-proj "
+        f"{w['prefix']:.3f}, output vs fp64 epilogue {w['output']:.3f}"
     )

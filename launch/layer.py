@@ -236,32 +236,61 @@ class Unsharded:
         # The same layer with one fp32 GEMM over all heads (no per-rank bf16 partials).
         whole = oref.project(attn, m.w_o)[None]
         u_out, u_prefix = m.consume(whole, prefix, blocks, groups=1)
-        prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, u_out)
+        epi_out = epilogue_f64(tp_prefix, blocks, m.norm, m.query, m.out_norm)
+        prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out)
         return dict(
             attn=attn,
             tp_out=tp_out,
             tp_prefix=tp_prefix,
             u_out=u_out,
             u_prefix=u_prefix,
+            epi_out=epi_out,
             prefix_ratio=prefix_ratio,
             out_ratio=out_ratio,
         )
 
 
-def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, u_out) -> tuple[float, float]:
-    """Worst error / bound of a TP prefix and output against the unsharded fp32 o-proj.
+def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out) -> tuple[float, float]:
+    """Worst error / bound of a TP prefix against the unsharded fp32 o-proj, and of a TP
+    output against the fp64 epilogue of that same prefix (``epilogue_f64``).
 
-    Bounds of the per-rank bf16 partials against one fp32 GEMM: each partial and each
-    later bf16 rounding moves a value by at most 2^-8 of its magnitude; in the output a
-    prefix ulp moves its own element (2^-6 |out|) and, through the AttnRes logits and the
-    norm, every element of the row (2^-5 of its rms).
+    Prefix: each per-rank bf16 partial and each later bf16 rounding moves a value by at
+    most 2^-8 of its magnitude, against one fp32 GEMM over all heads. Output: the
+    epilogue (AttnRes + RMSNorm) evaluated in fp64 on the TP ``prefix_new``; the fp32
+    evaluation rounded to bf16 is within 2^-7 of each value plus 2^-9 of the row's rms
+    (one bf16 rounding is 2^-9; fp32 logits of magnitude L add about L x 2^-24 each; a
+    wrong formula, eps or weight is off by far more).
+    (Not the output against the unsharded layer: AttnRes logits of magnitude L amplify a
+    prefix ulp by about L, so that comparison has no bound worth checking.)
     """
     prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
     prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
-    rms = u_out.float().pow(2).mean(-1, keepdim=True).sqrt()
-    out_bound = 2.0**-6 * u_out.float().abs() + 2.0**-5 * rms
-    out_ratio = (tp_out.float() - u_out.float()).abs() / (out_bound + 2.0**-20)
+    want = epi_out.double()
+    rms = want.pow(2).mean(-1, keepdim=True).sqrt()
+    out_bound = 2.0**-7 * want.abs() + 2.0**-9 * rms
+    out_ratio = (tp_out.double() - want).abs() / (out_bound + 2.0**-30)
     return float(prefix_ratio.max()), float(out_ratio.max())
+
+
+def epilogue_f64(prefix_new, blocks, norm, query, out_norm, *, eps=EPS, out_eps=OUT_EPS):
+    """The consumer's AttnRes + RMSNorm in fp64, read as the math: softmax over the block
+    snapshots and ``prefix_new`` of ``(v . w) / rms(v)`` with ``w = norm * query``, the
+    weighted mix, then RMSNorm with ``out_norm`` (``out_eps``); no blocks: RMSNorm of
+    ``prefix_new``. Returns [N, HID] float64."""
+    P = prefix_new.double()
+    hidden = P.shape[-1]
+
+    def rms_scale(x, e):
+        return torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / hidden + e)
+
+    if blocks is None or blocks.shape[1] == 0:
+        h = P
+    else:
+        w = norm.double() * query.double()
+        v = torch.cat([blocks.double(), P[:, None]], dim=1)  # [N, nb + 1, HID]
+        logits = (v @ w)[..., None] * rms_scale(v, eps)
+        h = (torch.softmax(logits, dim=1) * v).sum(1)
+    return h * rms_scale(h, out_eps) * out_norm.double()
 
 
 def conv_cat(conv_all, conv_dim_first: bool) -> torch.Tensor:
