@@ -13,7 +13,9 @@ CUDA graphs of ``--iters`` steps, median of ``--repeats`` replays.
 
 Producer rows: one rank's ``OprojProducer`` (GEMM + fan-out publish into every mailbox,
 8 weight copies cycled so that L2 does not hold them) and all ranks' producers +
-consumers per step.
+consumers per step; the ``deep`` columns (JSON ``producer_deep_alone_us``,
+``produce_consume_all_deep_us``) the same with ``OprojAllReduce(..., producer="deep")``
+(``OprojProducerDeep``: each CTA's weight tile requested at once into shared memory).
 
 Fused rows (``OprojFused``: producer + consumer in one launch, ``produce_consume``):
 ``fused 1`` is one rank's launch alone (the other ranks' slots refilled by a copy whose
@@ -129,6 +131,11 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     )
     w_bytes = hid * d_local * 2
     row["floor_producer_us"] = (w_bytes + tp * tokens * hid * 2) / COPY_TBPS / 1e6
+    deep = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, producer="deep")
+    row["producer_deep_alone_us"] = _graph_time(
+        lambda i: deep.produce(attn, w_os[i % ROTATE], i, rank=0), iters, repeats
+    )
+    row["errors_alone"] += int(deep.errors.abs().sum())
     # one rank's fused producer + consumer: its own slot comes from its producer
     comm.mailbox.arm()  # the producer rows above left rank 0's own slots published
     others = a["partials"][1:]
@@ -173,6 +180,15 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         row["produce_consume_all_us"] = _graph_time(produce_all, iters, repeats)
         row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
         row["errors_all"] = int(comm.errors.abs().sum())
+        deep = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
+                              producer="deep")  # fmt: skip
+
+        def produce_all_deep(i):
+            deep.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
+                           a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
+
+        row["produce_consume_all_deep_us"] = _graph_time(produce_all_deep, iters, repeats)
+        row["errors_all"] += int(deep.errors.abs().sum())
 
         def fused_all(i):
             comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
@@ -197,6 +213,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
             row["fused_all_skipped"] = str(e)
     except ValueError as e:
         row["publish_consume_all_us"] = row["produce_consume_all_us"] = None
+        row["produce_consume_all_deep_us"] = None
         row["fused_all_us"] = None
         row["all_skipped"] = str(e)
     backend.teardown()
@@ -221,8 +238,9 @@ def main():
     ]  # fmt: skip
     rows = []
     head = f"{'TP':>3} {'T':>2} {'nb':>3} | {'cons 1':>7} {'floor':>5} | {'prod 1':>7} "
-    head += f"{'floor':>5} | {'pub+cons all':>12} {'floor':>5} | {'prod+cons all':>13} "
-    head += f"{'floor':>6} | {'fused 1':>7} {'floor':>5} | {'fused all':>9} | {'torch':>6}"
+    head += f"{'floor':>5} {'prod 1 deep':>11} | {'pub+cons all':>12} {'floor':>5} | "
+    head += f"{'prod+cons all':>13} {'floor':>6} {'prod+cons all deep':>18} | "
+    head += f"{'fused 1':>7} {'floor':>5} | {'fused all':>9} | {'torch':>6}"
     print(head)
 
     def cell(v, width, digits=2):
@@ -233,9 +251,11 @@ def main():
         rows.append(r)
         print(f"{tp:>3} {tokens:>2} {nb:>3} | {cell(r['consumer_alone_us'], 7)} "
               f"{cell(r['floor_alone_us'], 5)} | {cell(r['producer_alone_us'], 7)} "
-              f"{cell(r['floor_producer_us'], 5)} | {cell(r['publish_consume_all_us'], 12)} "
+              f"{cell(r['floor_producer_us'], 5)} {cell(r['producer_deep_alone_us'], 11)} | "
+              f"{cell(r['publish_consume_all_us'], 12)} "
               f"{cell(r['floor_all_us'], 5)} | {cell(r['produce_consume_all_us'], 13)} "
-              f"{cell(r.get('floor_produce_consume_all_us'), 6)} | "
+              f"{cell(r.get('floor_produce_consume_all_us'), 6)} "
+              f"{cell(r['produce_consume_all_deep_us'], 18)} | "
               f"{cell(r['fused_alone_us'], 7)} {cell(r['floor_fused_alone_us'], 5)} | "
               f"{cell(r['fused_all_us'], 9)} | "
               f"{cell(r['torch_us'], 6)}", flush=True)  # fmt: skip

@@ -78,14 +78,18 @@ def test_kernel_config_validation():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", ["tiled", "deep"])
 @pytest.mark.parametrize(
     "tp, hid, d_local, multicast, pdl", [(16, 7168, 768, False, True), (2, 1024, 128, True, False)]
 )
-def test_producer_compiles(arch, tp, hid, d_local, multicast, pdl):
+def test_producer_compiles(arch, variant, tp, hid, d_local, multicast, pdl):
     require_dsl()
     from tpcomm.oproj.producer import compiled_producer
 
-    assert compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch) is not None
+    f = compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch, variant=variant)
+    assert f is not None
+    assert f is compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch,
+                                  variant=variant)  # fmt: skip
 
 
 def test_producer_ptx_uses_mma_and_scoped_stores(tmp_path):
@@ -120,6 +124,7 @@ def test_twoshot_compiles(arch, tp, hid, nb, groups):
     assert compiled(tp, hid, nb, True, groups, 1, False, arch, twoshot=True, fence=True)
     assert compiled_publisher(tp, hid, False, True, False, arch, twoshot=True)
     assert compiled_producer(tp, hid, 768, False, False, True, arch, twoshot=True)
+    assert compiled_producer(tp, hid, 768, False, True, True, arch, twoshot=True, variant="deep")
 
 
 def test_twoshot_needs_whole_groups_per_shard():

@@ -9,15 +9,16 @@ groups poll the mailbox and whether twoshot is worth it.
   loopback backend).
 - twoshot: one-shot moves ``TP x tokens x HID x 2`` bytes into every rank; twoshot about
   ``2 x tokens x HID x 2`` plus a second hop. Worth it from TP 8 with 4+ tokens. The
-  twoshot path exists (``OprojAllReduce(..., twoshot=True)``) but is not yet validated
-  on the GPU, so the plan picks it only with ``twoshot_available=True``
-  (``TWOSHOT_AVAILABLE``); otherwise one-shot, saying why. A twoshot plan uses 1 group
-  (the consumer polls the one gather slot).
+  twoshot path (``OprojAllReduce(..., twoshot=True)``) is GPU-validated on loopback,
+  but the plan picks it only with ``twoshot_available=True`` (``TWOSHOT_AVAILABLE``)
+  until a run on 8 GPUs measures the crossover; otherwise one-shot, saying why. A
+  twoshot plan uses 1 group (the consumer polls the one gather slot).
 
 ``OprojAllReduce`` holds one double-buffered ``Mailbox`` (or, with ``twoshot``, the
 ``TwoshotRows``: receive views and gather rows) on a ``tpcomm.symm`` backend,
-the error words and hint counters, and launches the producer (``OprojProducer``: the
-o-projection GEMM) or the publisher (a ready partial) and the ``OprojConsumer`` per rank
+the error words and hint counters, and launches the producer (``OprojProducer``, or
+``OprojProducerDeep`` with ``producer="deep"``: the o-projection GEMM) or the publisher
+(a ready partial) and the ``OprojConsumer`` per rank
 (``run_ranks`` runs every loopback rank on its own stream), or both in one launch
 (``produce_consume``: ``tpcomm.oproj.fused.OprojFused``, bitwise the same results; it
 refuses, before any launch, a shape whose CTAs cannot all be resident on the GPU, every
@@ -38,7 +39,9 @@ from tpcomm.oproj.reference import check_consume
 POLL_CHUNK = C.POLL_CHUNK
 TWOSHOT_MIN_TP = 8
 TWOSHOT_MIN_TOKENS = 4
-TWOSHOT_AVAILABLE = False  # flip once tests/test_oproj_consumer_gpu.py -k twoshot passes
+# twoshot passed its GPU tests (loopback, H200); it joins the automatic choice once an
+# 8-GPU run shows where it beats one-shot (it only saves NVLink bytes at TP >= 8)
+TWOSHOT_AVAILABLE = False
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,19 @@ class OprojAllReduce:
     ``budget_ns``; after an error call ``reset()``. ``hints(rank)`` counts the consumer's
     release increments (4 per CTA and step when ``xmoe_reps`` > 0). ``groups`` and
     ``twoshot`` default to ``choose``'s plan; ``fence`` (a sys fence before each publish)
-    defaults to on unless every rank shares one GPU.
+    defaults to on unless every rank shares one GPU. ``producer`` picks the o-projection
+    kernel of ``produce`` and ``run_ranks(w_os=...)``: ``"tiled"`` (``OprojProducer``) or
+    ``"deep"`` (``OprojProducerDeep``: the weights staged in shared memory by bulk copies,
+    all requested at once; bitwise the same partials); the fused kernel keeps the tiled one.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=C.DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None):  # fmt: skip
+                 fence=None, twoshot=None, producer="tiled"):  # fmt: skip
+        from tpcomm.oproj.producer import VARIANTS
+
+        if producer not in VARIANTS:
+            raise ValueError(f"producer must be one of {VARIANTS}; got {producer!r}")
         plan = choose(backend.world, tokens, hid)
         twoshot = plan.twoshot if twoshot is None else bool(twoshot)
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
@@ -96,7 +106,7 @@ class OprojAllReduce:
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot = twoshot
+        self.twoshot, self.producer = twoshot, producer
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
             self.mailbox, self.rows = None, TwoshotRows(backend, tokens, hid)
@@ -226,8 +236,9 @@ class OprojAllReduce:
         from tpcomm.oproj.producer import compiled_producer
 
         fn = compiled_producer(
-            self.tp, self.hid, d_local, self.multicast_base != 0, self.fence, twoshot=self.twoshot
-        )
+            self.tp, self.hid, d_local, self.multicast_base != 0, self.fence,
+            twoshot=self.twoshot, variant=self.producer,
+        )  # fmt: skip
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
         fn(
             _dl(attn_out), _dl(w_o), _dl(self.peers[rank], 8), Int64(self.multicast_base),
@@ -327,7 +338,8 @@ class OprojAllReduce:
         """Loopback: each rank publishes ``partials[r]`` and consumes on its own stream.
 
         With ``w_os`` [TP, HID, D_local], ``partials`` are the ranks' ``attn_out``
-        [TP, tokens, D_local] and the ``OprojProducer`` computes and publishes them; with
+        [TP, tokens, D_local] and the producer (``producer`` of the constructor) computes
+        and publishes them; with
         ``fused`` too, each rank does both in one ``OprojFused`` launch
         (``produce_consume``; a rank publishes exactly when it consumes: ``ranks`` limits
         both, ``publishers`` must be left out; ``pdl`` as in ``produce_consume``).

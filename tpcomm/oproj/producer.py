@@ -26,10 +26,31 @@ With ``pdl`` it waits for the previous kernel (the KDA step) before reading ``at
 and lets the consumer launch at once. ``OprojProducer.tile`` is one CTA's 16-feature tile
 for any 128 threads: the fused kernel (``tpcomm.oproj.fused``) runs several per CTA.
 
+``OprojProducerDeep`` (``producer_class("deep")``, ``OprojAllReduce(..., producer="deep")``):
+the same tile, built for weight bandwidth. The tiled kernel keeps about one 32-wide k
+chunk of ``w_o`` per warp in flight (1 KiB; 16 KiB per CTA at most if ptxas hoists the
+unrolled loads), so HBM latency, not bandwidth, bounds it. Here thread 0 of each CTA
+requests the tile's 16 ``w_o`` rows at once with ``cp.async.bulk`` (one per row, async
+proxy, completing bytes on an mbarrier) into shared memory, *before* the PDL wait
+(``w_o`` must not be written by the kernel launched just before), so at launch every CTA
+has its whole tile in flight: 24 KiB at TP16 (D 768), 48 KiB at TP8 (D 1536), i.e. the
+whole 11 MB of weights requested by ~3.4 CTAs per SM (launch bound 4 CTAs per SM: the
+448 CTAs of HID 7168 are one wave on 132 SMs; no tail of late CTAs). Wider tiles (D >
+1536) go through a ring of k-slabs (``deep_plan``): each stage is refilled after a CTA
+barrier and an async-proxy fence once all warps have read it. Rows are staged with a
+64-byte pad (stride 64 mod 128 bytes): the per-lane 16-byte ``ld.shared`` of the tiled
+fragment layout is then free of bank conflicts. Each warp's ``attn_out`` fragments of a
+slab are loaded (after the PDL wait) before it waits for the slab. Numerics: bitwise
+the tiled producer's: warp w runs the same ``mma.sync`` chain over the same k chunks w,
+w + 4, ... in ascending k with the same per-lane fragments (now read from shared memory),
+and the four warp fragments are summed in warp order through shared memory, then the
+same single bf16 rounding and publish (``publish_tile``).
+
 The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
 """
 
 import functools
+from dataclasses import dataclass
 
 from tpcomm.oproj.reference import MAX_TP, SLICE
 
@@ -159,6 +180,65 @@ K_CHUNK = 32  # k per warp iteration (two m16n8k16)
 WARPS = 4
 TILE_SMEM_BYTES = WARPS * 32 * 4 * 4  # fp32 fragments of one tile, summed in warp order
 
+VARIANTS = ("tiled", "deep")
+ROW_PAD = 64  # bytes after each staged w_o row: row stride = 64 mod 128, no bank conflicts
+DEEP_WEIGHT_SMEM = 52 * 1024  # staged w_o bytes per deep CTA (TP8's whole tile: 50176)
+DEEP_CTAS_PER_SM = 4  # launch bound: ceil(448 tiles / 132 SMs), all resident in one wave
+SMEM_PER_SM = 233472  # 228 KiB (sm_90 / sm_100)
+RESERVED_SMEM = 1024  # per CTA
+
+
+@dataclass(frozen=True)
+class DeepPlan:
+    """How ``OprojProducerDeep`` stages one 16-row ``w_o`` tile in shared memory: ``slabs``
+    k-slabs of ``k_slab`` columns each (``16 x k_slab`` bf16, rows padded by ``ROW_PAD``)
+    through a ring of ``stages`` buffers (``stages == slabs``: the whole tile is requested
+    at once, nothing refilled)."""
+
+    d_local: int
+    k_slab: int
+    slabs: int
+    stages: int
+
+    @property
+    def row_stride(self) -> int:
+        return self.k_slab * 2 + ROW_PAD
+
+    @property
+    def slab_bytes(self) -> int:  # shared bytes of one stage
+        return FEATURES * self.row_stride
+
+    @property
+    def copy_bytes(self) -> int:  # w_o bytes of one slab (the mbarrier's tx count)
+        return FEATURES * self.k_slab * 2
+
+    @property
+    def smem_bytes(self) -> int:  # dynamic shared memory of one CTA, as allocated
+        return self.stages * (self.slab_bytes + 8) + TILE_SMEM_BYTES
+
+    @property
+    def in_flight(self) -> int:  # w_o bytes one CTA has requested before it computes
+        return self.stages * self.copy_bytes
+
+
+def deep_plan(d_local: int) -> DeepPlan:
+    """The whole tile in one slab when it fits ``DEEP_WEIGHT_SMEM`` (D <= 1536: TP8, TP16);
+    otherwise the widest k-slab (a multiple of 128 dividing D) of at most half of it, and
+    as many stages as fit (>= 2: the next slab streams while one is multiplied)."""
+    if not isinstance(d_local, int) or d_local <= 0 or d_local % (K_CHUNK * WARPS):
+        raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
+
+    def slab(k):
+        return FEATURES * (2 * k + ROW_PAD)
+
+    if slab(d_local) <= DEEP_WEIGHT_SMEM:
+        return DeepPlan(d_local, d_local, 1, 1)
+    step = K_CHUNK * WARPS
+    k = max(k for k in range(step, d_local, step)
+            if d_local % k == 0 and slab(k) <= DEEP_WEIGHT_SMEM // 2)  # fmt: skip
+    slabs = d_local // k
+    return DeepPlan(d_local, k, slabs, min(slabs, DEEP_WEIGHT_SMEM // slab(k)))
+
 
 @functools.cache
 def _producer_class():
@@ -168,7 +248,7 @@ def _producer_class():
     from cutlass import Float32, Int32, Int64, Uint32
 
     from tpcomm import ptx
-    from tpcomm.cuteutil import launch, smem_tensor
+    from tpcomm.cuteutil import launch, ld_shared_b32x4, saddr, smem_tensor
 
     def ld_nc16(address):
         """Weak 16-byte read-only load (non-coherent path, no L1 allocation): weights."""
@@ -279,6 +359,14 @@ def _producer_class():
                 cute.arch.barrier()
             else:
                 cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
+            self.publish_tile(peers, multicast_base, tokens, rank, step, index, tid, red, warp0)
+
+        @cute.jit
+        def publish_tile(self, peers: cute.Tensor, multicast_base: Int64, tokens: Int32,
+                         rank: Int32, step: Int32, index, tid, red, warp0):  # fmt: skip
+            """Tile ``index``'s four warp fragments ``red[warp0 .. warp0 + 3]`` (written and
+            made visible by the caller's barrier) summed in warp order, rounded to bf16 and
+            published by the 128 threads ``tid``."""
             # thread -> (token n, half h of the 16 features, peer lane q)
             group, q = tid // 8, tid % 8
             n, h = group // 2, group % 2
@@ -309,12 +397,134 @@ def _producer_class():
                         if p0 + q < self.tp:
                             ptx.publish(peers[p0 + q] + offset, words)
 
-    return OprojProducer
+    def bulk_load(shared: Int32, source: Int64, size: int, mbar: Int32):
+        """Async proxy, no ordering for this thread: ``size`` bytes global -> shared
+        (``cp.async.bulk``, no tensor map), completing ``size`` bytes of tx on ``mbar``;
+        readable by the threads that then wait on that mbarrier phase."""
+        cute.arch.inline_ptx(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+            f"[{{$r0}}], [{{$r1}}], {int(size)}, [{{$r2}}];",
+            read_only_args=[shared, source, mbar],
+        )
+
+    class OprojProducerDeep(OprojProducer):
+        """``OprojProducer`` built for weight bandwidth (see ``deep_plan``): one CTA per
+        16-feature tile, its ``w_o`` rows requested at once by ``cp.async.bulk`` into
+        shared memory, before the PDL wait; same fragments, warp-order sum and publish."""
+
+        def __init__(self, tp, hid, d_local, **kw):
+            super().__init__(tp, hid, d_local, **kw)
+            self.plan = deep_plan(d_local)
+
+        @cute.jit
+        def __call__(
+            self,
+            attn_out: cute.Tensor,
+            w_o: cute.Tensor,
+            peers: cute.Tensor,
+            multicast_base: Int64,
+            rank: Int32,
+            step: Int32,
+            stream: cuda.CUstream,
+        ):
+            call = self.kernel(
+                Int64(attn_out.iterator.toint()),
+                Int64(w_o.iterator.toint()),
+                peers,
+                multicast_base,
+                attn_out.shape[0],
+                rank,
+                step,
+            )
+            grid = (self.hid // FEATURES, 1, 1)
+            launch(call, grid, (WARPS * 32, 1, 1), stream, use_pdl=self.pdl,
+                   min_blocks_per_mp=DEEP_CTAS_PER_SM, carveout=100)  # fmt: skip
+
+        @cute.jit
+        def request(self, a_w: Int64, index, n, stage_base: Int32, bar):
+            """One thread: arm ``bar`` for slab ``n`` of tile ``index`` and request its 16
+            rows (each ``k_slab`` contiguous bf16 of a ``w_o`` row) into one stage."""
+            plan = self.plan
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, plan.copy_bytes)
+            first = a_w + Int64(index * FEATURES) * (self.d * 2) + n * (plan.k_slab * 2)
+            for r in cutlass.range_constexpr(FEATURES):
+                bulk_load(stage_base + r * plan.row_stride, first + r * (self.d * 2),
+                          plan.copy_bytes // FEATURES, Int32(bar.toint()))  # fmt: skip
+
+        @cute.kernel
+        def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
+                   tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+            plan = self.plan
+            tid, _, _ = cute.arch.thread_idx()
+            index, _, _ = cute.arch.block_idx()
+            smem = cutlass.memory.SmemAllocator()
+            slabs = smem_tensor(smem, Uint32, (plan.stages, plan.slab_bytes // 4), align=128)
+            red = smem_tensor(smem, Float32, (WARPS, 32, 4))
+            bars = smem.allocate_array(Int64, plan.stages, byte_alignment=8)
+            base = saddr(slabs, (0, 0))
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            if tid == 0:  # w_o is no kernel's output: requested before the PDL wait
+                for s in cutlass.range_constexpr(plan.stages):
+                    cute.arch.mbarrier_init(bars + s, 1)
+                cute.arch.mbarrier_init_fence()
+                for s in cutlass.range_constexpr(plan.stages):
+                    self.request(a_w, index, s, base + s * plan.slab_bytes, bars + s)
+            warp, lane = tid // 32, tid % 32
+            g, t = lane // 4, lane % 4
+            row_bytes = Int64(self.d * 2)
+            b_row = a_attn + Int64(cutlass.min(g, tokens - 1)) * row_bytes + t * 16
+            live = g < tokens
+            zero = Uint32(0)
+            chunks = plan.k_slab // (K_CHUNK * WARPS)  # per warp and slab
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+            cute.arch.barrier()  # the mbarriers' initialisation, for every waiting thread
+            acc = cute.make_rmem_tensor(4, Float32)
+            for j in cutlass.range_constexpr(4):
+                acc[j] = Float32(0)
+            for n in cutlass.range_constexpr(plan.slabs):
+                stage = n % plan.stages
+                # this warp's attn_out fragments of the slab, in flight during the wait
+                frags = []
+                for i in cutlass.range_constexpr(chunks):
+                    k_bytes = ((n * chunks + i) * WARPS + warp) * (K_CHUNK * 2)
+                    raw = ptx.load16(b_row + k_bytes)  # a real row even for padding lanes
+                    frags.append([Uint32(cutlass.select_(live, Uint32(raw[j]), zero))
+                                  for j in range(4)])  # fmt: skip
+                cute.arch.mbarrier_wait(bars + stage, (n // plan.stages) % 2)
+                w_lo = base + stage * plan.slab_bytes + g * plan.row_stride + t * 16
+                w_hi = w_lo + 8 * plan.row_stride
+                for i in cutlass.range_constexpr(chunks):
+                    k_bytes = (i * WARPS + warp) * (K_CHUNK * 2)
+                    lo = ld_shared_b32x4(w_lo + k_bytes)
+                    hi = ld_shared_b32x4(w_hi + k_bytes)
+                    b = frags[i]
+                    c = [acc[0], acc[1], acc[2], acc[3]]
+                    d = mma_bf16(c, (lo[0], hi[0], lo[1], hi[1]), (b[0], b[1]))
+                    d = mma_bf16(d, (lo[2], hi[2], lo[3], hi[3]), (b[2], b[3]))
+                    for j in cutlass.range_constexpr(4):
+                        acc[j] = d[j]
+                if cutlass.const_expr(n + plan.stages < plan.slabs):
+                    cute.arch.barrier()  # every warp is done with this stage: refill it
+                    if tid == 0:
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.request(a_w, index, n + plan.stages,
+                                     base + stage * plan.slab_bytes, bars + stage)  # fmt: skip
+            for j in cutlass.range_constexpr(4):
+                red[warp, lane, j] = acc[j]
+            cute.arch.barrier()
+            self.publish_tile(peers, multicast_base, tokens, rank, step, index, tid, red, 0)
+
+    return OprojProducer, OprojProducerDeep
 
 
-def producer_class():
-    """The ``OprojProducer`` class (imports the CuTe DSL)."""
-    return _producer_class()
+def producer_class(variant="tiled"):
+    """The ``OprojProducer`` class, or with ``variant="deep"`` ``OprojProducerDeep``
+    (imports the CuTe DSL)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    return _producer_class()[VARIANTS.index(variant)]
 
 
 def fake_producer_arguments(tp: int, hid: int, d_local: int):
@@ -339,11 +549,11 @@ def fake_producer_arguments(tp: int, hid: int, d_local: int):
 
 @functools.cache
 def compiled_producer(tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *,
-                      twoshot=False):  # fmt: skip
-    """One compile per configuration and arch; tokens are dynamic (1..8)."""
+                      twoshot=False, variant="tiled"):  # fmt: skip
+    """One compile per configuration, variant and arch; tokens are dynamic (1..8)."""
     import cutlass.cute as cute
 
-    kernel = producer_class()(tp, hid, d_local, multicast=multicast, fence=fence, pdl=pdl,
-                              twoshot=twoshot)  # fmt: skip
+    kernel = producer_class(variant)(tp, hid, d_local, multicast=multicast, fence=fence,
+                                     pdl=pdl, twoshot=twoshot)  # fmt: skip
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *fake_producer_arguments(tp, hid, d_local), options=options)
