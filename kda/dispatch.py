@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KERNELS = ("auto", "wide", "stream", "split")
+KERNELS = ("auto", "wide", "stream", "split", "lean")  # "lean": opt-in only, never auto
 CLUSTERS = (2, 4, 8)
 CTAS_PER_SM = 2
 # KdaSplit while its CTAs fit this many per SM (measured crossover: the table above; at
@@ -58,8 +58,8 @@ PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 
 @dataclass(frozen=True)
 class Choice:
-    kernel: str  # "wide", "stream" or "split"
-    ctas: int  # CTAs launched (grid size for wide / split, persistent CTAs for stream)
+    kernel: str  # "wide", "stream", "split" or "lean"
+    ctas: int  # CTAs launched (grid size for wide / split, persistent CTAs for stream / lean)
     ahead: int  # wide only: L2 prefetch distance in items (0: off)
     reason: str
     cluster: int = 1  # split only: CTAs per (request, head) item (2, 4 or 8)
@@ -80,6 +80,34 @@ def arch_of(capability) -> str:
 def has_packed_fma(arch: str) -> bool:
     """Packed fp32 FMA (``fma.rn.f32x2``) exists on Blackwell datacenter parts only."""
     return arch in PACKED_FMA_ARCHS
+
+
+LEAN_SMEM_PER_SM = 228 * 1024  # sm_90 / sm_100: shared memory per SM (1 KB reserved per CTA)
+# Three KdaLean CTAs per SM cap registers at 80: ptxas (sm_90a, T = 1) then spills ~300 B
+# per thread in the recurrence; at two (128 registers) it spills nothing. Off until a
+# measurement says otherwise.
+LEAN_THREE_PER_SM = False
+# KdaLean is launched as a programmatic dependent of KdaPrepare (it stages its first state
+# page while the prepass finishes); False: a plain stream-ordered second launch.
+LEAN_PDL = True
+
+
+def lean_smem_bytes(tokens: int) -> int:
+    """Shared memory of one KdaLean CTA (bytes): the staged state page (64 KB), two
+    parities of the item vectors (q^, k^, v, decay, sigmoid(gate): 5 x T x 128 fp32, and
+    T 16-byte beta granules), o (T x 128 fp32), the o^2 warp sums, 256 B of alignment."""
+    page = 128 * 128 * 4
+    vectors = 2 * (5 * tokens * 128 * 4 + tokens * 16)
+    return page + vectors + tokens * 128 * 4 + tokens * 4 * 4 + 256
+
+
+def lean_ctas_per_sm(tokens: int, three: bool | None = None) -> int:
+    """KdaLean's resident CTAs per SM (256 threads each; the register cap follows:
+    65536 / (256 x CTAs)): 3 where ``three`` (default ``LEAN_THREE_PER_SM``) and three
+    CTAs' shared memory fit (T = 1 only), else 2."""
+    three = LEAN_THREE_PER_SM if three is None else three
+    fits = 3 * (lean_smem_bytes(tokens) + 1024) <= LEAN_SMEM_PER_SM
+    return 3 if three and fits else 2
 
 
 def split_cluster(items: int, sms: int) -> int:
@@ -149,4 +177,6 @@ def choose(
     if kernel == "wide":
         ahead = resident if items > resident else 0
         return Choice("wide", items, ahead, why)
+    if kernel == "lean":
+        return Choice("lean", min(items, lean_ctas_per_sm(tokens) * sms), 0, why)
     return Choice("stream", min(items, resident), 0, why)

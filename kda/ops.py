@@ -2,7 +2,11 @@
 
 Same arguments as ``kda.reference.decode`` plus:
 
-- ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"``, ``"stream"`` or ``"split"``;
+- ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"``, ``"stream"``, ``"split"`` or
+  ``"lean"`` (opt-in, never the auto choice: two launches, KdaPrepare writes each item's
+  conv / norm / gate / decay / beta vectors to an fp32 scratch buffer, cached per shape and
+  device, then KdaLean streams the state pages through Wide's recurrence; bitwise Wide's
+  results; one scratch per shape, so steps of one shape must not overlap on two streams);
 - ``cluster``: KdaSplit's CTAs per (request, head) item, 2, 4 or 8 (``kernel="split"``
   only; ``None``: the dispatcher's choice);
 - ``gate_mode``: the raw gate's reduction: 0 (default) / 1 the seed's mma.sync chain
@@ -31,6 +35,7 @@ from .validate import HEAD_DIM, check_decode
 _CACHE: dict = {}
 _DUMMIES: dict = {}
 _SM_COUNT: dict = {}
+_SCRATCH: dict = {}
 _VECTOR_ALIGNED = ("x", "f_a", "f_b", "state", "gate", "out")
 
 
@@ -168,6 +173,9 @@ def decode(
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    if choice.kernel == "lean":
+        _decode_lean(choice, args, scalars, stream, config, dtypes, (B, T, H), device, arch)
+        return out
     ordered = [*args[:13], *scalars, *args[13:], stream]
     compiled = _CACHE.get(key)
     if compiled is None:
@@ -179,6 +187,47 @@ def decode(
         _CACHE[key] = compiled
     compiled(*ordered)
     return out
+
+
+def _scratch(device, requests, tokens, heads):
+    """The lean path's [B, T, H, SCRATCH_WIDTH] fp32 scratch, one per shape and device."""
+    from .prepass import SCRATCH_WIDTH
+
+    key = (device, requests, tokens, heads)
+    if key not in _SCRATCH:
+        shape = (requests, tokens, heads, SCRATCH_WIDTH)
+        _SCRATCH[key] = torch.empty(shape, dtype=torch.float32, device=device)
+    return _SCRATCH[key]
+
+
+def _decode_lean(choice, args, scalars, stream, config, dtypes, shape, device, arch):
+    """KdaPrepare then KdaLean (a programmatic dependent of it) on ``stream``; ``args``
+    in the order of ``decode``'s ``tensors`` list."""
+    import cutlass.cute as cute
+
+    from .lean import KdaLean
+    from .prepass import KdaPrepare
+
+    B, T, H = shape
+    _, _, _, record, gate_mode, has_bias, _, _, _, pdl, _ = config
+    scratch = _to_cute(_scratch(device, B, T, H), align=16)
+    lower_bound, scale, eps = scalars
+    (x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, state, out, gate,
+     norm_weight, f_b, accepted, v_records, kg_records) = args  # fmt: skip
+    prepare_args = [x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, gate,
+                    lower_bound, scale, f_b, accepted, kg_records, scratch, stream]  # fmt: skip
+    lean_args = [slots, accepted, state, out, norm_weight, eps, v_records, scratch, stream]
+    keys = (("prepare", config, dtypes), ("lean", config, dtypes, dispatch.LEAN_PDL))
+    for key, ordered in zip(keys, (prepare_args, lean_args), strict=True):
+        compiled = _CACHE.get(key)
+        if compiled is None:
+            if key[0] == "prepare":
+                kernel_obj = KdaPrepare(H, T, record, gate_mode, has_bias, arch=arch, pdl=pdl)
+            else:
+                kernel_obj = KdaLean(H, T, record, choice.ctas, arch=arch, pdl=dispatch.LEAN_PDL)
+            compiled = cute.compile(kernel_obj, *ordered, options=f"--gpu-arch {arch}")
+            _CACHE[key] = compiled
+        compiled(*ordered)
 
 
 def _knob(choice):

@@ -134,12 +134,17 @@ class KdaWide:
     def stage_state(self, state, staged, head, slot):
         """cp.async the item's [128, 128] fp32 page into the thread-private 16-byte slots
         ``staged[r * KCHUNKS + c, tid]`` (conflict-free to read back)."""
+        self.stage_state_rows(state, staged, head, slot, tuple(range(ROWS)))
+
+    @cute.jit
+    def stage_state_rows(self, state, staged, head, slot, rows):
+        """``stage_state`` for the thread's value rows ``rows`` (a tuple of 0 / 1) only."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         source0 = Int64(state.iterator.toint()) + page * 4
         shared0 = Int32(staged.iterator.toint())
-        for r in cutlass.range_constexpr(ROWS):
+        for r in rows:
             for c in cutlass.range_constexpr(KCHUNKS):
                 key = 4 * (lane_in + LANES * c)
                 offset = (base_row + 64 * r) * HEAD_DIM + key
@@ -149,10 +154,16 @@ class KdaWide:
     @cute.jit
     def load_history(self, staged):
         """The staged page into registers: history[r][c][e]."""
+        return self.load_history_rows(staged, tuple(range(ROWS)))
+
+    @cute.jit
+    def load_history_rows(self, staged, rows):
+        """``load_history`` of the thread's value rows ``rows`` only: history[i][c][e] is
+        row ``rows[i]``."""
         tid, _, _ = cute.arch.thread_idx()
         shared0 = Int32(staged.iterator.toint())
         history = []
-        for r in cutlass.range_constexpr(ROWS):
+        for r in rows:
             row = []
             for c in cutlass.range_constexpr(KCHUNKS):
                 shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
@@ -314,6 +325,18 @@ class KdaWide:
     ):
         """The delta rule per token on the register state; o (bf16) into s_o; the state
         after token t stored to its page (not in record mode)."""
+        self.recurrence_rows(
+            history, tuple(range(ROWS)), shared, s_beta, s_o, slots, state, slot, request,
+            head, v_records,
+        )  # fmt: skip
+
+    @cute.jit
+    def recurrence_rows(
+        self, history, rows, shared, s_beta, s_o, slots, state, slot, request, head, v_records
+    ):
+        """``recurrence`` of the thread's value rows ``rows`` (a tuple of 0 / 1; history[i]
+        is row ``rows[i]``): rows are independent, so running them one at a time gives
+        every element the same operations in the same order."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         s_q, s_k, s_v, s_decay = shared
@@ -323,14 +346,14 @@ class KdaWide:
         state0 = Int64(state.iterator.toint())
         for t in cutlass.range_constexpr(self.tokens):
             chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
-            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(ROWS)]
+            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
             for c in cutlass.range_constexpr(KCHUNKS):
-                d4 = ld_shared_f32x4(d0 + chunk_offset[c])
-                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
-                for r in cutlass.range_constexpr(ROWS):
+                d4 = self.load_chunk(d0, chunk_offset, t, c)
+                k4 = self.load_chunk(k0, chunk_offset, t, c)
+                for i in cutlass.range_constexpr(len(rows)):
                     for p in cutlass.range_constexpr(2):
                         j = (2 * c + p) % ACCUMULATORS
-                        h = history[r][c]
+                        h = history[i][c]
                         pair = dev.mul2(
                             (h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed
                         )
@@ -338,31 +361,31 @@ class KdaWide:
                         acc = dev.fma2(
                             pair,
                             (k4[2 * p], k4[2 * p + 1]),
-                            (dots[r][2 * j], dots[r][2 * j + 1]),
+                            (dots[i][2 * j], dots[i][2 * j + 1]),
                             packed,
                         )
-                        dots[r][2 * j], dots[r][2 * j + 1] = acc[0], acc[1]
+                        dots[i][2 * j], dots[i][2 * j + 1] = acc[0], acc[1]
             beta_t = s_beta[t]
             v_new = []
-            for r in cutlass.range_constexpr(ROWS):
-                dot = xor_sum(dev.tree_sum(dots[r]), LANES)
+            for i, r in enumerate(rows):
+                dot = xor_sum(dev.tree_sum(dots[i]), LANES)
                 value_row = base_row + 64 * r
                 v = (s_v[t, value_row] - dot) * beta_t
                 v_new.append(v)
                 if cutlass.const_expr(self.record):  # noqa: SIM102
                     if lane_in == 0:
                         v_records[request, head, t, value_row] = v
-            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(ROWS)]
+            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
             for c in cutlass.range_constexpr(KCHUNKS):
-                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
-                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
-                for r in cutlass.range_constexpr(ROWS):
+                k4 = self.load_chunk(k0, chunk_offset, t, c)
+                q4 = self.load_chunk(q0, chunk_offset, t, c)
+                for i in cutlass.range_constexpr(len(rows)):
                     for p in cutlass.range_constexpr(2):
                         j = (2 * c + p) % ACCUMULATORS
-                        h = history[r][c]
+                        h = history[i][c]
                         pair = dev.fma2(
                             (k4[2 * p], k4[2 * p + 1]),
-                            (v_new[r], v_new[r]),
+                            (v_new[i], v_new[i]),
                             (h[2 * p], h[2 * p + 1]),
                             packed,
                         )
@@ -370,12 +393,12 @@ class KdaWide:
                         acc = dev.fma2(
                             pair,
                             (q4[2 * p], q4[2 * p + 1]),
-                            (outs[r][2 * j], outs[r][2 * j + 1]),
+                            (outs[i][2 * j], outs[i][2 * j + 1]),
                             packed,
                         )
-                        outs[r][2 * j], outs[r][2 * j + 1] = acc[0], acc[1]
-            for r in cutlass.range_constexpr(ROWS):
-                o = xor_sum(dev.tree_sum(outs[r]), LANES)
+                        outs[i][2 * j], outs[i][2 * j + 1] = acc[0], acc[1]
+            for i, r in enumerate(rows):
+                o = xor_sum(dev.tree_sum(outs[i]), LANES)
                 if lane_in == 0:
                     s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
             if cutlass.const_expr(not self.record):
@@ -384,10 +407,23 @@ class KdaWide:
                     target = Int32(slots[request, t])
                 if target > 0:
                     page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                    for r in cutlass.range_constexpr(ROWS):
-                        for c in cutlass.range_constexpr(KCHUNKS):
-                            offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
-                            st_global_f32x4(state0 + (page + offset) * 4, history[r][c])
+                    self.store_state_rows(state0, page, rows, history)
+
+    @cute.jit
+    def load_chunk(self, base, chunk_offset, t, c):
+        """Key chunk ``c`` of token ``t`` (four fp32) of a [T, 128] shared vector at
+        ``base``; ``chunk_offset[c]``: its byte offset for this thread."""
+        return ld_shared_f32x4(base + chunk_offset[c])
+
+    @cute.jit
+    def store_state_rows(self, state0, page, rows, history):
+        """The thread's value rows ``rows`` of the register state to page ``page``."""
+        tid, _, _ = cute.arch.thread_idx()
+        base_row, lane_in = tid // LANES, tid % LANES
+        for i, r in enumerate(rows):
+            for c in cutlass.range_constexpr(KCHUNKS):
+                offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
+                st_global_f32x4(state0 + (page + offset) * 4, history[i][c])
 
     @cute.jit
     def norm_sums(self, s_o, out_sums):
