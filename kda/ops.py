@@ -5,8 +5,9 @@ Same arguments as ``kda.reference.decode`` plus:
 - ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"``, ``"stream"``, ``"split"`` or
   ``"lean"`` (opt-in, never the auto choice: two launches, KdaPrepare writes each item's
   conv / norm / gate / decay / beta vectors to an fp32 scratch buffer, cached per shape and
-  device, then KdaLean streams the state pages through Wide's recurrence; bitwise Wide's
-  results; one scratch per shape, so steps of one shape must not overlap on two streams);
+  device, then KdaLean streams the state pages through Wide's recurrence; built to give
+  bitwise Wide's results, GPU validation pending; one scratch per shape, so steps of one
+  shape must not overlap on two streams);
 - ``cluster``: KdaSplit's CTAs per (request, head) item, 2, 4 or 8 (``kernel="split"``
   only; ``None``: the dispatcher's choice);
 - ``gate_mode``: the raw gate's reduction: 0 (default) / 1 the seed's mma.sync chain
