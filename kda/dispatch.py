@@ -90,6 +90,11 @@ LEAN_THREE_PER_SM = False
 # KdaLean is launched as a programmatic dependent of KdaPrepare (it stages its first state
 # page while the prepass finishes); False: a plain stream-ordered second launch.
 LEAN_PDL = True
+# The lean path's prepass: "cta" (kda.prepass.KdaPrepare: one 256-thread CTA per item) or
+# "warp" (kda.prepass_warp.KdaPrepareWarp: one warp per item, 8 items per CTA, no CTA
+# barrier; bitwise the same scratch, conv pages and records). GPU timing pending.
+LEAN_PREPASS = "cta"
+LEAN_PREPASSES = ("cta", "warp")
 
 
 def lean_smem_bytes(tokens: int) -> int:

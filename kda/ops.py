@@ -202,13 +202,18 @@ def _scratch(device, requests, tokens, heads):
 
 
 def _decode_lean(choice, args, scalars, stream, config, dtypes, shape, device, arch):
-    """KdaPrepare then KdaLean (a programmatic dependent of it) on ``stream``; ``args``
-    in the order of ``decode``'s ``tensors`` list."""
+    """KdaPrepare (or KdaPrepareWarp: ``dispatch.LEAN_PREPASS``) then KdaLean (a
+    programmatic dependent of it) on ``stream``; ``args`` in the order of ``decode``'s
+    ``tensors`` list."""
     import cutlass.cute as cute
 
     from .lean import KdaLean
     from .prepass import KdaPrepare
+    from .prepass_warp import KdaPrepareWarp
 
+    prepass = dispatch.LEAN_PREPASS
+    if prepass not in dispatch.LEAN_PREPASSES:
+        raise ValueError(f"dispatch.LEAN_PREPASS must be one of {dispatch.LEAN_PREPASSES}")
     B, T, H = shape
     _, _, _, record, gate_mode, has_bias, _, _, _, pdl, _ = config
     scratch = _to_cute(_scratch(device, B, T, H), align=16)
@@ -218,12 +223,13 @@ def _decode_lean(choice, args, scalars, stream, config, dtypes, shape, device, a
     prepare_args = [x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, gate,
                     lower_bound, scale, f_b, accepted, kg_records, scratch, stream]  # fmt: skip
     lean_args = [slots, accepted, state, out, norm_weight, eps, v_records, scratch, stream]
-    keys = (("prepare", config, dtypes), ("lean", config, dtypes, dispatch.LEAN_PDL))
+    keys = (("prepare", config, dtypes, prepass), ("lean", config, dtypes, dispatch.LEAN_PDL))
     for key, ordered in zip(keys, (prepare_args, lean_args), strict=True):
         compiled = _CACHE.get(key)
         if compiled is None:
             if key[0] == "prepare":
-                kernel_obj = KdaPrepare(H, T, record, gate_mode, has_bias, arch=arch, pdl=pdl)
+                prepare = KdaPrepareWarp if prepass == "warp" else KdaPrepare
+                kernel_obj = prepare(H, T, record, gate_mode, has_bias, arch=arch, pdl=pdl)
             else:
                 kernel_obj = KdaLean(H, T, record, choice.ctas, arch=arch, pdl=dispatch.LEAN_PDL)
             compiled = cute.compile(kernel_obj, *ordered, options=f"--gpu-arch {arch}")
