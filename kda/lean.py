@@ -34,7 +34,6 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm.cuteutil import cp_async_16, launch, smem_tensor
 
-from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 from .dispatch import lean_ctas_per_sm
 from .prepass import SCRATCH_BETA, SCRATCH_FIELDS, SCRATCH_WIDTH
@@ -198,17 +197,9 @@ class KdaLean(KdaWide):
             if cutlass.const_expr(vectors):
                 self.stage_vectors(scratch, vecs, betas, head, request, parity)
 
-    @cute.jit
-    def write_output_lean(self, s_o, out_sums, s_gate, nw, eps, output, token, head):
-        """KdaWide.write_output with sigmoid(gate) from the prepass (threads 0-127)."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % 128, tid // 128
-        if section == 0:
-            for t in cutlass.range_constexpr(self.tokens):
-                sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
-                rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
-                result = ((s_o[t, channel] * rstd) * nw) * s_gate[t, channel]
-                output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
+    def output_gate(self, s_gate, token, t, head, channel):
+        """sigmoid(gate) as the prepass stored it: ``write_output`` reads ``s_gate[t]``."""
+        return s_gate[t, channel]
 
     @cute.kernel
     def kernel(
@@ -313,4 +304,4 @@ class KdaLean(KdaWide):
                 if section == 0:
                     self.norm_sums(s_o, out_sums)
                     cute.arch.barrier(barrier_id=1, number_of_threads=HEAD_DIM)  # o^2 sums
-                    self.write_output_lean(s_o, out_sums, fields[4], nw, eps, output, token, head)
+                    self.write_output(s_o, out_sums, fields[4], nw, eps, output, token, head)

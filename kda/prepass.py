@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32
 
 from tpcomm.cuteutil import launch, smem_tensor
 
@@ -87,14 +87,12 @@ class KdaPrepare(KdaWide):
             x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, gate,
             lower_bound, scale, f_b, accepted, kg_records, scratch,
         )  # fmt: skip
-        launch(
-            call,
-            (self.heads, requests, 1),
-            (THREADS, 1, 1),
-            stream,
-            use_pdl=self.pdl,
-            min_blocks_per_mp=self.ctas_per_sm,
-        )
+        grid, block = self.launch_shape(requests)
+        launch(call, grid, block, stream, use_pdl=self.pdl, min_blocks_per_mp=self.ctas_per_sm)
+
+    def launch_shape(self, requests):
+        """(grid, block): one CTA per (head, request) item."""
+        return (self.heads, requests, 1), (THREADS, 1, 1)
 
     @cute.jit
     def write_scratch(self, shared, gate, beta, scratch, request, head):
@@ -162,19 +160,11 @@ class KdaPrepare(KdaWide):
 
             # Predecessor-independent: the conv window and the weights (as KdaWide).
             parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
-            taps = []
-            coeff = []
-            bias = []
-            for s in cutlass.range_constexpr(2):
-                ch = parts[s] * dim + head * HEAD_DIM + channel
-                taps.append([conv_state[Int64(conv_slot), ch, offset + j] for j in range(3)])
-                coeff.append(
-                    [Float32(conv_weight[parts[s], i, head * HEAD_DIM + channel]) for i in range(4)]
-                )
-                if cutlass.const_expr(self.has_bias):
-                    bias.append(Float32(conv_bias[ch]))
-                else:
-                    bias.append(Float32(0.0))
+            taps, coeff, bias = self.conv_operands(
+                conv_state, conv_weight, conv_bias, conv_slot, offset,
+                [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)],
+                parts, [head * HEAD_DIM + channel] * 2,
+            )  # fmt: skip
             a = Float32(a_log[head])
             group = lane // 4
             dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]

@@ -56,7 +56,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64
 
-from tpcomm.cuteutil import bf16x2_to_f32, launch, ld_global_b32x4, ld_global_nc_b32x2, warp_sum
+from tpcomm.cuteutil import bf16x2_to_f32, ld_global_b32x4, ld_global_nc_b32x2, warp_sum
 
 from . import device as dev
 from .device import HEAD_DIM
@@ -67,8 +67,8 @@ from .prepass import (
     SCRATCH_K,
     SCRATCH_Q,
     SCRATCH_V,
+    KdaPrepare,
 )
-from .wide import KdaWide
 
 WARPS = 8  # items (warps) per CTA: requests 8 g .. 8 g + 7 of one head
 LANE_CHANNELS = HEAD_DIM // 32  # channels per lane of each of q, k, v (l + 32 j)
@@ -83,7 +83,7 @@ def default_ctas_per_sm(tokens, gate_mode):
     return 3 if tokens == 1 or (tokens == 2 and gate_mode != 2) else 2
 
 
-class KdaPrepareWarp(KdaWide):
+class KdaPrepareWarp(KdaPrepare):
     """KdaPrepare's work, one warp per item; ``heads``, ``tokens`` T (1..8), ``record``,
     ``gate_mode``, ``has_bias``; ``arch``; ``pdl``; ``ctas_per_sm``: ``__launch_bounds__``
     minimum CTAs per SM (0: none; None: ``default_ctas_per_sm``)."""
@@ -100,47 +100,17 @@ class KdaPrepareWarp(KdaWide):
         pdl=False,
         ctas_per_sm=None,
     ):
-        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
         if ctas_per_sm is None:
             ctas_per_sm = default_ctas_per_sm(tokens, gate_mode)
         if ctas_per_sm < 0:
             raise ValueError(f"ctas_per_sm must be >= 0; got {ctas_per_sm}")
-        self.ctas_per_sm = ctas_per_sm
+        super().__init__(heads, tokens, record, gate_mode, has_bias, arch=arch, pdl=pdl,
+                         ctas_per_sm=ctas_per_sm)  # fmt: skip
 
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        gate: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        kg_records: cute.Tensor,
-        scratch: cute.Tensor,
-        stream,
-    ):
-        requests = gate.shape[0] // self.tokens
-        call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, gate,
-            lower_bound, scale, f_b, accepted, kg_records, scratch,
-        )  # fmt: skip
-        launch(
-            call,
-            ((requests + WARPS - 1) // WARPS, self.heads, 1),
-            (32 * WARPS, 1, 1),
-            stream,
-            use_pdl=self.pdl,
-            min_blocks_per_mp=self.ctas_per_sm,
-        )
+    def launch_shape(self, requests):
+        """(grid, block): ``WARPS`` consecutive requests of one head per CTA, a warp each
+        (``KdaPrepare.__call__`` launches with it)."""
+        return ((requests + WARPS - 1) // WARPS, self.heads, 1), (32 * WARPS, 1, 1)
 
     # ------------------------------------------------------------------ conv stage
     @cute.jit

@@ -351,18 +351,10 @@ class KdaSplit(KdaWide):
                 2 * dim + head * HEAD_DIM + own_row,
             )
             weight_columns = (head * HEAD_DIM + channel, head * HEAD_DIM + own_row)
-            weight_parts = (section, 2)
-            taps, coeff, bias = [], [], []
-            for s in cutlass.range_constexpr(2):
-                ch = columns[s]
-                taps.append([conv_state[Int64(conv_slot), ch, offset + j] for j in range(3)])
-                coeff.append(
-                    [Float32(conv_weight[weight_parts[s], i, weight_columns[s]]) for i in range(4)]
-                )
-                if cutlass.const_expr(self.has_bias):
-                    bias.append(Float32(conv_bias[ch]))
-                else:
-                    bias.append(Float32(0.0))
+            taps, coeff, bias = self.conv_operands(
+                conv_state, conv_weight, conv_bias, conv_slot, offset, columns, (section, 2),
+                weight_columns,
+            )  # fmt: skip
             nw = Float32(norm_weight[own_row])
             a = Float32(a_log[head])
             group = lane // 4

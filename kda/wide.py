@@ -437,6 +437,27 @@ class KdaWide:
             if lane == 0:
                 out_sums[t, warp] = total
 
+    def conv_operands(self, conv_state, conv_weight, conv_bias, conv_slot, offset, columns,
+                      weight_parts, weight_columns):  # fmt: skip
+        """Trace-time helper (no barrier): the predecessor-independent conv operands of a
+        thread's two channels ``s`` = 0, 1: column ``columns[s]`` of x / conv_state, weight
+        ``conv_weight[weight_parts[s], :, weight_columns[s]]``. Returns the three window
+        taps before this step's inputs, the four fp32 weights and the bias (0.0 without)."""
+        taps, coeff, bias = [], [], []
+        for s in range(2):
+            ch = columns[s]
+            taps.append([conv_state[Int64(conv_slot), ch, offset + j] for j in range(3)])
+            coeff.append(
+                [Float32(conv_weight[weight_parts[s], i, weight_columns[s]]) for i in range(4)]
+            )
+            bias.append(Float32(conv_bias[ch]) if self.has_bias else Float32(0.0))
+        return taps, coeff, bias
+
+    def output_gate(self, gate, token, t, head, channel):
+        """sigmoid of the output gate of ``channel`` of token ``t`` (trace-time hook:
+        KdaLean reads it precomputed from shared memory)."""
+        return dev.sigmoid(Float32(gate[token + t, head * HEAD_DIM + channel]))
+
     @cute.jit
     def write_output(self, s_o, out_sums, gate, nw, eps, output, token, head):
         """Gated RMSNorm of each token's o (threads 0-127)."""
@@ -446,8 +467,9 @@ class KdaWide:
             for t in cutlass.range_constexpr(self.tokens):
                 sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
                 rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
-                g = Float32(gate[token + t, head * HEAD_DIM + channel])
-                result = ((s_o[t, channel] * rstd) * nw) * dev.sigmoid(g)
+                result = ((s_o[t, channel] * rstd) * nw) * self.output_gate(
+                    gate, token, t, head, channel
+                )
                 output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
 
     @cute.jit
@@ -537,19 +559,11 @@ class KdaWide:
             self.stage_state(state, staged, head, slot)
             cute.arch.cp_async_commit_group()
             parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
-            taps = []
-            coeff = []
-            bias = []
-            for s in cutlass.range_constexpr(2):
-                ch = parts[s] * dim + head * HEAD_DIM + channel
-                taps.append([conv_state[Int64(conv_slot), ch, offset + j] for j in range(3)])
-                coeff.append(
-                    [Float32(conv_weight[parts[s], i, head * HEAD_DIM + channel]) for i in range(4)]
-                )
-                if cutlass.const_expr(self.has_bias):
-                    bias.append(Float32(conv_bias[ch]))
-                else:
-                    bias.append(Float32(0.0))
+            taps, coeff, bias = self.conv_operands(
+                conv_state, conv_weight, conv_bias, conv_slot, offset,
+                [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)],
+                parts, [head * HEAD_DIM + channel] * 2,
+            )  # fmt: skip
             nw = Float32(norm_weight[channel])
             a = Float32(a_log[head])
             group = lane // 4
