@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kda_kernels_gpu import call_kernel
+from test_kda_kernels_gpu import CASES, call_kernel
 from test_kda_lean_gpu import (
     BITWISE_CASES,
     _assert_same,
@@ -18,6 +18,7 @@ from test_kda_lean_gpu import (
 )
 from test_kda_lean_gpu import test_lean_bitwise_equals_wide as _lean_vs_wide
 from test_kda_lean_gpu import test_lean_cuda_graph_replay_bitwise as _lean_graph_replay
+from test_kda_lean_gpu import test_lean_matches_reference as _lean_vs_reference
 from test_kda_lean_gpu import test_lean_pdl_after_producer as _lean_pdl
 
 from kda import dispatch, ops
@@ -75,6 +76,14 @@ def test_warp_prepass_scratch_bitwise(case, monkeypatch):
         if record:
             _assert_same(rec_c[0], rec_w[0], f"step {i} v_records")
             _assert_same(rec_c[1], rec_w[1], f"step {i} kg_records")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_lean_warp_matches_reference(case, monkeypatch):
+    """kernel="lean" with the warp prepass against kda.reference (test_kda_kernels_gpu's
+    cases, tolerances, poisoned outputs and untouched-page checks)."""
+    monkeypatch.setattr(dispatch, "LEAN_PREPASS", "warp")
+    _lean_vs_reference(case)
 
 
 @pytest.mark.parametrize("case", BITWISE_CASES, ids=_case_id)
