@@ -138,7 +138,15 @@ def parse_args(argv=None):
         "--pdl",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="programmatic dependent launch of the KDA and recover kernels",
+        help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
+        "with --one-launch, of the consumer behind the producer)",
+    )
+    gpu.add_argument(
+        "--oproj-launch",
+        choices=("per-rank", "consumer", "both"),
+        default=None,
+        help="loopback: o-projection launches; consumer (default): producers per rank, one "
+        "consumer launch for all ranks; both: one producer and one consumer launch; per-rank",
     )
     gpu.add_argument(
         "--multicast",

@@ -13,9 +13,16 @@ per hosted rank. Per step and rank, on the rank's own stream, in stream order:
     produce      ``OprojProducer``: bf16(attn_out @ w_o^T) into every rank's mailbox
     consume      ``OprojConsumer``: rank-order sum, residual, AttnRes, output RMSNorm
 
-KDA and recover launch with PDL (``--pdl``; the o-projection API has no PDL option). On
-loopback every rank's KDA, recover and producer are enqueued before any consumer, so even
-an executor that serialised the ranks' streams publishes before anything polls. The
+KDA and recover launch with PDL (``--pdl``). On loopback (every rank on one GPU, one
+process) ``Runner(oproj_launch=...)`` (``--oproj-launch``) picks the o-projection
+launches: ``consumer`` (the default there: each rank's KDA, recover and producer on its
+stream, joined, then one ``consume_all`` launch for all ranks, grid z = rank), ``both``
+(the ranks' KDA and recover, joined, then one ``produce_all`` launch, grid y = rank, and
+one ``consume_all``, PDL-chained with ``--pdl``) or ``per-rank``; bitwise the same
+results (tests/test_oproj_one_launch_gpu). With ``per-rank`` every rank's KDA, recover
+and producer are enqueued before any
+consumer, so even an executor that serialised the ranks' streams publishes before anything
+polls. The
 producer takes at most 8 rows, so requests x tokens must be <= 8 (``check_rows``).
 
 Buckets and graphs: a bucket is (tokens, record) of the step (requests are fixed per job);
@@ -76,6 +83,11 @@ COPY_TBPS = 4.16  # H200 device-to-device copy, bytes read + written (../shared/
 PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
 GATE_CYCLES = 40_000_000  # ~20 ms sleep: the stage pass is enqueued behind it
 STAGES = ("kda", "recover", "produce", "consume")
+# o-projection launches with every rank on one GPU (loopback): "per-rank" (producer and
+# consumer per rank on its stream), "consumer" (producers per rank, PDL behind their KDA;
+# one consumer launch for all ranks), "both" (one producer and one consumer launch)
+OPROJ_LAUNCHES = ("per-rank", "consumer", "both")
+DEFAULT_OPROJ_LAUNCH = "consumer"
 
 
 class NotYet(ValueError):
@@ -269,7 +281,8 @@ class Runner:
     as CUDA-graph replays. ``procs``: the job's processes (default: this one alone)."""
 
     def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=0,
-                 pdl=True, budget_ns=None, procs: Procs | None = None):  # fmt: skip
+                 pdl=True, budget_ns=None, procs: Procs | None = None,
+                 oproj_launch: str | None = None):  # fmt: skip
         check_rows(cfg.requests, cfg.tokens)
         if backend.world != cfg.tp:
             raise ValueError(f"the backend has {backend.world} ranks; the layer is TP {cfg.tp}")
@@ -290,6 +303,22 @@ class Runner:
         shards = [model.shard(r) for r in self.ranks]
         self.layers = [s.kda.to(self.device) for s in shards]
         self.w_o = [s.w_o.to(self.device) for s in shards]
+        # every rank on this GPU: the consumers of all ranks (and with "both" the
+        # producers) as one launch each (tpcomm.oproj.api consume_all / produce_all)
+        whole = not self.multiprocess and backend.single_device and cfg.tp > 1
+        mode = oproj_launch
+        if mode is None:
+            mode = DEFAULT_OPROJ_LAUNCH if whole else "per-rank"
+        if mode not in OPROJ_LAUNCHES:
+            raise ValueError(f"oproj_launch must be one of {OPROJ_LAUNCHES}; got {mode!r}")
+        if mode != "per-rank" and not whole:
+            raise ValueError(f"oproj_launch={mode!r} needs every rank on one GPU in this "
+                             "process (loopback)")  # fmt: skip
+        self.oproj_launch = mode
+        self.w_os = None
+        if mode == "both":  # stacked [TP, HID, D_local]; the per-rank list views it
+            self.w_os = torch.stack(self.w_o)
+            self.w_o = list(self.w_os.unbind(0))
         self.norm = model.norm.to(self.device)
         self.query = model.query.to(self.device)
         self.out_norm = model.out_norm.to(self.device)
@@ -299,8 +328,9 @@ class Runner:
 
     # --- buffers ---------------------------------------------------------------------------
     def comm_for(self, rows: int):
-        """The all-reduce for ``rows`` tokens: the plan's groups (or ``--groups``), lowered
-        until every rank's consumer can be resident (loopback; one rank per GPU always is).
+        """The all-reduce for ``rows`` tokens: the plan's groups (or ``--groups``); with
+        per-rank consumers lowered until every rank's consumer can be resident (loopback;
+        one rank per GPU always is; one consumer launch for all ranks needs no such rule).
         Collective on nvshmem: every process builds the same ones in the same order."""
         if rows in self.comms:
             return self.comms[rows]
@@ -309,13 +339,16 @@ class Runner:
         cfg = self.cfg
         if cfg.groups is not None:
             options = [cfg.groups]
+        elif self.oproj_launch != "per-rank":  # one consumer launch: no co-residency rule
+            options = [choose(cfg.tp, rows, cfg.hidden).groups]
         else:
             options = range(choose(cfg.tp, rows, cfg.hidden).groups, 0, -1)
+        one = {"one_launch": True} if self.oproj_launch != "per-rank" else {}
         error = None
         for groups in options:
             try:
                 comm = OprojAllReduce(self.backend, rows, cfg.hidden, cfg.blocks, groups=groups,
-                                      eps=EPS, out_eps=OUT_EPS, **self.budget)  # fmt: skip
+                                      eps=EPS, out_eps=OUT_EPS, **self.budget, **one)  # fmt: skip
             except ValueError as e:
                 if "resident" not in str(e):
                     raise
@@ -400,6 +433,13 @@ class Runner:
         bk.comm.consume(bk.prefix[i], bk.blocks, self.norm, self.query, self.out_norm,
                         bk.output[i], parity, rank=r, stream=self.streams[r])  # fmt: skip
 
+    def _produce_all(self, bk: Bucket, parity: int) -> None:
+        bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)
+
+    def _consume_all(self, bk: Bucket, parity: int) -> None:
+        bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
+                            bk.output, parity, pdl=self.pdl)  # fmt: skip
+
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
         every rank (phase by phase, so all producers are enqueued before any consumer),
@@ -435,12 +475,15 @@ class Runner:
         processes, then the consumer (compiled beforehand), so no poll budget covers a
         peer's compile or host skew."""
         ranks = self.ranks if ranks is None else tuple(ranks)
+        all_at_once = self.oproj_launch != "per-rank" and ranks == self.ranks
+        produce_all = all_at_once and self.oproj_launch == "both"
 
         def chain(r):
             self._kda(bk, r)
             if bk.record:
                 self._recover(bk, r)
-            self._produce(bk, r, parity)
+            if not produce_all:
+                self._produce(bk, r, parity)
 
         def consume(r):
             self._consume(bk, r, parity)
@@ -451,6 +494,12 @@ class Runner:
             self.sync_all()
             self._on_ranks(ranks, consume)
             return
+        if all_at_once:  # per rank stream, joined; then (one producer and) one consumer
+            self._on_ranks(ranks, chain)
+            if produce_all:
+                self._produce_all(bk, parity)
+            self._consume_all(bk, parity)
+            return
         self._on_ranks(ranks, chain, consume, join=True)
 
     def _stage(self, bk: Bucket, name: str, parity: int):
@@ -460,6 +509,10 @@ class Runner:
             "produce": lambda r: self._produce(bk, r, parity),
             "consume": lambda r: self._consume(bk, r, parity),
         }
+        if self.oproj_launch == "both" and name == "produce":
+            return lambda: self._produce_all(bk, parity)
+        if self.oproj_launch != "per-rank" and name == "consume":
+            return lambda: self._consume_all(bk, parity)
         return lambda: self._on_ranks(self.ranks, fns[name])
 
     # --- synchronisation across processes ------------------------------------------------
@@ -761,7 +814,8 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
     exact_gate_weights(model.kda)  # before the shards and the unsharded copy share it
     try:
         runner = Runner(cfg, model, backend, kernel=args.kernel, gate_mode=args.gate_mode,
-                        pdl=args.pdl, procs=procs)  # fmt: skip
+                        pdl=args.pdl, procs=procs,
+                        oproj_launch=getattr(args, "oproj_launch", None))  # fmt: skip
     except ValueError as e:
         if procs.root:
             print(f"DECODE FAILED: {e}", flush=True)
@@ -936,6 +990,7 @@ def _report(args, cfg, runner, launcher, kinds, per_process, stages, check, wors
         "pdl": bool(args.pdl),
         "groups_chosen": {str(n): c.groups for n, c in sorted(runner.comms.items())},
         "publish": "multicast" if multicast else "per peer",
+        "oproj_launch": runner.oproj_launch,
         "exact_gate_grids": True,
     }
     report = {
@@ -960,7 +1015,8 @@ def _print(r):
     groups = ", ".join(f"{v} at {k} rows" for k, v in c["groups_chosen"].items())
     print(
         f"gpu      {c['device']} x {c['processes']} process(es); KDA {kernels}; gate mode "
-        f"{c['gate_mode']}, pdl {c['pdl']}; consumer groups {groups}; publish {c['publish']}"
+        f"{c['gate_mode']}, pdl {c['pdl']}; consumer groups {groups}; publish {c['publish']}; "
+        f"o-projection launches {c['oproj_launch']}"
     )
     title = "latency (graph replay, all ranks)"
     if c["processes"] > 1:

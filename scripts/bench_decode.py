@@ -4,9 +4,13 @@ the same step composed from peers.
 Per TP in ``--tp`` (8, 16) and requests in ``--requests`` (1, 2, 4, 8), T = 1, Kimi-K3
 shapes (96 heads, HID 7168, nb 8), every request live:
 
-- ``ours``: ``launch.gpu.LoopbackRunner``, all TP ranks as streams of the GPU (KDA ->
-  producer -> consumer per rank), the step's CUDA graph replayed; per-replay events,
-  median. Its per-stage breakdown comes from the runner's stage pass.
+- ``ours``: ``launch.gpu.LoopbackRunner``, all TP ranks on the GPU (KDA and producer per
+  rank on its stream, then one consumer launch for all ranks), the step's CUDA graph
+  replayed; per-replay events, median. Its per-stage breakdown comes from the
+  runner's stage pass.
+- the other o-projection launch modes of the runner (``launch.gpu.OPROJ_LAUNCHES``) beside
+  ``ours`` (its loopback default, ``DEFAULT_OPROJ_LAUNCH``): JSON ``per_rank_us``,
+  ``consumer_us``, ``both_us``, printed below the table.
 - ``alone``: rank 0's chain only (KDA -> producer -> consumer), the other ranks' partials
   published just before by a separate graph (not timed): what one rank of a multi-GPU
   run spends, less the link latency (the issue's <= 12 us target).
@@ -76,13 +80,16 @@ def _replays(fn, replays):
     return statistics.median(times)
 
 
-def ours(cfg, model, replays):
-    """All ranks on loopback: (median us, stage breakdown, KDA kernel, consumer groups)."""
+def ours(cfg, model, replays, oproj_launch=None):
+    """All ranks on loopback: (median us, stage breakdown, KDA kernel, consumer groups).
+    ``oproj_launch``: the runner's o-projection launches (``launch.gpu.OPROJ_LAUNCHES``;
+    None: its loopback default)."""
     from tpcomm.backends.loopback import LoopbackBackend
 
     backend = LoopbackBackend(cfg.tp)
     try:
-        runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS)
+        runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS,
+                                    oproj_launch=oproj_launch)  # fmt: skip
         plan, step, prefix, blocks = _step(cfg, model)
         bk = runner.bucket(1, False)
         runner.fill(bk, plan, step, prefix, blocks)
@@ -226,7 +233,10 @@ def main(argv=None) -> int:
             row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden,
                        blocks=cfg.blocks, state_bytes=b["state"], w_o_bytes=b["w_o"],
                        floor_us=(b["state"] + b["w_o"]) / (tbps * 1e6))  # fmt: skip
-            for name, fn in (("ours", ours), ("alone", alone), ("peer", peer)):
+            variants = [(f"{mode.replace('-', '_')}", lambda c, m, n, mode=mode: ours(
+                c, m, n, oproj_launch=mode)[0]) for mode in gpu.OPROJ_LAUNCHES
+                if mode != gpu.DEFAULT_OPROJ_LAUNCH]  # fmt: skip
+            for name, fn in [("ours", ours), *variants, ("alone", alone), ("peer", peer)]:
                 try:
                     result = fn(cfg, model, args.replays)
                 except (ImportError, ValueError, RuntimeError) as e:
@@ -252,15 +262,15 @@ def _cell(v, digits=2, width=9):
 
 
 def _print_row(row):
-    for key in ("ours_skipped", "alone_skipped", "peer_skipped"):
+    for key in [k for k in row if k.endswith("_skipped")]:
         if key in row:
             print(f"  TP {row['tp']} B {row['requests']}: {key[:-8]} skipped: {row[key]}")
 
 
 def _print_table(rows, tbps):
     print(f"\nT = 1, all requests live; floor = (state + w_o bytes) / {tbps:.2f} TB/s")
-    print(f"{'TP':>3}{'B':>4}{'ours us':>9}{'alone us':>9}{'peer us':>9}{'floor us':>9}"
-          f"{'x floor':>9}{'peer/ours':>10}  kernel, groups, stages (us)")  # fmt: skip
+    head = f"{'TP':>3}{'B':>4}{'ours us':>9}{'alone us':>9}{'peer us':>9}"
+    print(head + f"{'floor us':>9}{'x floor':>9}{'peer/ours':>10}  kernel, groups, stages (us)")
     for r in rows:
         ours_us, peer_us = r.get("ours_us"), r.get("peer_us")
         ratio = None if ours_us is None else ours_us / r["floor_us"]
@@ -269,6 +279,13 @@ def _print_table(rows, tbps):
         print(f"{r['tp']:>3}{r['requests']:>4}{_cell(ours_us)}{_cell(r.get('alone_us'))}"
               f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
               f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}")  # fmt: skip
+    for r in rows:
+        modes = ", ".join(f"{m} {r[k]:.2f} us" for m in gpu.OPROJ_LAUNCHES
+                          if r.get(k := f"{m.replace('-', '_')}_us") is not None)  # fmt: skip
+        print(
+            f"  TP {r['tp']} B {r['requests']}: ours = o-projection launches "
+            f"{gpu.DEFAULT_OPROJ_LAUNCH}; other modes: {modes or '-'}"
+        )
     print("targets (issue 7, B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
 
 

@@ -17,6 +17,12 @@ consumers per step; the ``deep`` columns (JSON ``producer_deep_alone_us``,
 ``produce_consume_all_deep_us``) the same with ``OprojAllReduce(..., producer="deep")``
 (``OprojProducerDeep``: each CTA's weight tile requested at once into shared memory).
 
+One-launch rows (``one launch, all ranks``; JSON ``*_1l_*``): every rank in one launch
+per kernel (``run_ranks(..., one_launch=True, pdl=True)``: one publisher or producer
+launch covering all ranks, then one consumer launch covering all ranks, PDL-chained):
+``cons`` the consumers alone (every mailbox refilled by a copy whose time is subtracted),
+``pub+cons``, ``prod+cons`` and ``prod+cons deep``; floors as the ``all`` columns.
+
 Fused rows (``OprojFused``: producer + consumer in one launch, ``produce_consume``):
 ``fused 1`` is one rank's launch alone (the other ranks' slots refilled by a copy whose
 time is subtracted; planned for one launch on the GPU, as with one rank per GPU), floor =
@@ -160,25 +166,24 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     backend.teardown()
     # all ranks at once
     backend = LoopbackBackend(tp)
+    prefixes = a["prefix"][None].repeat(tp, 1, 1)
+    outs = torch.empty(tp, tokens, hid, dtype=torch.bfloat16, device="cuda")
+    attns = torch.randn(tp, tokens, d_local, device="cuda").to(torch.bfloat16)
+    w_all = (torch.randn(tp, hid, d_local, device="cuda") * d_local**-0.5).to(torch.bfloat16)
     try:
         comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET)
-        prefixes = a["prefix"][None].repeat(tp, 1, 1)
-        outs = torch.empty(tp, tokens, hid, dtype=torch.bfloat16, device="cuda")
 
         def all_ranks(i):
             comm.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i)  # fmt: skip
 
         row["publish_consume_all_us"] = _graph_time(all_ranks, iters, repeats)
-        attns = torch.randn(tp, tokens, d_local, device="cuda").to(torch.bfloat16)
-        w_all = (torch.randn(tp, hid, d_local, device="cuda") * d_local**-0.5).to(torch.bfloat16)
 
         def produce_all(i):
             comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
 
         row["produce_consume_all_us"] = _graph_time(produce_all, iters, repeats)
-        row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
         row["errors_all"] = int(comm.errors.abs().sum())
         deep = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
                               producer="deep")  # fmt: skip
@@ -216,6 +221,37 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         row["produce_consume_all_deep_us"] = None
         row["fused_all_us"] = None
         row["all_skipped"] = str(e)
+    # every rank in one launch (one publisher or producer launch, one consumer launch, PDL
+    # between them): what a one-GPU deployment runs; consumers start after every partial,
+    # so no co-residency rule (one_launch=True all-reduces), every token count runs
+    one = {v: OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
+                             producer=v, one_launch=True) for v in ("tiled", "deep")}  # fmt: skip
+    boxes = one["tiled"].mailbox.buffer.payload  # [TP ranks, 2, TP slots, tokens, HID]
+    stacked = a["partials"][None].expand(tp, -1, -1, -1)
+
+    def refill_all(i):
+        boxes[:, i & 1].copy_(stacked)
+
+    def consume_all(i):
+        refill_all(i)
+        one["tiled"].consume_all(prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"],
+                                 outs, i)  # fmt: skip
+
+    t_copy = _graph_time(refill_all, iters, repeats)
+    row["consumer_all_1l_us"] = _graph_time(consume_all, iters, repeats) - t_copy
+    row["groups_1l"] = one["tiled"].groups
+    for key, c, w in (("publish_consume_all_1l_us", one["tiled"], None),
+                      ("produce_consume_all_1l_us", one["tiled"], w_all),
+                      ("produce_consume_all_1l_deep_us", one["deep"], w_all)):  # fmt: skip
+
+        def one_launch(i, c=c, w=w):
+            c.run_ranks(a["partials"] if w is None else attns, prefixes, a["blocks"], a["norm"],
+                        a["query"], a["out_norm"], outs, i, w_os=w, one_launch=True,
+                        pdl=True)  # fmt: skip
+
+        row[key] = _graph_time(one_launch, iters, repeats)
+    row["errors_1l"] = sum(int(c.errors.abs().sum()) for c in one.values())
+    row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
     backend.teardown()
     prefix = a["prefix"].clone()
     tout = torch.empty(tokens, hid, dtype=torch.bfloat16, device="cuda")
@@ -233,7 +269,7 @@ def main():
     args = parser.parse_args()
     hid = 7168
     tokens = [int(t) for t in args.tokens.split(",")]
-    grid = [(16, 1, 8), (16, 1, 0), (8, 1, 8)] if args.quick else [
+    grid = [(16, 1, 8), (16, 1, 0), (8, 1, 8), (16, 8, 8)] if args.quick else [
         (tp, t, nb) for tp in (16, 8) for t in tokens for nb in (8, 0)
     ]  # fmt: skip
     rows = []
@@ -262,6 +298,13 @@ def main():
         for key in ("fused_alone_skipped", "fused_all_skipped", "all_skipped"):
             if key in r:
                 print(f"    {key}: {r[key]}", flush=True)
+        print(f"    one launch, all ranks: cons {cell(r.get('consumer_all_1l_us'), 6)} | "
+              f"pub+cons {cell(r.get('publish_consume_all_1l_us'), 6)} | "
+              f"prod+cons {cell(r.get('produce_consume_all_1l_us'), 6)} | "
+              f"prod+cons deep {cell(r.get('produce_consume_all_1l_deep_us'), 6)} | "
+              f"floor {cell(r.get('floor_produce_consume_all_us'), 6)} | "
+              f"groups {r.get('groups_1l')}",
+              flush=True)  # fmt: skip
         if r.get("fused_all_us") is not None:
             print(f"    fused all: groups {r['fused_all_groups']}, tiles {r['fused_tiles_all']}")
     if args.json:

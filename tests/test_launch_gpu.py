@@ -62,15 +62,17 @@ def test_loopback_tp2(tmp_path):
 
 
 @pytest.mark.gpu
-def test_loopback_tp16(tmp_path):
+@pytest.mark.parametrize("launches", ["per-rank", "consumer", "both"])
+def test_loopback_tp16(tmp_path, launches):
     out = tmp_path / "tp16.json"
     p, lines = run_decode(
         "--backend", "loopback", "--tp", "16", "--heads", "16", "--hidden", "2048",
         "--requests", "2", "--tokens", "2", "--blocks", "3", "--steps", "5",
-        "--json", str(out),
+        "--json", str(out), "--oproj-launch", launches,
     )  # fmt: skip
     report = assert_ok(p, lines, out)
     assert report["config"]["tp"] == 16 and report["config"]["heads_per_rank"] == 1
+    assert report["config"]["oproj_launch"] == launches
     print(p.stdout)
 
 

@@ -156,3 +156,54 @@ def test_twoshot_buffers_and_validation():
     with pytest.raises(ValueError, match="CUDA"):
         comm.consume(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
                      a["output"], 0, rank=1)  # fmt: skip
+
+
+def test_one_launch_validation():
+    """run_ranks(one_launch=True): every rank stacked [TP, ...] contiguous, one-shot, all
+    ranks; each refusal names its argument before any launch."""
+    comm = _comm()
+    a = _args()
+    bf = dict(dtype=torch.bfloat16)
+    stacked = dict(prefixes=torch.zeros(4, 2, 2048, **bf), outputs=torch.zeros(4, 2, 2048, **bf))
+    partials = torch.zeros(4, 2, 2048, **bf)
+
+    def run(c=comm, partials=partials, **kw):
+        s = dict(stacked)
+        for k in ("prefixes", "outputs"):
+            s[k] = kw.pop(k, s[k])
+        c.run_ranks(partials, s["prefixes"], a["blocks"], a["norm"], a["query"], a["out_norm"],
+                    s["outputs"], 0, one_launch=True, **kw)  # fmt: skip
+
+    with pytest.raises(ValueError, match="ranks, publishers and fused"):
+        run(ranks=(0, 1))
+    with pytest.raises(ValueError, match="ranks, publishers and fused"):
+        run(fused=True)
+    with pytest.raises(ValueError, match="one-shot"):
+        run(c=_comm(twoshot=True))
+    with pytest.raises(ValueError, match="prefixes"):
+        run(prefixes=torch.zeros(3, 2, 2048, **bf))
+    with pytest.raises(ValueError, match="outputs"):
+        run(outputs=torch.zeros(4, 2048, 2, **bf).transpose(1, 2))
+    with pytest.raises(ValueError, match="step"):
+        comm.run_ranks_one_launch(partials, stacked["prefixes"], a["blocks"], a["norm"],
+                                  a["query"], a["out_norm"], stacked["outputs"], -1)  # fmt: skip
+    with pytest.raises(ValueError, match="CUDA"):  # valid; the CPU mailbox cannot launch
+        run()
+
+
+def test_one_launch_all_reduce_skips_coresidency_and_refuses_per_rank_runs():
+    comm = _comm(one_launch=True)
+    assert comm.one_launch
+    a = _args()
+    with pytest.raises(ValueError, match="one_launch=True"):
+        comm.run_ranks(None, None, a["blocks"], a["norm"], a["query"], a["out_norm"], None, 0)
+    with pytest.raises(ValueError, match="one-shot"):
+        _comm(one_launch=True, twoshot=True)
+
+    class Crowded(LoopbackBackend):  # a GPU that could never hold every rank's consumer
+        def check_coresident(self, *args):
+            raise ValueError("loopback: cannot all be resident")
+
+    with pytest.raises(ValueError, match="resident"):
+        api.OprojAllReduce(Crowded(4, device="cpu"), 2, 2048, 2)
+    assert api.OprojAllReduce(Crowded(4, device="cpu"), 2, 2048, 2, one_launch=True).one_launch

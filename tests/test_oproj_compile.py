@@ -133,3 +133,51 @@ def test_twoshot_needs_whole_groups_per_shard():
 
     with pytest.raises(ValueError, match="twoshot"):
         kernel_class()(3, 1024, 1, twoshot=True)  # 1024 % 24 != 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_one_launch_kernels_compile(arch, pdl):
+    """Every rank in one launch (ranks = TP): consumer, publisher, both producers."""
+    require_dsl()
+    from tpcomm.oproj.consumer import compiled
+    from tpcomm.oproj.producer import compiled_producer, compiled_publisher
+
+    assert compiled(16, 7168, 8, True, 4, 1, pdl, arch, ranks=16) is not None
+    assert compiled_publisher(16, 7168, False, False, pdl, arch, ranks=16) is not None
+    for variant in ("tiled", "deep"):
+        assert compiled_producer(16, 7168, 768, False, False, pdl, arch, variant=variant,
+                                 ranks=16) is not None  # fmt: skip
+
+
+def test_one_launch_grid_and_offsets_in_ptx(tmp_path):
+    """ranks = TP reads the grid's rank index (consumer: z, producer: y); ranks = 1 not."""
+    cute = require_dsl()
+    from tpcomm.oproj.consumer import fake_arguments, kernel_class
+    from tpcomm.oproj.producer import fake_producer_arguments, producer_class
+
+    def ptx(kernel, args):
+        options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+        return cute.compile(kernel, *args, options=options).__ptx__
+
+    one = ptx(kernel_class()(16, 7168, 8, ranks=16), fake_arguments(16, 7168, 8))
+    alone = ptx(kernel_class()(16, 7168, 8), fake_arguments(16, 7168, 8))
+    assert "%ctaid.z" in one and "%ctaid.z" not in alone
+    one = ptx(producer_class()(16, 7168, 768, ranks=16), fake_producer_arguments(16, 7168, 768))
+    alone = ptx(producer_class()(16, 7168, 768), fake_producer_arguments(16, 7168, 768))
+    assert "%ctaid.y" in one and "%ctaid.y" not in alone
+
+
+def test_one_launch_config_validation():
+    require_dsl()
+    from tpcomm.oproj.consumer import kernel_class
+    from tpcomm.oproj.producer import producer_class, publisher_class
+
+    with pytest.raises(ValueError, match="ranks"):
+        kernel_class()(16, 7168, 8, ranks=4)
+    with pytest.raises(ValueError, match="twoshot"):
+        kernel_class()(16, 2048, 8, groups=1, twoshot=True, ranks=16)
+    with pytest.raises(ValueError, match="ranks"):
+        producer_class()(8, 7168, 1536, ranks=2)
+    with pytest.raises(ValueError, match="ranks"):
+        publisher_class()(8, 7168, ranks=0)

@@ -84,11 +84,15 @@ class OprojAllReduce:
     kernel of ``produce`` and ``run_ranks(w_os=...)``: ``"tiled"`` (``OprojProducer``) or
     ``"deep"`` (``OprojProducerDeep``: the weights staged in shared memory by bulk copies,
     all requested at once; bitwise the same partials); the fused kernel keeps the tiled one.
+    ``one_launch``: built for ``run_ranks(one_launch=True)`` / ``consume_all`` only (every
+    rank of a one-GPU backend in one consumer launch that starts after every partial is
+    published), so the ranks' consumers need not be resident together (no
+    ``check_coresident``); per-rank ``run_ranks`` is then refused.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=C.DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None, producer="tiled"):  # fmt: skip
+                 fence=None, twoshot=None, producer="tiled", one_launch=False):  # fmt: skip
         from tpcomm.oproj.producer import VARIANTS
 
         if producer not in VARIANTS:
@@ -134,9 +138,13 @@ class OprojAllReduce:
         self._no_recv = torch.zeros((8,), **bf)
         self._fns = None
         self._fused_plans = {}
-        backend.check_coresident(
-            (hid // C.SLICE) * tokens, C.GROUP_THREADS * groups, C.min_blocks_per_sm(groups)
-        )
+        self.one_launch = bool(one_launch)
+        if self.one_launch:  # consumers start after every partial: no co-residency needed
+            self._check_one_launch()
+        else:
+            backend.check_coresident(
+                (hid // C.SLICE) * tokens, C.GROUP_THREADS * groups, C.min_blocks_per_sm(groups)
+            )
 
     # --- compiled kernels -------------------------------------------------------------
     def functions(self):
@@ -334,8 +342,11 @@ class OprojAllReduce:
 
     def run_ranks(self, partials, prefixes, blocks, norm, query, out_norm, outputs, step,
                   *, xmoes=None, ranks=None, publishers=None, w_os=None, fused=False,
-                  pdl=False):  # fmt: skip
+                  pdl=False, one_launch=False):  # fmt: skip
         """Loopback: each rank publishes ``partials[r]`` and consumes on its own stream.
+
+        ``one_launch``: every rank in one publisher (or producer) launch and one consumer
+        launch on the current stream (``run_ranks_one_launch``); same results bitwise.
 
         With ``w_os`` [TP, HID, D_local], ``partials`` are the ranks' ``attn_out``
         [TP, tokens, D_local] and the producer (``producer`` of the constructor) computes
@@ -348,6 +359,19 @@ class OprojAllReduce:
         [TP, reps, tokens, HID]; ``ranks`` limits the consumers, ``publishers`` the ranks
         that publish (a rank left out never publishes). Graph-capturable.
         """
+        if one_launch:
+            if ranks is not None or publishers is not None or fused:
+                raise ValueError("run_ranks(one_launch=True) runs every rank, unfused: leave "
+                                 "ranks, publishers and fused out")  # fmt: skip
+            return self.run_ranks_one_launch(
+                partials, prefixes, blocks, norm, query, out_norm, outputs, step,
+                xmoes=xmoes, w_os=w_os, pdl=pdl,
+            )  # fmt: skip
+        if self.one_launch:
+            raise ValueError(
+                "this all-reduce was built with one_launch=True (its ranks' consumers need "
+                "not fit the GPU together): run_ranks(..., one_launch=True)"
+            )
         streams = getattr(self.backend, "streams", None)
         if not streams:
             raise ValueError("run_ranks needs a backend with one stream per rank (loopback)")
@@ -387,6 +411,119 @@ class OprojAllReduce:
                                  xmoe=x, rank=r, stream=streams[r], checked=True)  # fmt: skip
         for r in sorted(set(ranks) | set(publishers)):
             current.wait_stream(streams[r])
+
+    def _check_one_launch(self):
+        """ValueError unless one launch can serve every rank: a one-GPU backend hosting
+        ranks 0..TP-1 whose mailboxes are consecutive slices of one allocation."""
+        if self.twoshot:
+            raise ValueError("one launch for every rank is one-shot only: twoshot=False")
+        if not self.backend.single_device or tuple(self.backend.ranks) != tuple(range(self.tp)):
+            raise ValueError("one launch for every rank needs one GPU hosting ranks 0..TP-1")
+        base = self.mailbox.local(0)
+        for r in range(self.tp):
+            box = self.mailbox.local(r)
+            if box.data_ptr() != base.data_ptr() + r * base.nbytes or not box.is_contiguous():
+                raise ValueError("one launch for every rank needs the ranks' mailboxes "
+                                 "consecutive in one allocation")  # fmt: skip
+
+    def _check_stacked(self, name, t, shape):
+        """Every rank's tensor of ``shape`` stacked ``[TP, *shape]``, contiguous."""
+        want = (self.tp, *shape)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be [TP, ...] = {list(want)}; got {got}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (one launch reads every rank's slice)")
+
+    def run_ranks_one_launch(self, partials, prefixes, blocks, norm, query, out_norm, outputs,
+                             step, *, xmoes=None, w_os=None, pdl=False):  # fmt: skip
+        """Every rank of a one-GPU backend in two launches on the current stream: the
+        publisher of ``partials`` [TP, tokens, HID] (or, with ``w_os`` [TP, HID, D_local],
+        the producer of ``partials`` = ``attn_out`` [TP, tokens, D_local]) for all ranks at
+        once, then the consumer of all ranks at once (grid z = rank). Bitwise what
+        ``run_ranks`` gives: the same per-rank kernels' code, only the launch differs.
+        No cluster ever waits on a non-resident one (every partial is published before the
+        consumers start, or, with ``pdl``, before the producer's last CTA has started)."""
+        step = self._step(step)
+        self._check_all(prefixes, blocks, norm, query, out_norm, outputs, xmoes)
+        if w_os is not None:
+            self.produce_all(partials, w_os, step, pdl=pdl)
+        else:
+            self.publish_all(partials, step, pdl=pdl)
+        self.consume_all(prefixes, blocks, norm, query, out_norm, outputs, step, xmoes=xmoes,
+                         pdl=pdl, checked=True)  # fmt: skip
+
+    def produce_all(self, attn_outs, w_os, step, *, pdl=False):
+        """Every rank's ``bf16(attn_out @ w_o^T)`` into every mailbox in one launch on the
+        current stream (grid y = rank): ``attn_outs`` [TP, tokens, D_local], ``w_os``
+        [TP, HID, D_local], contiguous. ``pdl``: waits for the previous kernel in-kernel and
+        lets the next (``consume_all(..., pdl=True)``) launch early."""
+        step = self._step(step)
+        self._check_one_launch()
+        if not isinstance(attn_outs, torch.Tensor) or attn_outs.dim() != 3:
+            raise ValueError("attn_outs must be a 3-D [TP, tokens, D_local] torch.Tensor")
+        if not isinstance(w_os, torch.Tensor) or w_os.dim() != 3:
+            raise ValueError("w_os must be a 3-D [TP, HID, D_local] torch.Tensor")
+        d_local = self._check_projection(attn_outs[0], w_os[0])
+        self._check_stacked("attn_outs", attn_outs, (self.tokens, d_local))
+        self._check_stacked("w_os", w_os, (self.hid, d_local))
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64
+
+        from tpcomm.oproj.producer import compiled_producer
+
+        fn = compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0, self.fence,
+                               pdl, variant=self.producer, ranks=self.tp)  # fmt: skip
+        stream = torch.cuda.current_stream(self.device)
+        fn(_dl(attn_outs[0]), _dl(w_os[0]), _dl(self.peers[0], 8), Int64(self.multicast_base),
+           Int32(0), Int32(step & 1), cuda.CUstream(stream.cuda_stream))  # fmt: skip
+
+    def publish_all(self, partials, step, *, pdl=False):
+        """Every rank's ready partial (``partials`` [TP, tokens, HID], contiguous) into every
+        mailbox in one launch on the current stream (grid z = rank)."""
+        step = self._step(step)
+        self._check_one_launch()
+        self._check_stacked("partials", partials, (self.tokens, self.hid))
+        _check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
+                             self.device)  # fmt: skip
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64
+
+        from tpcomm.oproj.producer import compiled_publisher
+
+        fn = compiled_publisher(self.tp, self.hid, self.multicast_base != 0, self.fence, pdl,
+                                ranks=self.tp)  # fmt: skip
+        stream = torch.cuda.current_stream(self.device)
+        fn(_dl(partials[0]), _dl(self.peers[0], 8), Int64(self.multicast_base), Int32(0),
+           Int32(step & 1), cuda.CUstream(stream.cuda_stream))  # fmt: skip
+
+    def _check_all(self, prefixes, blocks, norm, query, out_norm, outputs, xmoes):
+        self._check_one_launch()
+        shape = (self.tokens, self.hid)
+        for name, t in (("prefixes", prefixes), ("outputs", outputs)):
+            self._check_stacked(name, t, shape)
+        if xmoes is not None:
+            self._check_stacked("xmoes", xmoes, (self.xmoe_reps, *shape))
+        for r in range(self.tp):
+            self.check(prefixes[r], blocks, norm, query, out_norm, outputs[r],
+                       None if xmoes is None else xmoes[r])  # fmt: skip
+
+    def consume_all(self, prefixes, blocks, norm, query, out_norm, outputs, step, *,
+                    xmoes=None, pdl=False, checked=False):  # fmt: skip
+        """Every rank's consumer in one launch on the current stream (grid z = rank):
+        ``prefixes``/``outputs`` [TP, tokens, HID], ``xmoes`` [TP, reps, tokens, HID], all
+        contiguous; every rank's partials published before (or by the PDL primary)."""
+        step = self._step(step)
+        if not checked:
+            self._check_all(prefixes, blocks, norm, query, out_norm, outputs, xmoes)
+        import cuda.bindings.driver as cuda
+
+        consumer = C.compiled(self.tp, self.hid, self.nb, self.has_delta, self.groups,
+                              self.xmoe_reps, pdl, fence=self.fence, ranks=self.tp)  # fmt: skip
+        args = self._consumer_args(0, prefixes[0], blocks, norm, query, out_norm, outputs[0],
+                                   step, None if xmoes is None else xmoes[0])  # fmt: skip
+        stream = torch.cuda.current_stream(self.device)
+        consumer(*args, cuda.CUstream(stream.cuda_stream))
 
     def buffers(self, rank):
         """The protocol buffers hosted for ``rank`` (mailbox, or receive view + gather row)."""

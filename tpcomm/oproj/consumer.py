@@ -51,6 +51,13 @@ kernel writes ``attn_out``) the wait comes after the AttnRes pre-phase instead, 
 this kernel and the fused one; ``smem_bytes`` is its shared memory (plain Python, for
 the co-residency rules).
 
+One launch for every rank (``ranks`` = TP, one-shot; the loopback backend, where every
+rank's mailbox is one slice of one allocation): grid ``(C, tokens, TP)``, and grid z = r
+runs rank r on its mailbox, ``prefix``, ``output`` and ``xmoe`` at r times one rank's size
+past rank 0's (``[TP, ...]`` contiguous), its row of the error and hint words. Every
+rank's partial is published before this launch (stream order, or PDL after a producer
+launch that covers every rank), so no cluster waits on one that is not resident.
+
 The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
 """
 
@@ -63,6 +70,17 @@ POLL_CHUNK = 4  # mailbox slots polled together (registers: 16 words)
 MAX_GROUPS = 4
 MAX_CLUSTER = 8
 DEFAULT_BUDGET_NS = 50_000_000
+
+
+WORD_ROW_BYTES = 16  # a rank's row of error words / hint counters: int32 [4]
+
+
+def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
+    """``ranks``: consecutive ranks one launch serves (1; or all ``tp`` on one GPU)."""
+    if not isinstance(ranks, int) or ranks not in (1, tp):
+        raise ValueError(f"ranks must be 1 or tp = {tp} (every rank in one launch); got {ranks!r}")
+    if ranks > 1 and twoshot:
+        raise ValueError("ranks > 1 (every rank in one launch) is one-shot only: twoshot=False")
 
 
 def per_group(tp: int, groups: int) -> int:
@@ -188,8 +206,10 @@ def _kernel_class():
         twoshot (and its sys fence before the gather publish)."""
 
         def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
-                     twoshot=False, fence=False, early_wait=False):  # fmt: skip
+                     twoshot=False, fence=False, early_wait=False, ranks=1):  # fmt: skip
             check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
+            check_ranks(tp, ranks, twoshot)
+            self.ranks = ranks
             self.tp, self.hid, self.nb = tp, hid, nb
             self.twoshot, self.fence = bool(twoshot), bool(fence)
             self.slots = 1 if twoshot else tp  # mailbox slots polled: the gather row alone
@@ -244,7 +264,7 @@ def _kernel_class():
             )
             launch(
                 call,
-                (self.ctas, prefix.shape[0], 1),
+                (self.ctas, prefix.shape[0], self.ranks),
                 (self.threads, 1, 1),
                 stream,
                 cluster=(self.ctas, 1, 1),
@@ -545,7 +565,18 @@ def _kernel_class():
                    out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
                    gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
             thread, _, _ = cute.arch.thread_idx()
-            cta, token, _ = cute.arch.block_idx()
+            cta, token, r = cute.arch.block_idx()
+            if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s tensors (one launch)
+                r64 = Int64(r)
+                per_rank = Int64(tokens) * (self.hid * 2)  # one [tokens, HID] bf16 tensor
+                a_mailbox = a_mailbox + r64 * (2 * self.slots) * per_rank
+                a_prefix = a_prefix + r64 * per_rank
+                a_output = a_output + r64 * per_rank
+                if cutlass.const_expr(self.xmoe_reps > 0):
+                    a_xmoe = a_xmoe + r64 * self.xmoe_reps * per_rank
+                a_hints = a_hints + r64 * WORD_ROW_BYTES
+                a_error = a_error + r64 * WORD_ROW_BYTES
+                rank = rank + r
             smem = self.allocate()
             self.body(smem, thread, cta, token, a_mailbox, a_prefix, a_blocks, a_norm, a_query,
                       a_out_norm, a_output, a_xmoe, a_hints, a_error, tokens, eps, out_eps,
@@ -632,12 +663,15 @@ def fake_arguments(tp: int, hid: int, nb: int, xmoe_reps: int = 0, twoshot: bool
 
 @functools.cache
 def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch=None, *,
-             twoshot=False, fence=False):  # fmt: skip
-    """One compile per configuration and arch; tokens are dynamic."""
+             twoshot=False, fence=False, ranks=1):  # fmt: skip
+    """One compile per configuration and arch; tokens are dynamic. ``ranks`` = TP: one
+    launch for every rank of a one-GPU backend (rank r's mailbox, prefix, output, xmoe,
+    error and hint rows at r times their size past the first rank's)."""
     import cutlass.cute as cute
 
     kernel = kernel_class()(tp, hid, nb, has_delta=has_delta, groups=groups,
-                            xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot, fence=fence)  # fmt: skip
+                            xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot, fence=fence,
+                            ranks=ranks)  # fmt: skip
     args = fake_arguments(tp, hid, nb, xmoe_reps, twoshot)
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *args, options=options)

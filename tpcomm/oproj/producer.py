@@ -46,12 +46,17 @@ w + 4, ... in ascending k with the same per-lane fragments (now read from shared
 and the four warp fragments are summed in warp order through shared memory, then the
 same single bf16 rounding and publish (``publish_tile``).
 
+``ranks`` = TP (one-shot; a one-GPU backend): one launch projects or publishes every
+rank's partial, grid y (producers) or z (publisher) = rank r with its operands at r times
+one rank's size past rank 0's.
+
 The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
 """
 
 import functools
 from dataclasses import dataclass
 
+from tpcomm.oproj.consumer import check_ranks
 from tpcomm.oproj.reference import MAX_TP, SLICE
 
 THREADS = 128
@@ -81,7 +86,10 @@ def _publisher_class():
     class PartialPublisher:
         """Compile-time configuration: TP, HID, multicast, sys fence, PDL, twoshot."""
 
-        def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False):
+        def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False,
+                     ranks=1):  # fmt: skip
+            check_ranks(tp, ranks, twoshot)
+            self.ranks = ranks
             if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
                 raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
             if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= 8 * SLICE:
@@ -110,14 +118,17 @@ def _publisher_class():
                 rank,
                 step,
             )
-            grid = (self.hid // SLICE, partial.shape[0], 1)
+            grid = (self.hid // SLICE, partial.shape[0], self.ranks)
             launch(call, grid, (THREADS, 1, 1), stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, a_partial: Int64, peers: cute.Tensor, multicast_base: Int64,
                    tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
             tid, _, _ = cute.arch.thread_idx()
-            cta, token, _ = cute.arch.block_idx()
+            cta, token, r = cute.arch.block_idx()
+            if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s partial
+                a_partial = a_partial + Int64(r) * Int64(tokens) * (self.hid * 2)
+                rank = rank + r
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()
             column = cta * SLICE + tid * 8
@@ -164,13 +175,14 @@ def fake_publisher_arguments(tp: int, hid: int):
 
 @functools.cache
 def compiled_publisher(tp, hid, multicast=False, fence=False, pdl=False, arch=None, *,
-                       twoshot=False):  # fmt: skip
+                       twoshot=False, ranks=1):  # fmt: skip
     """One compile per configuration and arch; tokens are dynamic. With ``twoshot`` the
-    peer table holds the receive views' addresses."""
+    peer table holds the receive views' addresses; ``ranks`` = TP publishes every rank's
+    partial ``[TP, tokens, HID]`` in one launch (grid z = rank)."""
     import cutlass.cute as cute
 
     kernel = publisher_class()(tp, hid, multicast=multicast, fence=fence, pdl=pdl,
-                               twoshot=twoshot)  # fmt: skip
+                               twoshot=twoshot, ranks=ranks)  # fmt: skip
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *fake_publisher_arguments(tp, hid), options=options)
 
@@ -272,7 +284,9 @@ def _producer_class():
         """Compile-time configuration: TP, HID, D (local width), multicast, fence, PDL."""
 
         def __init__(self, tp, hid, d_local, *, multicast=False, fence=False, pdl=False,
-                     twoshot=False):  # fmt: skip
+                     twoshot=False, ranks=1):  # fmt: skip
+            check_ranks(tp, ranks, twoshot)
+            self.ranks = ranks
             if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
                 raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
             if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= 8 * SLICE:
@@ -305,14 +319,27 @@ def _producer_class():
                 rank,
                 step,
             )
-            grid = (self.hid // FEATURES, 1, 1)
+            grid = (self.hid // FEATURES, self.ranks, 1)
             launch(call, grid, (WARPS * 32, 1, 1), stream, use_pdl=self.pdl)
+
+        @cute.jit
+        def rank_operands(self, a_attn: Int64, a_w: Int64, tokens: Int32, rank: Int32):
+            """(attn_out, w_o, rank) of the rank this CTA projects: grid y = r is rank
+            ``rank + r`` (``ranks`` > 1: every rank's operands ``[TP, ...]`` contiguous)."""
+            _, r, _ = cute.arch.block_idx()
+            if cutlass.const_expr(self.ranks > 1):
+                r64 = Int64(r)
+                a_attn = a_attn + r64 * Int64(tokens) * (self.d * 2)
+                a_w = a_w + r64 * (self.hid * self.d * 2)
+                rank = rank + r
+            return a_attn, a_w, rank
 
         @cute.kernel
         def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
                    tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
             tid, _, _ = cute.arch.thread_idx()
             cta, _, _ = cute.arch.block_idx()
+            a_attn, a_w, rank = self.rank_operands(a_attn, a_w, tokens, rank)
             smem = cutlass.memory.SmemAllocator()
             red = smem_tensor(smem, Float32, (WARPS, 32, 4))
             if cutlass.const_expr(self.pdl):
@@ -436,7 +463,7 @@ def _producer_class():
                 rank,
                 step,
             )
-            grid = (self.hid // FEATURES, 1, 1)
+            grid = (self.hid // FEATURES, self.ranks, 1)
             launch(call, grid, (WARPS * 32, 1, 1), stream, use_pdl=self.pdl,
                    min_blocks_per_mp=DEEP_CTAS_PER_SM, carveout=100)  # fmt: skip
 
@@ -457,6 +484,7 @@ def _producer_class():
             plan = self.plan
             tid, _, _ = cute.arch.thread_idx()
             index, _, _ = cute.arch.block_idx()
+            a_attn, a_w, rank = self.rank_operands(a_attn, a_w, tokens, rank)
             smem = cutlass.memory.SmemAllocator()
             slabs = smem_tensor(smem, Uint32, (plan.stages, plan.slab_bytes // 4), align=128)
             red = smem_tensor(smem, Float32, (WARPS, 32, 4))
@@ -549,11 +577,13 @@ def fake_producer_arguments(tp: int, hid: int, d_local: int):
 
 @functools.cache
 def compiled_producer(tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *,
-                      twoshot=False, variant="tiled"):  # fmt: skip
-    """One compile per configuration, variant and arch; tokens are dynamic (1..8)."""
+                      twoshot=False, variant="tiled", ranks=1):  # fmt: skip
+    """One compile per configuration, variant and arch; tokens are dynamic (1..8).
+    ``ranks`` = TP projects every rank in one launch (grid y = rank; ``attn_out``
+    ``[TP, tokens, D]`` and ``w_o`` ``[TP, HID, D]`` contiguous, rank 0's passed)."""
     import cutlass.cute as cute
 
     kernel = producer_class(variant)(tp, hid, d_local, multicast=multicast, fence=fence,
-                                     pdl=pdl, twoshot=twoshot)  # fmt: skip
+                                     pdl=pdl, twoshot=twoshot, ranks=ranks)  # fmt: skip
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *fake_producer_arguments(tp, hid, d_local), options=options)
