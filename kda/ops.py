@@ -6,7 +6,8 @@ Same arguments as ``kda.reference.decode`` plus:
   ``"lean"`` (opt-in, never the auto choice: two launches, KdaPrepare writes each item's
   conv / norm / gate / decay / beta vectors to an fp32 scratch buffer, cached per shape and
   device, then KdaLean streams the state pages through Wide's recurrence; built to give
-  bitwise Wide's results, GPU validation pending; one scratch per shape, so steps of one
+  bitwise Wide's results (GPU-tested; measured slower than ``"stream"``, see
+  ``kda.dispatch.LEAN_PREPASS``); one scratch per shape, so steps of one
   shape must not overlap on two streams);
 - ``cluster``: KdaSplit's CTAs per (request, head) item, 2, 4 or 8 (``kernel="split"``
   only; ``None``: the dispatcher's choice);
