@@ -145,8 +145,8 @@ def parse_args(argv=None):
         "--oproj-launch",
         choices=("per-rank", "consumer", "both"),
         default=None,
-        help="loopback: o-projection launches; consumer (default): producers per rank, one "
-        "consumer launch for all ranks; both: one producer and one consumer launch; per-rank",
+        help="loopback: o-projection launches; both (default): one producer and one consumer "
+        "launch for all ranks; consumer: producers per rank, one consumer launch; per-rank",
     )
     gpu.add_argument(
         "--multicast",

@@ -4,8 +4,8 @@ the same step composed from peers.
 Per TP in ``--tp`` (8, 16) and requests in ``--requests`` (1, 2, 4, 8), T = 1, Kimi-K3
 shapes (96 heads, HID 7168, nb 8), every request live:
 
-- ``ours``: ``launch.gpu.LoopbackRunner``, all TP ranks on the GPU (KDA and producer per
-  rank on its stream, then one consumer launch for all ranks), the step's CUDA graph
+- ``ours``: ``launch.gpu.LoopbackRunner``, all TP ranks on the GPU (KDA per rank on its
+  stream, then one producer and one consumer launch for all ranks), the step's CUDA graph
   replayed; per-replay events, median. Its per-stage breakdown comes from the
   runner's stage pass.
 - the other o-projection launch modes of the runner (``launch.gpu.OPROJ_LAUNCHES``) beside
