@@ -1,5 +1,6 @@
-"""KdaStream: persistent KdaWide. Each CTA walks a contiguous range of (request, head)
-items and streams item n + 1's state page, conv window and projection rows into shared
+"""KdaStream: persistent KdaWide. Each CTA walks a contiguous range of (head, request)
+items (head-major: one or two heads per CTA, so the head's f_b rows and parameters are L1
+hits) and streams item n + 1's state page, conv window and projection rows into shared
 memory (cp.async) while it runs item n's recurrence.
 
 Per item the math is KdaWide's, call for call (same rounding points and fp32 reduction
@@ -34,7 +35,7 @@ def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
     """Shared memory of one KdaStream CTA (bytes, without alignment padding)."""
     conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
     staged = ROWS * KCHUNKS * THREADS * 16
-    inputs = tokens * 5 * HEAD_DIM * 2
+    inputs = tokens * 6 * HEAD_DIM * 2  # x (3 rows), f_a, the output gate twice (parity)
     work = (4 * tokens + 8) * HEAD_DIM * 4 + 16 * 4 + tokens * 12 * 4
     return conv + staged + inputs + work
 
@@ -42,6 +43,10 @@ def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
 class KdaStream(KdaWide):
     """KdaWide's operands and semantics; ``ctas`` persistent CTAs (two per SM),
     ``conv_dim_first`` the conv cache's memory layout and ``window`` its length W."""
+
+    # the output gate read from its cp.async-staged rows (True) or from global memory on
+    # the item's tail (False); trace-time switch for measurements
+    STAGED_GATE = True
 
     def __init__(
         self,
@@ -147,8 +152,9 @@ class KdaStream(KdaWide):
                     cp_async_16(shared, Int64(base.toint()))
 
     @cute.jit
-    def stage_inputs(self, x, gate, f_a, xs, gs, fas, head, request):
-        """cp.async the item's projection rows: x (q, k, v), the output gate, f_a."""
+    def stage_inputs(self, x, gate, f_a, xs, gs, fas, head, request, parity):
+        """cp.async the item's projection rows: x (q, k, v), the output gate (into
+        ``gs[parity]``: item n's gate is read after item n + 1's rows are staged), f_a."""
         tid, _, _ = cute.arch.thread_idx()
         T = self.tokens
         dim = self.heads * HEAD_DIM
@@ -167,26 +173,34 @@ class KdaStream(KdaWide):
                     cp_async_16(xs0 + ((t * 3 + kind) * HEAD_DIM + 8 * k) * 2, source)
                 elif kind == 3:
                     source = g0 + Int64((token + t) * dim + head * HEAD_DIM + 8 * k) * 2
-                    cp_async_16(gs0 + (t * HEAD_DIM + 8 * k) * 2, source)
+                    gate_row = (parity * T + t) * HEAD_DIM
+                    cp_async_16(gs0 + (gate_row + 8 * k) * 2, source)
                 else:
                     source = a0 + Int64((token + t) * HEAD_DIM + 8 * k) * 2
                     cp_async_16(fas0 + (t * HEAD_DIM + 8 * k) * 2, source)
 
+    def output_gate(self, gate, token, t, head, channel):
+        """sigmoid of the output gate of ``channel`` of token ``t``, read from the item's
+        staged rows (``gate`` is ``(gs, parity)``: ``gs`` [2, T, 128] bf16 in shared memory)."""
+        if not isinstance(gate, tuple):  # STAGED_GATE off: the global rows, as KdaWide
+            return super().output_gate(gate, token, t, head, channel)
+        rows, parity = gate
+        return dev.sigmoid(Float32(rows[parity, t, channel]))
+
     @cute.jit
-    def stage_item(self, ops, buffers, item, parity, with_inputs):
+    def stage_item(self, ops, buffers, head, request, parity, with_inputs):
         """Stage an item (state page, conv window, and with ``with_inputs`` its rows and
         sigmoid(beta) into ``s_beta[parity]``); nothing for a padding item."""
         x, conv_state, f_a, beta, slots, state, gate, accepted = ops
         staged, convs, xs, gs, fas, s_beta = buffers
         tid, _, _ = cute.arch.thread_idx()
-        head, request = item % self.heads, item // self.heads
         slot, conv_slot, offset = self.item_slots(slots, accepted, request)
         if slot > 0:
             if cutlass.const_expr(not with_inputs):
                 self.stage_state(state, staged, head, slot)
                 self.stage_conv(conv_state, convs, head, conv_slot, offset)
             else:
-                self.stage_inputs(x, gate, f_a, xs, gs, fas, head, request)
+                self.stage_inputs(x, gate, f_a, xs, gs, fas, head, request, parity)
                 if tid < self.tokens:
                     b = Float32(beta[request * self.tokens + tid, head])
                     s_beta[parity, tid] = dev.sigmoid(b)
@@ -233,7 +247,7 @@ class KdaStream(KdaWide):
         conv_cols = HEAD_DIM * self.window if self.conv_dim_first else 3 * HEAD_DIM
         convs = smem_tensor(smem, conv_type, (3, conv_cols), align=16)
         xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
-        gs = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+        gs = smem_tensor(smem, BFloat16, (2, T, HEAD_DIM), align=16)  # parity-buffered
         fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
         s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
         s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
@@ -249,17 +263,21 @@ class KdaStream(KdaWide):
         parts = (2 * section, 1)
 
         # Prologue: the first item's page and window (predecessor-independent), its rows.
+        # Items are head-major, (head, request) = divmod(item, requests): a CTA's range stays
+        # on one or two heads, whose f_b rows, conv taps and parameters stay in L1.
+        head, request = first // requests, first % requests
         if count > 0:
-            self.stage_item(ops, buffers, first, 0, False)
+            self.stage_item(ops, buffers, head, request, 0, False)
         cute.arch.griddepcontrol_wait()
         if count > 0:
-            self.stage_item(ops, buffers, first, 0, True)
+            self.stage_item(ops, buffers, head, request, 0, True)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
 
         for i in cutlass.range(count, unroll=1):
-            item = first + i
-            head, request = item % H, item // H
+            wrap = request + 1 == requests
+            next_head = head + Int32(cutlass.select_(wrap, Int32(1), Int32(0)))
+            next_request = Int32(cutlass.select_(wrap, Int32(0), request + 1))
             token = request * T
             parity = i % 2
             has_next = i + 1 < count
@@ -272,8 +290,8 @@ class KdaStream(KdaWide):
                         output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
                 cute.arch.barrier()
                 if has_next:
-                    self.stage_item(ops, buffers, item + 1, 1 - parity, False)
-                    self.stage_item(ops, buffers, item + 1, 1 - parity, True)
+                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, False)
+                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, True)
                 cute.arch.cp_async_commit_group()
             else:
                 # Per-head parameters (L2-resident weights).
@@ -337,8 +355,8 @@ class KdaStream(KdaWide):
                 cute.arch.barrier()  # the stage is free: item n + 1 streams in
 
                 if has_next:
-                    self.stage_item(ops, buffers, item + 1, 1 - parity, False)
-                    self.stage_item(ops, buffers, item + 1, 1 - parity, True)
+                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, False)
+                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, True)
                 cute.arch.cp_async_commit_group()
 
                 beta_now = s_beta[parity, None]
@@ -358,4 +376,7 @@ class KdaStream(KdaWide):
                 if section == 0:
                     self.norm_sums(s_o, out_sums)
                 cute.arch.barrier()
-                self.write_output(s_o, out_sums, gate, nw, eps, output, token, head)
+                # the output gate from its staged rows (no global read on the item's tail)
+                gate_source = (gs, i % 2) if cutlass.const_expr(self.STAGED_GATE) else gate
+                self.write_output(s_o, out_sums, gate_source, nw, eps, output, token, head)
+            head, request = next_head, next_request
