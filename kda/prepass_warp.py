@@ -161,22 +161,6 @@ class KdaPrepareWarp(KdaPrepare):
 
     # ------------------------------------------------------------------ gate stage
     @cute.jit
-    def tile_weights(self, f_b, head, m):
-        """``KdaWide.load_gate_weights`` of warp ``m``: f_b A fragments of features
-        ``16 m + group`` (and + 8), eight k16 chunks, the same K permutation."""
-        lane = cute.arch.lane_idx()
-        group, quarter = lane // 4, lane % 4
-        base = Int64(f_b.iterator.toint())
-        feature = head * HEAD_DIM + 16 * m + group
-        weights = []
-        for chunk in cutlass.range_constexpr(8):
-            col = 16 * chunk + 4 * quarter
-            low = ld_global_nc_b32x2(base + Int64(feature * HEAD_DIM + col) * 2)
-            high = ld_global_nc_b32x2(base + Int64((feature + 8) * HEAD_DIM + col) * 2)
-            weights.append((low[0], high[0], low[1], high[1]))
-        return weights
-
-    @cute.jit
     def gate_tiles(
         self, f_b, f_a, a_log, dt_bias, lower_bound, kg_records, scratch, request, head, token
     ):
@@ -188,7 +172,7 @@ class KdaPrepareWarp(KdaPrepare):
         a = Float32(a_log[head])
         activations = self.load_activations(f_a, token)
         for m in cutlass.range_constexpr(GATE_TILES):
-            weights = self.tile_weights(f_b, head, m)
+            weights = self.load_gate_weights(f_b, head, m)
             dt = [Float32(dt_bias[head * HEAD_DIM + 16 * m + group + 8 * i]) for i in range(2)]
             acc = dev.gate_projection(weights, activations, self.gate_mode)
             for e in cutlass.range_constexpr(4):

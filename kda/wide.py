@@ -172,14 +172,18 @@ class KdaWide:
         return history
 
     @cute.jit
-    def load_gate_weights(self, f_b, head):
-        """f_b A fragments of this warp's 16 features, 8 k16 chunks (K permuted within a
-        chunk identically for A and B: thread columns 4q..4q+3 -> k 2q, 2q+1, 2q+8, 2q+9)."""
-        tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
+    def load_gate_weights(self, f_b, head, tile=None):
+        """f_b A fragments of 16-feature tile ``tile`` (default: this thread's warp), 8 k16
+        chunks (K permuted within a chunk identically for A and B: thread columns
+        4q..4q+3 -> k 2q, 2q+1, 2q+8, 2q+9)."""
+        if cutlass.const_expr(tile is None):
+            tid, _, _ = cute.arch.thread_idx()
+            lane, m = tid % 32, tid // 32
+        else:  # a warp-per-item caller (KdaPrepareWarp) walks the tiles itself
+            lane, m = cute.arch.lane_idx(), tile
         group, quarter = lane // 4, lane % 4
         base = Int64(f_b.iterator.toint())
-        feature = head * HEAD_DIM + 16 * warp + group
+        feature = head * HEAD_DIM + 16 * m + group
         weights = []
         for chunk in cutlass.range_constexpr(8):
             col = 16 * chunk + 4 * quarter

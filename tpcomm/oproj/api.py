@@ -130,15 +130,16 @@ class OprojAllReduce:
         # what check_consume sees of the mailbox (shape and dtype only)
         self._probe = torch.empty((self.tp, tokens, hid), dtype=torch.bfloat16, device="meta")
         n = max(backend.ranks) + 1
-        self.errors = torch.zeros((n, 4), dtype=torch.int32, device=self.device)
-        self.hint_words = torch.zeros((n, 4), dtype=torch.int32, device=self.device)
+        words = C.WORD_ROW_BYTES // 4  # a rank's row (the one-launch kernels' stride)
+        self.errors = torch.zeros((n, words), dtype=torch.int32, device=self.device)
+        self.hint_words = torch.zeros((n, words), dtype=torch.int32, device=self.device)
         bf = dict(dtype=torch.bfloat16, device=self.device)
         self._no_blocks = torch.zeros((tokens, 1, hid), **bf)
         self._no_xmoe = torch.zeros((1, tokens, hid), **bf)
         self._no_recv = torch.zeros((8,), **bf)
         self._fns = None
         self._fused_plans = {}
-        self.one_launch = bool(one_launch)
+        self.one_launch, self._one_launch_checked = bool(one_launch), False
         if self.one_launch:  # consumers start after every partial: no co-residency needed
             self._check_one_launch()
         else:
@@ -149,16 +150,11 @@ class OprojAllReduce:
     # --- compiled kernels -------------------------------------------------------------
     def functions(self):
         if self._fns is None:
-            from tpcomm.oproj.producer import compiled_publisher
-
             consumer = C.compiled(
                 self.tp, self.hid, self.nb, self.has_delta, self.groups, self.xmoe_reps,
                 twoshot=self.twoshot, fence=self.fence,
             )  # fmt: skip
-            publisher = compiled_publisher(
-                self.tp, self.hid, self.multicast_base != 0, self.fence, twoshot=self.twoshot
-            )
-            self._fns = (publisher, consumer)
+            self._fns = (self._publisher(), consumer)
         return self._fns
 
     def error(self, rank=None):
@@ -211,14 +207,31 @@ class OprojAllReduce:
         rank, step = self._rank(rank), self._step(step)
         shape = (self.tokens, self.hid)
         _check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
+        self._launch(self._publisher(), (partial,), rank, step, stream)
+
+    # the compiled launches, one key each: ``ranks`` = TP launches every rank at once
+    def _publisher(self, pdl=False, ranks=1):
+        from tpcomm.oproj.producer import compiled_publisher
+
+        return compiled_publisher(self.tp, self.hid, self.multicast_base != 0, self.fence, pdl,
+                                  twoshot=self.twoshot, ranks=ranks)  # fmt: skip
+
+    def _producer(self, d_local, pdl=False, ranks=1):
+        from tpcomm.oproj.producer import compiled_producer
+
+        return compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0,
+                                 self.fence, pdl, twoshot=self.twoshot, variant=self.producer,
+                                 ranks=ranks)  # fmt: skip
+
+    def _launch(self, fn, tensors, rank, step, stream):
+        """A publisher or producer launch: ``tensors`` (partial, or attn_out and w_o) of
+        ``rank``, its peer table, then rank and parity, on ``stream`` (None: current)."""
         import cuda.bindings.driver as cuda
         from cutlass import Int32, Int64
 
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
-        self.functions()[0](
-            _dl(partial), _dl(self.peers[rank], 8), Int64(self.multicast_base),
-            Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream),
-        )  # fmt: skip
+        fn(*(_dl(t) for t in tensors), _dl(self.peers[rank], 8), Int64(self.multicast_base),
+           Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream))  # fmt: skip
 
     def _check_projection(self, attn_out, w_o):
         """ValueError naming the argument unless ``attn_out`` [tokens, D_local] and ``w_o``
@@ -238,20 +251,7 @@ class OprojAllReduce:
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
         d_local = self._check_projection(attn_out, w_o)
-        import cuda.bindings.driver as cuda
-        from cutlass import Int32, Int64
-
-        from tpcomm.oproj.producer import compiled_producer
-
-        fn = compiled_producer(
-            self.tp, self.hid, d_local, self.multicast_base != 0, self.fence,
-            twoshot=self.twoshot, variant=self.producer,
-        )  # fmt: skip
-        stream = torch.cuda.current_stream(self.device) if stream is None else stream
-        fn(
-            _dl(attn_out), _dl(w_o), _dl(self.peers[rank], 8), Int64(self.multicast_base),
-            Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream),
-        )  # fmt: skip
+        self._launch(self._producer(d_local), (attn_out, w_o), rank, step, stream)
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
                 rank=None, stream=None, checked=False):  # fmt: skip
@@ -414,7 +414,10 @@ class OprojAllReduce:
 
     def _check_one_launch(self):
         """ValueError unless one launch can serve every rank: a one-GPU backend hosting
-        ranks 0..TP-1 whose mailboxes are consecutive slices of one allocation."""
+        ranks 0..TP-1 whose mailboxes are consecutive slices of one allocation (checked once:
+        the layout is fixed at construction)."""
+        if self._one_launch_checked:
+            return
         if self.twoshot:
             raise ValueError("one launch for every rank is one-shot only: twoshot=False")
         if not self.backend.single_device or tuple(self.backend.ranks) != tuple(range(self.tp)):
@@ -425,6 +428,7 @@ class OprojAllReduce:
             if box.data_ptr() != base.data_ptr() + r * base.nbytes or not box.is_contiguous():
                 raise ValueError("one launch for every rank needs the ranks' mailboxes "
                                  "consecutive in one allocation")  # fmt: skip
+        self._one_launch_checked = True
 
     def _check_stacked(self, name, t, shape):
         """Every rank's tensor of ``shape`` stacked ``[TP, *shape]``, contiguous."""
@@ -467,16 +471,8 @@ class OprojAllReduce:
         d_local = self._check_projection(attn_outs[0], w_os[0])
         self._check_stacked("attn_outs", attn_outs, (self.tokens, d_local))
         self._check_stacked("w_os", w_os, (self.hid, d_local))
-        import cuda.bindings.driver as cuda
-        from cutlass import Int32, Int64
-
-        from tpcomm.oproj.producer import compiled_producer
-
-        fn = compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0, self.fence,
-                               pdl, variant=self.producer, ranks=self.tp)  # fmt: skip
-        stream = torch.cuda.current_stream(self.device)
-        fn(_dl(attn_outs[0]), _dl(w_os[0]), _dl(self.peers[0], 8), Int64(self.multicast_base),
-           Int32(0), Int32(step & 1), cuda.CUstream(stream.cuda_stream))  # fmt: skip
+        fn = self._producer(d_local, pdl, ranks=self.tp)
+        self._launch(fn, (attn_outs[0], w_os[0]), 0, step, None)
 
     def publish_all(self, partials, step, *, pdl=False):
         """Every rank's ready partial (``partials`` [TP, tokens, HID], contiguous) into every
@@ -486,16 +482,7 @@ class OprojAllReduce:
         self._check_stacked("partials", partials, (self.tokens, self.hid))
         _check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
                              self.device)  # fmt: skip
-        import cuda.bindings.driver as cuda
-        from cutlass import Int32, Int64
-
-        from tpcomm.oproj.producer import compiled_publisher
-
-        fn = compiled_publisher(self.tp, self.hid, self.multicast_base != 0, self.fence, pdl,
-                                ranks=self.tp)  # fmt: skip
-        stream = torch.cuda.current_stream(self.device)
-        fn(_dl(partials[0]), _dl(self.peers[0], 8), Int64(self.multicast_base), Int32(0),
-           Int32(step & 1), cuda.CUstream(stream.cuda_stream))  # fmt: skip
+        self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
 
     def _check_all(self, prefixes, blocks, norm, query, out_norm, outputs, xmoes):
         self._check_one_launch()

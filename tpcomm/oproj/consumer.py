@@ -245,11 +245,32 @@ def _kernel_class():
             rank: Int32,
             stream: cuda.CUstream,
         ):
+            args = self.kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output,
+                                    xmoe, hints, eps, out_eps, error, step, budget_ns, recv,
+                                    gather_peers, rank)  # fmt: skip
+            call = self.kernel(*args)
+            launch(
+                call,
+                (self.ctas, prefix.shape[0], self.ranks),
+                (self.threads, 1, 1),
+                stream,
+                cluster=(self.ctas, 1, 1),
+                use_pdl=self.pdl,
+                min_blocks_per_mp=min_blocks_per_sm(self.groups),
+                carveout=100,
+            )
+
+        @staticmethod
+        def kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe,
+                        hints, eps, out_eps, error, step, budget_ns, recv, gather_peers,
+                        rank):  # fmt: skip
+            """``kernel``'s arguments from ``__call__``'s (traced; the fused kernel appends
+            them to its producer's): tensors as addresses, tokens from ``prefix``."""
             addresses = [
                 Int64(t.iterator.toint())
                 for t in (mailbox, prefix, blocks, norm, query, out_norm, output, xmoe)
             ]
-            call = self.kernel(
+            return (
                 *addresses,
                 Int64(hints.iterator.toint()),
                 Int64(error.iterator.toint()),
@@ -261,16 +282,6 @@ def _kernel_class():
                 Int64(recv.iterator.toint()),
                 gather_peers,
                 rank,
-            )
-            launch(
-                call,
-                (self.ctas, prefix.shape[0], self.ranks),
-                (self.threads, 1, 1),
-                stream,
-                cluster=(self.ctas, 1, 1),
-                use_pdl=self.pdl,
-                min_blocks_per_mp=min_blocks_per_sm(self.groups),
-                carveout=100,
             )
 
         # --- phases -----------------------------------------------------------------

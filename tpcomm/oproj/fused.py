@@ -271,26 +271,16 @@ def _fused_class():
             rank: Int32,
             stream: cuda.CUstream,
         ):
-            addresses = [
-                Int64(t.iterator.toint())
-                for t in (mailbox, prefix, blocks, norm, query, out_norm, output, xmoe)
-            ]
+            consumer_args = self.consumer.kernel_args(
+                mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints, eps,
+                out_eps, error, step, budget_ns, recv, gather_peers, rank,
+            )  # fmt: skip
             call = self.kernel(
                 Int64(attn_out.iterator.toint()),
                 Int64(w_o.iterator.toint()),
                 peers,
                 multicast_base,
-                *addresses,
-                Int64(hints.iterator.toint()),
-                Int64(error.iterator.toint()),
-                prefix.shape[0],
-                eps,
-                out_eps,
-                step,
-                budget_ns,
-                Int64(recv.iterator.toint()),
-                gather_peers,
-                rank,
+                *consumer_args,
             )
             launch(
                 call,
