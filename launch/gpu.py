@@ -64,7 +64,7 @@ import statistics
 
 import torch
 
-from kda import testing as kt
+from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM, check_slot_values
 from launch import report as rep
 from launch.layer import (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kda import reference as kref
-from kda import testing as kt
+from kda import synthetic as kt
 from kda.validate import HEAD_DIM
 from tpcomm.oproj import reference as oref
 

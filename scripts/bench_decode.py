@@ -44,7 +44,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 
 import torch  # noqa: E402
 
-from kda import testing as kt  # noqa: E402
+from kda import synthetic as kt  # noqa: E402
 from kda.ops import plan as plan_kda  # noqa: E402
 from launch import gpu  # noqa: E402
 from launch.layer import EPS, OUT_EPS, Config, Model, Schedule  # noqa: E402

@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from kda import testing as kt
+from kda import synthetic as kt
 
 PAGE = 128 * 128 * 4
 ROTATE_BYTES = 256 << 20

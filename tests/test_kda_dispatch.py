@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kda import dispatch
-from kda import testing as kt
+from kda import synthetic as kt
 
 
 def test_one_wave_picks_wide():

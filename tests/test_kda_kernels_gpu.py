@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kda import testing as kt
+from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ from test_kda_kernels_gpu import (
     written_pages,
 )
 
-from kda import testing as kt
+from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
 

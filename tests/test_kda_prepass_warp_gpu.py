@@ -22,7 +22,7 @@ from test_kda_lean_gpu import test_lean_matches_reference as _lean_vs_reference
 from test_kda_lean_gpu import test_lean_pdl_after_producer as _lean_pdl
 
 from kda import dispatch, ops
-from kda import testing as kt
+from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_kda_kernels_gpu import POISON, check_state, make_records
 
-from kda import testing as kt
+from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
 

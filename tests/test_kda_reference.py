@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kda import reference as R
-from kda import testing as kt
+from kda import synthetic as kt
 
 
 def naive_step(layer, step, records=False):

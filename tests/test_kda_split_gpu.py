@@ -21,7 +21,7 @@ from test_kda_kernels_gpu import (
 )
 
 from kda import dispatch
-from kda import testing as kt
+from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
 

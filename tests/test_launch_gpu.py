@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from kda import testing as kt
+from kda import synthetic as kt
 from launch import decode, gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

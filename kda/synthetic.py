@@ -1,4 +1,4 @@
-"""Random KDA layers and steps for tests, benchmarks and launch (CPU or GPU).
+"""Synthetic KDA layers and decode steps (seeded random weights, pools, activations, slots).
 
 ``make_layer`` builds the weights and pools of one layer's head shard; ``make_step``
 builds one step's activations and slot tables. Both are deterministic in ``seed`` and
