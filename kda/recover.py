@@ -79,14 +79,14 @@ def recover(
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
     from . import dispatch
-    from .ops import _to_cute
+    from .ops import to_cute
 
     device = state.device
     arch = dispatch.arch_of(torch.cuda.get_device_capability(device))
     key = (shape.heads, shape.tokens, bool(pdl), arch)
     tensors = [state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint]
     aligned = (state, v_records, kg_records)
-    args = [_to_cute(t, align=16 if any(t is a for a in aligned) else None) for t in tensors]
+    args = [to_cute(t, align=16 if any(t is a for a in aligned) else None) for t in tensors]
     import cuda.bindings.driver as cuda
     from cutlass import Float32
 

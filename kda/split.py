@@ -100,37 +100,8 @@ class KdaSplit(KdaWide):
         self.silent.record = False
 
     # ------------------------------------------------------------------ host side
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        stream,
-    ):
-        requests = output.shape[0] // self.tokens
-        call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
-            kg_records,
-        )  # fmt: skip
+    def launch_grid(self, call, requests, stream):
+        """One cluster of C CTAs per (head, request) item."""
         launch(
             call,
             (self.heads * self.cluster, requests, 1),
@@ -356,22 +327,9 @@ class KdaSplit(KdaWide):
                 weight_columns,
             )  # fmt: skip
             nw = Float32(norm_weight[own_row])
-            a = Float32(a_log[head])
-            group = lane // 4
-            dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+            a, dt, weights = self.gate_operands(a_log, dt_bias, f_b, head, warp, lane)
             exact_gate = self.gate_mode == 2
-            if cutlass.const_expr(not exact_gate):
-                weights = self.load_gate_weights(f_b, head)
-
-            cute.arch.griddepcontrol_wait()
-            inputs = [[x[token + t, columns[s]] for t in range(T)] for s in range(2)]
-            if (section == 1) & (channel < T):
-                s_beta[channel] = dev.sigmoid(Float32(beta[token + channel, head]))
-            if cutlass.const_expr(exact_gate):
-                self.load_fa_rows(f_a, fas, token)
-            else:
-                activations = self.load_activations(f_a, token)
-            cute.arch.griddepcontrol_launch_dependents()
+            inputs, activations = self.read_inputs(x, beta, f_a, s_beta, fas, columns, token, head)
 
             # q (section 0) or k (section 1) of all 128 channels; v of the CTA's R rows.
             qk = self.convolve(taps[0], coeff[0], bias[0], inputs[0])

@@ -44,10 +44,6 @@ class KdaStream(KdaWide):
     """KdaWide's operands and semantics; ``ctas`` persistent CTAs (two per SM),
     ``conv_dim_first`` the conv cache's memory layout and ``window`` its length W."""
 
-    # the output gate read from its cp.async-staged rows (True) or from global memory on
-    # the item's tail (False); trace-time switch for measurements
-    STAGED_GATE = True
-
     def __init__(
         self,
         heads,
@@ -75,36 +71,8 @@ class KdaStream(KdaWide):
             )
         self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
 
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        stream,
-    ):
-        call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
-            kg_records,
-        )  # fmt: skip
+    def launch_grid(self, call, requests, stream):
+        """``ctas`` persistent CTAs, two per SM."""
         launch(
             call,
             (self.ctas, 1, 1),
@@ -182,8 +150,6 @@ class KdaStream(KdaWide):
     def output_gate(self, gate, token, t, head, channel):
         """sigmoid of the output gate of ``channel`` of token ``t``, read from the item's
         staged rows (``gate`` is ``(gs, parity)``: ``gs`` [2, T, 128] bf16 in shared memory)."""
-        if not isinstance(gate, tuple):  # STAGED_GATE off: the global rows, as KdaWide
-            return super().output_gate(gate, token, t, head, channel)
         rows, parity = gate
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
@@ -309,13 +275,8 @@ class KdaStream(KdaWide):
                         bias.append(Float32(conv_bias[ch]))
                     else:
                         bias.append(Float32(0.0))
-                a = Float32(a_log[head])
-                dt = [
-                    Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * e]) for e in range(2)
-                ]
+                a, dt, weights = self.gate_operands(a_log, dt_bias, f_b, head, warp, lane)
                 exact_gate = self.gate_mode == 2
-                if cutlass.const_expr(not exact_gate):
-                    weights = self.load_gate_weights(f_b, head)
 
                 # Staged operands.
                 taps = []
@@ -377,6 +338,5 @@ class KdaStream(KdaWide):
                     self.norm_sums(s_o, out_sums)
                 cute.arch.barrier()
                 # the output gate from its staged rows (no global read on the item's tail)
-                gate_source = (gs, i % 2) if cutlass.const_expr(self.STAGED_GATE) else gate
-                self.write_output(s_o, out_sums, gate_source, nw, eps, output, token, head)
+                self.write_output(s_o, out_sums, (gs, i % 2), nw, eps, output, token, head)
             head, request = next_head, next_request

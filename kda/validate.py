@@ -7,7 +7,7 @@ them before a launch outside CUDA-graph capture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -44,31 +44,43 @@ class DecodeShape:
         return self.requests * self.tokens
 
 
+@dataclass(frozen=True)
+class DecodeOperands:
+    """A decode step's arguments, written once: ``kda.reference.decode(*args, **kwargs)``
+    and ``kda.decode`` build this from theirs (shapes and dtypes: ``check_decode``)."""
+
+    x: torch.Tensor  # [B*T, 3D] bf16: the q, k, v projections
+    conv_weight: torch.Tensor  # [3, 4, D]
+    conv_bias: torch.Tensor | None  # [3D] or None
+    conv_state: torch.Tensor  # [S, 3D, W] (conv_dim_first) or [S, W, 3D]
+    f_a: torch.Tensor  # [B*T, 128] bf16
+    beta: torch.Tensor  # [B*T, H]
+    a_log: torch.Tensor  # [H] fp32
+    dt_bias: torch.Tensor  # [D] fp32
+    slots: torch.Tensor  # [B] (T = 1) or [B, >= T] int32; <= 0: padding
+    state: torch.Tensor  # [S, H, 128, 128] fp32
+    gate: torch.Tensor  # [B*T, D] bf16: the output gate
+    norm_weight: torch.Tensor  # [128]
+    f_b: torch.Tensor  # [D, 128] bf16
+    _: KW_ONLY
+    lower_bound: float
+    scale: float
+    eps: float
+    accepted: torch.Tensor | None = None  # [B] int32, T > 1 only
+    conv_dim_first: bool = True
+    records: tuple | None = None  # (v_records, kg_records): record mode, T > 1 only
+
+
 def _tensor(name, t, dtypes, ndim=None, shape=None, device=None):
     check_tensor(name, t, dtypes, shape=shape, ndim=ndim, device=device)
 
 
-def check_decode(
-    x,
-    conv_weight,
-    conv_bias,
-    conv_state,
-    f_a,
-    beta,
-    a_log,
-    dt_bias,
-    slots,
-    state,
-    gate,
-    norm_weight,
-    f_b,
-    *,
-    accepted=None,
-    conv_dim_first=True,
-    records=None,
-    check_values=True,
-) -> DecodeShape:
+def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
     """Validate a decode step's arguments; returns its ``DecodeShape``."""
+    x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
+    f_a, beta, a_log, dt_bias, slots = op.f_a, op.beta, op.a_log, op.dt_bias, op.slots
+    state, gate, norm_weight, f_b = op.state, op.gate, op.norm_weight, op.f_b
+    accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
     _tensor("state", state, (torch.float32,), ndim=4)
     pages, heads, rows_v, keys = state.shape
     if rows_v != HEAD_DIM or keys != HEAD_DIM:

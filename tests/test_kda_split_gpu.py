@@ -20,7 +20,6 @@ from test_kda_kernels_gpu import (
     written_pages,
 )
 
-from kda import dispatch
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
@@ -107,10 +106,6 @@ def test_split_matches_reference(cluster, case):
               holes=holes)  # fmt: skip
 
 
-@pytest.mark.skipif(
-    not dispatch.SPLIT_IN_AUTO,
-    reason="KdaSplit joins kernel='auto' once validated (kda.dispatch.SPLIT_IN_AUTO)",
-)
 def test_auto_picks_split_for_one_request():
     """B = 1, H = 6 through kernel="auto": the dispatcher's split, checked like the rest."""
     import kda
