@@ -254,29 +254,7 @@ class KdaSplit(KdaWide):
                 conv_state[slot, ch, 2 + t] = conv_type(inputs[1][t])
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-    ):
+    def kernel(self, op):
         T, C, R = self.tokens, self.cluster, self.rows
         tid, _, _ = cute.arch.thread_idx()
         block, request, _ = cute.arch.block_idx()
@@ -287,12 +265,12 @@ class KdaSplit(KdaWide):
         dim = self.heads * HEAD_DIM
         token = request * T
         own_row = rank * R + tid % R  # the v row / output row of threads tid < R
-        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
             cute.arch.griddepcontrol_wait()
             if tid < R:
                 for t in cutlass.range_constexpr(T):
-                    output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
+                    op.output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
             cute.arch.griddepcontrol_launch_dependents()
         else:
             smem = cutlass.memory.SmemAllocator()
@@ -315,7 +293,7 @@ class KdaSplit(KdaWide):
             cute.arch.cluster_arrive()
 
             # Predecessor-independent: the state rows (cp.async), conv windows, weights.
-            self.stage_rows(state, staged, head, slot, rank)
+            self.stage_rows(op.state, staged, head, slot, rank)
             cute.arch.cp_async_commit_group()
             columns = (
                 section * dim + head * HEAD_DIM + channel,
@@ -323,13 +301,13 @@ class KdaSplit(KdaWide):
             )
             weight_columns = (head * HEAD_DIM + channel, head * HEAD_DIM + own_row)
             taps, coeff, bias = self.conv_operands(
-                conv_state, conv_weight, conv_bias, conv_slot, offset, columns, (section, 2),
-                weight_columns,
+                op.conv_state, op.conv_weight, op.conv_bias, conv_slot, offset, columns,
+                (section, 2), weight_columns,
             )  # fmt: skip
-            nw = Float32(norm_weight[own_row])
-            a, dt, weights = self.gate_operands(a_log, dt_bias, f_b, head, warp, lane)
+            nw = Float32(op.norm_weight[own_row])
+            a, dt, weights = self.gate_operands(op, head, warp, lane)
             exact_gate = self.gate_mode == 2
-            inputs, activations = self.read_inputs(x, beta, f_a, s_beta, fas, columns, token, head)
+            inputs, activations = self.read_inputs(op, s_beta, fas, columns, token, head)
 
             # q (section 0) or k (section 1) of all 128 channels; v of the CTA's R rows.
             qk = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
@@ -341,26 +319,18 @@ class KdaSplit(KdaWide):
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if (section == 1) & (channel // R == rank):
                     for t in cutlass.range_constexpr(T):
-                        kg_records[request, head, t, channel] = BFloat16(qk[t])
+                        op.kg_records[request, head, t, channel] = BFloat16(qk[t])
 
             if cutlass.const_expr(exact_gate):
                 cute.arch.barrier()  # the f_a rows
                 if rank == 0:
-                    self.gate_phase_exact(
-                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.gate_phase_exact(op, fas, s_decay, request, head)
                 else:
-                    self.silent.gate_phase_exact(
-                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.silent.gate_phase_exact(op, fas, s_decay, request, head)
             elif rank == 0:
-                self.gate_phase(
-                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                )
+                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             else:
-                self.silent.gate_phase(
-                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                )
+                self.silent.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             cute.arch.barrier()  # the squares' groups, s_v, s_decay
 
             # sum q^2, sum k^2 across the cluster.
@@ -369,11 +339,11 @@ class KdaSplit(KdaWide):
             ptx.wait_exchange(bars)
             # Every peer pushed after a CTA barrier that follows its reads of all q and k
             # taps: only now may this CTA overwrite its slice of the conv page.
-            self.write_conv_slice(conv_state, conv_slot, head, rank, taps, inputs)
+            self.write_conv_slice(op.conv_state, conv_slot, head, rank, taps, inputs)
             for t in cutlass.range_constexpr(T):
                 factor = dev.rsqrt_f32(self.cluster_total(qk_exchange, t * 2 + section) + 1.0e-6)
                 if section == 0:
-                    s_q[t, channel] = (qk[t] * factor) * scale
+                    s_q[t, channel] = (qk[t] * factor) * op.scale
                 else:
                     s_k[t, channel] = qk[t] * factor
             cute.arch.barrier()
@@ -385,12 +355,12 @@ class KdaSplit(KdaWide):
                 (s_q, s_k, s_v, s_decay),
                 s_beta,
                 s_o,
-                slots,
-                state,
+                op.slots,
+                op.state,
                 slot,
                 request,
                 head,
-                v_records,
+                op.v_records,
                 rank,
             )
             cute.arch.barrier()
@@ -404,8 +374,8 @@ class KdaSplit(KdaWide):
                 ptx.wait_exchange(bars + 1)
                 for t in cutlass.range_constexpr(T):
                     sumsq = self.cluster_total(o_exchange, t)
-                    rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
+                    rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + op.eps)
                     column = head * HEAD_DIM + own_row
-                    g = Float32(gate[token + t, column])
+                    g = Float32(op.gate[token + t, column])
                     result = ((s_o[t, tid] * rstd) * nw) * dev.sigmoid(g)
-                    output[token + t, column] = BFloat16(result)
+                    op.output[token + t, column] = BFloat16(result)

@@ -154,10 +154,11 @@ class KdaStream(KdaWide):
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
     @cute.jit
-    def stage_item(self, ops, buffers, head, request, parity, with_inputs):
+    def stage_item(self, op, buffers, head, request, parity, with_inputs):
         """Stage an item (state page, conv window, and with ``with_inputs`` its rows and
         sigmoid(beta) into ``s_beta[parity]``); nothing for a padding item."""
-        x, conv_state, f_a, beta, slots, state, gate, accepted = ops
+        x, conv_state, f_a, beta, gate = op.x, op.conv_state, op.f_a, op.beta, op.gate
+        slots, state, accepted = op.slots, op.state, op.accepted
         staged, convs, xs, gs, fas, s_beta = buffers
         tid, _, _ = cute.arch.thread_idx()
         slot, conv_slot, offset = self.item_slots(slots, accepted, request)
@@ -172,29 +173,7 @@ class KdaStream(KdaWide):
                     s_beta[parity, tid] = dev.sigmoid(b)
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-    ):
+    def kernel(self, op):
         T, H = self.tokens, self.heads
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -202,14 +181,14 @@ class KdaStream(KdaWide):
         channel, section = tid % 128, tid // 128
         group, quarter = lane // 4, lane % 4
         dim = H * HEAD_DIM
-        requests = output.shape[0] // T
+        requests = op.output.shape[0] // T
         total = H * requests
         first = (cta * total) // self.ctas
         count = ((cta + 1) * total) // self.ctas - first
 
         smem = cutlass.memory.SmemAllocator()
         staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
-        conv_type = conv_state.element_type
+        conv_type = op.conv_state.element_type
         conv_cols = HEAD_DIM * self.window if self.conv_dim_first else 3 * HEAD_DIM
         convs = smem_tensor(smem, conv_type, (3, conv_cols), align=16)
         xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
@@ -223,9 +202,8 @@ class KdaStream(KdaWide):
         s_beta = smem_tensor(smem, Float32, (2, 8))
         sums = smem_tensor(smem, Float32, (T, 2, 8))
         out_sums = smem_tensor(smem, Float32, (T, 4))
-        ops = (x, conv_state, f_a, beta, slots, state, gate, accepted)
         buffers = (staged, convs, xs, gs, fas, s_beta)
-        nw = Float32(norm_weight[channel])
+        nw = Float32(op.norm_weight[channel])
         parts = (2 * section, 1)
 
         # Prologue: the first item's page and window (predecessor-independent), its rows.
@@ -233,10 +211,10 @@ class KdaStream(KdaWide):
         # on one or two heads, whose f_b rows, conv taps and parameters stay in L1.
         head, request = first // requests, first % requests
         if count > 0:
-            self.stage_item(ops, buffers, head, request, 0, False)
+            self.stage_item(op, buffers, head, request, 0, False)
         cute.arch.griddepcontrol_wait()
         if count > 0:
-            self.stage_item(ops, buffers, head, request, 0, True)
+            self.stage_item(op, buffers, head, request, 0, True)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -247,17 +225,17 @@ class KdaStream(KdaWide):
             token = request * T
             parity = i % 2
             has_next = i + 1 < count
-            slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+            slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if slot <= 0:
                 if tid < HEAD_DIM:
                     for t in cutlass.range_constexpr(T):
-                        output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+                        op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
                 cute.arch.barrier()
                 if has_next:
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, True)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
                 cute.arch.cp_async_commit_group()
             else:
                 # Per-head parameters (L2-resident weights).
@@ -267,15 +245,15 @@ class KdaStream(KdaWide):
                     ch = parts[s] * dim + head * HEAD_DIM + channel
                     coeff.append(
                         [
-                            Float32(conv_weight[parts[s], e, head * HEAD_DIM + channel])
+                            Float32(op.conv_weight[parts[s], e, head * HEAD_DIM + channel])
                             for e in range(4)
                         ]
                     )
                     if cutlass.const_expr(self.has_bias):
-                        bias.append(Float32(conv_bias[ch]))
+                        bias.append(Float32(op.conv_bias[ch]))
                     else:
                         bias.append(Float32(0.0))
-                a, dt, weights = self.gate_operands(a_log, dt_bias, f_b, head, warp, lane)
+                a, dt, weights = self.gate_operands(op, head, warp, lane)
                 exact_gate = self.gate_mode == 2
 
                 # Staged operands.
@@ -299,25 +277,21 @@ class KdaStream(KdaWide):
                         )
 
                 self.conv_phase(
-                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, kg_records, request, head
+                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
                 )
-                self.write_conv(conv_state, conv_slot, head, taps, inputs)
+                self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
                 if cutlass.const_expr(exact_gate):
-                    self.gate_phase_exact(
-                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.gate_phase_exact(op, fas, s_decay, request, head)
                 else:
-                    self.gate_phase(
-                        weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
                 cute.arch.barrier()
-                self.normalize_qk(s_q, s_k, sums, scale)
+                self.normalize_qk(s_q, s_k, sums, op.scale)
                 history = self.load_history(staged)
                 cute.arch.barrier()  # the stage is free: item n + 1 streams in
 
                 if has_next:
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, True)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
                 cute.arch.cp_async_commit_group()
 
                 beta_now = s_beta[parity, None]
@@ -326,17 +300,17 @@ class KdaStream(KdaWide):
                     (s_q, s_k, s_v, s_decay),
                     beta_now,
                     s_o,
-                    slots,
-                    state,
+                    op.slots,
+                    op.state,
                     slot,
                     request,
                     head,
-                    v_records,
+                    op.v_records,
                 )
                 cute.arch.barrier()
                 if section == 0:
                     self.norm_sums(s_o, out_sums)
                 cute.arch.barrier()
                 # the output gate from its staged rows (no global read on the item's tail)
-                self.write_output(s_o, out_sums, (gs, i % 2), nw, eps, output, token, head)
+                self.write_output(s_o, out_sums, (gs, i % 2), nw, op.eps, op.output, token, head)
             head, request = next_head, next_request

@@ -17,6 +17,8 @@ x, gate, f_a and beta after it. Dependents are released once those inputs are re
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64
@@ -41,6 +43,32 @@ from . import device as dev
 from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 
 STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
+
+
+class KernelOperands(NamedTuple):
+    """The decode kernels' operands, in ``__call__``'s order: one kernel argument (the DSL
+    passes a NamedTuple's fields as the kernel's parameters, in this order)."""
+
+    x: cute.Tensor
+    conv_weight: cute.Tensor
+    conv_bias: cute.Tensor
+    conv_state: cute.Tensor
+    f_a: cute.Tensor
+    beta: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    slots: cute.Tensor
+    state: cute.Tensor
+    output: cute.Tensor
+    gate: cute.Tensor
+    norm_weight: cute.Tensor
+    lower_bound: Float32
+    scale: Float32
+    eps: Float32
+    f_b: cute.Tensor
+    accepted: cute.Tensor
+    v_records: cute.Tensor
+    kg_records: cute.Tensor
 
 
 class KdaWide:
@@ -105,9 +133,11 @@ class KdaWide:
         stream,
     ):
         call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
-            kg_records,
+            KernelOperands(
+                x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
+                state, output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted,
+                v_records, kg_records,
+            )
         )  # fmt: skip
         self.launch_grid(call, output.shape[0] // self.tokens, stream)
 
@@ -234,10 +264,9 @@ class KdaWide:
                 s_v[t, channel] = first[t]
 
     @cute.jit
-    def gate_phase(
-        self, weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-    ):
+    def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head):
         """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record."""
+        lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
@@ -253,12 +282,12 @@ class KdaWide:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
 
     @cute.jit
-    def gate_phase_exact(
-        self, f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-    ):
+    def gate_phase_exact(self, op, fas, s_decay, request, head):
         """Raw gate as the exactly rounded dot (bf16 x bf16 products are exact in fp32,
         summed in fp64, rounded to fp32 then bf16): thread (feature = tid % 128) takes
         tokens tid // 128, + 2, ...; decay into shared, the raw-gate record."""
+        f_b, a_log, dt_bias = op.f_b, op.a_log, op.dt_bias
+        lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         feature, parity = tid % 128, tid // 128
         T = self.tokens
@@ -435,31 +464,31 @@ class KdaWide:
             bias.append(Float32(conv_bias[ch]) if self.has_bias else Float32(0.0))
         return taps, coeff, bias
 
-    def gate_operands(self, a_log, dt_bias, f_b, head, warp, lane):
+    def gate_operands(self, op, head, warp, lane):
         """Trace-time helper (no barrier): the head's a_log, the thread's two dt_bias values
         (rows ``lane // 4`` and + 8 of its warp's gate tile) and, for the mma.sync gate, its
         f_b fragments (None with ``gate_mode`` 2)."""
-        a = Float32(a_log[head])
+        a = Float32(op.a_log[head])
         group = lane // 4
-        dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+        dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
         weights = None
         if cutlass.const_expr(self.gate_mode != 2):
-            weights = self.load_gate_weights(f_b, head)
+            weights = self.load_gate_weights(op.f_b, head)
         return a, dt, weights
 
-    def read_inputs(self, x, beta, f_a, s_beta, fas, columns, token, head):
+    def read_inputs(self, op, s_beta, fas, columns, token, head):
         """Trace-time helper: after ``griddepcontrol.wait``, x at the thread's two
         ``columns``, sigmoid(beta) into ``s_beta``, f_a (rows into ``fas`` with ``gate_mode``
         2, else the thread's fragments); then releases the dependents. Returns (inputs,
         fragments or None)."""
         cute.arch.griddepcontrol_wait()
-        inputs = [[x[token + t, columns[s]] for t in range(self.tokens)] for s in range(2)]
-        self.load_beta(beta, s_beta, token, head)
+        inputs = [[op.x[token + t, columns[s]] for t in range(self.tokens)] for s in range(2)]
+        self.load_beta(op.beta, s_beta, token, head)
         activations = None
         if cutlass.const_expr(self.gate_mode == 2):
-            self.load_fa_rows(f_a, fas, token)
+            self.load_fa_rows(op.f_a, fas, token)
         else:
-            activations = self.load_activations(f_a, token)
+            activations = self.load_activations(op.f_a, token)
         cute.arch.griddepcontrol_launch_dependents()
         return inputs, activations
 
@@ -518,29 +547,7 @@ class KdaWide:
                 prefetch_l2_bulk(Int64(state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-    ):
+    def kernel(self, op):
         T = self.tokens
         tid, _, _ = cute.arch.thread_idx()
         head, request, _ = cute.arch.block_idx()
@@ -549,12 +556,12 @@ class KdaWide:
         channel, section = tid % 128, tid // 128
         dim = self.heads * HEAD_DIM
         token = request * T
-        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
             cute.arch.griddepcontrol_wait()
             if tid < HEAD_DIM:
                 for t in cutlass.range_constexpr(T):
-                    output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
             cute.arch.griddepcontrol_launch_dependents()
         else:
             smem = cutlass.memory.SmemAllocator()
@@ -571,38 +578,34 @@ class KdaWide:
 
             if cutlass.const_expr(self.ahead > 0):  # noqa: SIM102
                 if tid == 0:
-                    self.prefetch_next(slots, accepted, state, head, request, requests)
+                    self.prefetch_next(op.slots, op.accepted, op.state, head, request, requests)
 
             # Predecessor-independent: the state page (cp.async), the conv window, weights.
-            self.stage_state(state, staged, head, slot)
+            self.stage_state(op.state, staged, head, slot)
             cute.arch.cp_async_commit_group()
             parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
             columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
             taps, coeff, bias = self.conv_operands(
-                conv_state, conv_weight, conv_bias, conv_slot, offset, columns, parts,
+                op.conv_state, op.conv_weight, op.conv_bias, conv_slot, offset, columns, parts,
                 [head * HEAD_DIM + channel] * 2,
             )  # fmt: skip
-            nw = Float32(norm_weight[channel])
-            a, dt, weights = self.gate_operands(a_log, dt_bias, f_b, head, warp, lane)
+            nw = Float32(op.norm_weight[channel])
+            a, dt, weights = self.gate_operands(op, head, warp, lane)
             exact_gate = self.gate_mode == 2
-            inputs, activations = self.read_inputs(x, beta, f_a, s_beta, fas, columns, token, head)
+            inputs, activations = self.read_inputs(op, s_beta, fas, columns, token, head)
 
             self.conv_phase(
-                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, kg_records, request, head
+                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
             )
             # The conv page now: frees the taps' and inputs' registers for the recurrence.
-            self.write_conv(conv_state, conv_slot, head, taps, inputs)
+            self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
             if cutlass.const_expr(exact_gate):
                 cute.arch.barrier()  # the f_a rows
-                self.gate_phase_exact(
-                    f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                )
+                self.gate_phase_exact(op, fas, s_decay, request, head)
             else:
-                self.gate_phase(
-                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                )
+                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             cute.arch.barrier()
-            self.normalize_qk(s_q, s_k, sums, scale)
+            self.normalize_qk(s_q, s_k, sums, op.scale)
             cute.arch.barrier()
 
             cute.arch.cp_async_wait_group(0)
@@ -612,16 +615,16 @@ class KdaWide:
                 (s_q, s_k, s_v, s_decay),
                 s_beta,
                 s_o,
-                slots,
-                state,
+                op.slots,
+                op.state,
                 slot,
                 request,
                 head,
-                v_records,
+                op.v_records,
             )
             cute.arch.barrier()
 
             if section == 0:
                 self.norm_sums(s_o, out_sums)
             cute.arch.barrier()
-            self.write_output(s_o, out_sums, gate, nw, eps, output, token, head)
+            self.write_output(s_o, out_sums, op.gate, nw, op.eps, op.output, token, head)
