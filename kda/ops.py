@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .validate import HEAD_DIM, DecodeOperands, check_decode
+from .operands import DecodeOperands, KernelOperands
+from .validate import HEAD_DIM, check_decode
 
 _CACHE: dict = {}
 _DUMMIES: dict = {}
@@ -68,7 +69,7 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
 
 def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None, **kwargs):
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
-    ``args`` / ``kwargs``: ``kda.validate.DecodeOperands``'s fields."""
+    ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields."""
     op = DecodeOperands(*args, **kwargs)
     if kernel not in dispatch.KERNELS:
         raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
@@ -106,34 +107,37 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
 
     record = records is not None
     v_records, kg_records = records if record else (None, None)
-    dummy_f32 = _dummy(device, torch.float32)
-    dummy_bf16 = _dummy(device, torch.bfloat16)
-    dummy_i32 = _dummy(device, torch.int32)
-    bias = conv_bias if conv_bias is not None else dummy_bf16
     conv_view = conv_state if conv_dim_first else conv_state.transpose(1, 2)
-    tensors = [
-        x, conv_weight, bias, conv_view, f_a, op.beta, op.a_log, op.dt_bias, op.slots, state,
-        out, gate, op.norm_weight, f_b, accepted if accepted is not None else dummy_i32,
-        v_records if record else dummy_f32, kg_records if record else dummy_bf16,
-    ]  # fmt: skip
+    # The kernels' tensors by name (KernelOperands' order); dummies for absent operands.
+    tensors = dict(
+        x=x, conv_weight=conv_weight,
+        conv_bias=conv_bias if conv_bias is not None else _dummy(device, torch.bfloat16),
+        conv_state=conv_view, f_a=f_a, beta=op.beta, a_log=op.a_log, dt_bias=op.dt_bias,
+        slots=op.slots, state=state, output=out, gate=gate, norm_weight=op.norm_weight, f_b=f_b,
+        accepted=accepted if accepted is not None else _dummy(device, torch.int32),
+        v_records=v_records if record else _dummy(device, torch.float32),
+        kg_records=kg_records if record else _dummy(device, torch.bfloat16),
+    )  # fmt: skip
     config = (
         choice.kernel, H, T, record, gate_mode, conv_bias is not None, bool(conv_dim_first),
         shape.window, _knob(choice), pdl, arch,
     )  # fmt: skip
-    dtypes = tuple(t.dtype for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors.values())
     key = (config, dtypes)
-    args = [
-        to_cute(t, leading_dim=1 if t is conv_view and not conv_dim_first else None,
-                 align=16 if any(t is named[n] for n in _VECTOR_ALIGNED) else None)
-        for t in tensors
-    ]  # fmt: skip
     from cutlass import Float32
 
-    scalars = [Float32(op.lower_bound), Float32(op.scale), Float32(op.eps)]
+    operands = KernelOperands(
+        **{
+            name: to_cute(t, leading_dim=1 if t is conv_view and not conv_dim_first else None,
+                          align=16 if any(t is named[n] for n in _VECTOR_ALIGNED) else None)
+            for name, t in tensors.items()
+        },
+        lower_bound=Float32(op.lower_bound), scale=Float32(op.scale), eps=Float32(op.eps),
+    )  # fmt: skip
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    ordered = [*args[:13], *scalars, *args[13:], stream]
+    ordered = [*operands, stream]
     compiled = _CACHE.get(key)
     if compiled is None:
         import cutlass.cute as cute

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .validate import HEAD_DIM, DecodeOperands, check_decode, check_recover, step_slots
+from .operands import DecodeOperands
+from .validate import HEAD_DIM, check_decode, check_recover, step_slots
 
 __all__ = ["decode", "recover"]
 
@@ -76,7 +77,7 @@ def _l2(v):
 def decode(*args, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
-    Arguments: ``kda.validate.DecodeOperands``'s fields (13 tensors, then keywords).
+    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
     record mode: the state is read from the checkpoint slot but not written.
     """

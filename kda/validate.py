@@ -7,11 +7,13 @@ them before a launch outside CUDA-graph capture.
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from tpcomm.checks import check_tensor
+
+from .operands import DecodeOperands
 
 HEAD_DIM = 128
 MAX_TOKENS = 8
@@ -42,33 +44,6 @@ class DecodeShape:
     @property
     def rows(self) -> int:
         return self.requests * self.tokens
-
-
-@dataclass(frozen=True)
-class DecodeOperands:
-    """A decode step's arguments, written once: ``kda.reference.decode(*args, **kwargs)``
-    and ``kda.decode`` build this from theirs (shapes and dtypes: ``check_decode``)."""
-
-    x: torch.Tensor  # [B*T, 3D] bf16: the q, k, v projections
-    conv_weight: torch.Tensor  # [3, 4, D]
-    conv_bias: torch.Tensor | None  # [3D] or None
-    conv_state: torch.Tensor  # [S, 3D, W] (conv_dim_first) or [S, W, 3D]
-    f_a: torch.Tensor  # [B*T, 128] bf16
-    beta: torch.Tensor  # [B*T, H]
-    a_log: torch.Tensor  # [H] fp32
-    dt_bias: torch.Tensor  # [D] fp32
-    slots: torch.Tensor  # [B] (T = 1) or [B, >= T] int32; <= 0: padding
-    state: torch.Tensor  # [S, H, 128, 128] fp32
-    gate: torch.Tensor  # [B*T, D] bf16: the output gate
-    norm_weight: torch.Tensor  # [128]
-    f_b: torch.Tensor  # [D, 128] bf16
-    _: KW_ONLY
-    lower_bound: float
-    scale: float
-    eps: float
-    accepted: torch.Tensor | None = None  # [B] int32, T > 1 only
-    conv_dim_first: bool = True
-    records: tuple | None = None  # (v_records, kg_records): record mode, T > 1 only
 
 
 def _tensor(name, t, dtypes, ndim=None, shape=None, device=None):

@@ -17,8 +17,6 @@ x, gate, f_a and beta after it. Dependents are released once those inputs are re
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64
@@ -41,34 +39,9 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .operands import KernelOperands
 
 STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
-
-
-class KernelOperands(NamedTuple):
-    """The decode kernels' operands, in ``__call__``'s order: one kernel argument (the DSL
-    passes a NamedTuple's fields as the kernel's parameters, in this order)."""
-
-    x: cute.Tensor
-    conv_weight: cute.Tensor
-    conv_bias: cute.Tensor
-    conv_state: cute.Tensor
-    f_a: cute.Tensor
-    beta: cute.Tensor
-    a_log: cute.Tensor
-    dt_bias: cute.Tensor
-    slots: cute.Tensor
-    state: cute.Tensor
-    output: cute.Tensor
-    gate: cute.Tensor
-    norm_weight: cute.Tensor
-    lower_bound: Float32
-    scale: Float32
-    eps: Float32
-    f_b: cute.Tensor
-    accepted: cute.Tensor
-    v_records: cute.Tensor
-    kg_records: cute.Tensor
 
 
 class KdaWide:
