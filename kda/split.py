@@ -1,48 +1,21 @@
-"""KdaSplit: one (request, head) item per thread-block cluster of C = 2, 4 or 8 CTAs; CTA
-rank i owns value rows ``[i R, (i + 1) R)`` of the head, R = 128 / C.
+"""KdaSplit: one (request, head) item per cluster of C = 2, 4 or 8 CTAs; CTA rank i owns
+value rows ``[i R, (i + 1) R)`` of the head, R = 128 / C.
 
-Contract: KdaWide's (SPEC "KDA decode step", seed ``000``): argument order ``x,
-conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, output, gate,
-norm_weight, lower_bound, scale, eps, f_b, accepted, v_records, kg_records, stream``;
-``conv_state`` as the ``[S, 3D, W]`` view (window-first: its transposed view), T = 1..8,
-record mode, padding (state slot <= 0: zero output rows, nothing else touched), PDL.
-Rounding points are KdaWide's (bf16 after the SiLU, on the raw gate and on ``o``; all else
-fp32, ``kda.device``); the raw gate, the decay and the conv outputs (q, k before the
-norm, v) are KdaWide's bit for bit; the fp32 order of the three per-head sums and of the
-rows' dot products (butterflies over 2 C lanes) differs. PDL as KdaWide's: the state rows,
-conv windows and weights are read before ``griddepcontrol.wait``, x, gate, f_a and beta
-after it.
+Contract: KdaWide's (operands, T = 1..8, record mode, padding, PDL, rounding points). The
+raw gate, the decay and the conv outputs are KdaWide's bit for bit; only the fp32 order of
+the three per-head sums and of the rows' dot products (butterflies over 2 C lanes) differs.
+Every CTA convolves all q and k channels and runs the whole gate (every value row needs all
+keys), v only for its rows: the repeated work is why the split pays only for a few items
+(``kda.dispatch``, docs/kda_dispatch.md).
 
-Work per CTA (256 threads, 8 warps):
-- every CTA convolves all 128 q and k channels (thread ``tid``: part ``tid // 128``,
-  channel ``tid % 128``) and runs the whole gate projection (decay of all 128 keys: one
-  16-feature mma.sync tile per warp), because every value row needs all keys; v only for
-  its R rows. What that repeats, per cluster against one KdaWide CTA: (C - 1) x (256 T
-  conv outputs with their SiLU, 8 MMAs per warp and 128 T decays, about 3 fp64 ``exp``
-  per thread and token) and (C - 1) x (the 32 KB f_b tile, f_a, x's q and k
-  columns and the q, k conv windows) read again, from L2 after the first CTA. This work
-  is not divided by C: a CTA's latency is conv + gate (as KdaWide's) + the recurrence
-  over R = 128 / C rows + two cluster exchanges, so KdaSplit wins only while the GPU is
-  mostly idle (a few items) and the recurrence dominates (``kda.dispatch``); not yet
-  measured;
-- the state: R rows, the thread's ``16 / C`` 16-byte key chunks of row ``tid // (2 C)``
-  (lanes ``2 C`` per row), staged by cp.async before ``griddepcontrol.wait``.
-
-Per-head sums cross the cluster through distributed shared memory (st.async +
-mbarrier complete_tx, one barrier per exchange, armed before a cluster barrier):
-- ``sum q^2``, ``sum k^2`` per token: 16-lane butterflies give the squares of 8 groups
-  of 16 channels; CTA i adds its 8 / C groups (pairwise) and pushes the partial to every
-  CTA (itself included); each CTA adds the C partials pairwise in rank order, so the
-  total is the same pairwise tree over the 8 groups in every CTA and for every C;
-- ``sum o^2`` per token: the same over the value rows (CTA i's R rows, R / 16 groups).
-Every CTA therefore normalises with identical bits; ``o`` and the output rows are the
-CTA's own.
-
-Writes are split by ownership: CTA i writes its R rows of the state, v records and
-outputs and the q, k, v channels ``[i R, (i + 1) R)`` of the conv page and the k record;
-CTA 0 writes the raw-gate record. Every CTA reads the q and k taps of all channels, so a
-CTA writes its slice of the conv page only after the first exchange has completed (each
-peer pushes after a CTA barrier that follows its tap reads).
+Per-head sums (``sum q^2``, ``sum k^2``, ``sum o^2`` per token) cross the cluster through
+distributed shared memory (st.async + mbarrier complete_tx, one barrier per exchange,
+armed before a cluster barrier): each CTA pushes the pairwise sum of its 16-channel groups
+to every CTA, which adds the C partials pairwise in rank order, so every CTA normalises
+with identical bits. CTA i writes its rows of the state, v records and outputs, its
+channel slice of the conv page and the k record; CTA 0 the raw-gate record. A CTA writes
+its conv slice only after the first exchange (each peer pushes after a CTA barrier that
+follows its reads of all taps).
 """
 
 from __future__ import annotations
@@ -65,9 +38,9 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import ACCUMULATORS, HEAD_DIM, THREADS
+from .dispatch import CLUSTERS
 from .wide import KdaWide
 
-CLUSTERS = (2, 4, 8)
 GROUP = 16  # channels per butterfly group of the per-head sums
 GROUPS = HEAD_DIM // GROUP
 

@@ -1,18 +1,13 @@
-"""KdaStream: persistent KdaWide. Each CTA walks a contiguous range of (head, request)
-items (head-major: one or two heads per CTA, so the head's f_b rows and parameters are L1
-hits) and streams item n + 1's state page, conv window and projection rows into shared
-memory (cp.async) while it runs item n's recurrence.
+"""KdaStream: persistent KdaWide. Each CTA walks a contiguous, head-major range of
+(head, request) items (its heads' f_b rows and parameters stay in L1) and cp.asyncs item
+n + 1's state page, conv window and projection rows into shared memory while it runs item
+n's recurrence.
 
-Per item the math is KdaWide's, call for call (same rounding points and fp32 reduction
-order); only where the operands come from differs: the conv taps, x, the output gate
-and f_a are staged in shared memory. Both conv-cache layouts are staged with 16-byte
-copies: dim-first ``[S, 3D, W]`` (the item's 3 x 128 channels x W window, contiguous per
-part) and window-first ``[S, W, 3D]`` (the three tap rows of each part). The kernel takes
-``conv_state`` as the ``[S, 3D, W]`` view either way (``conv_dim_first`` says which memory
-layout is behind it). Padding items (state slot <= 0) write zero outputs only.
-
-PDL: the first item's state page and conv window are staged before
-``griddepcontrol.wait``; every other operand after it.
+Per item the math is KdaWide's call for call (same rounding points and fp32 order); only
+the operands' source differs (conv taps, x, the output gate and f_a staged in shared
+memory, both conv-cache layouts by 16-byte copies; ``conv_dim_first`` says which layout is
+behind the ``[S, 3D, W]`` view). Padding items write zero outputs only. PDL: the first
+item's page and window are staged before ``griddepcontrol.wait``, all else after it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """KdaWide: one CTA per (request, head) item; the head's fp32 state lives in registers.
 
-Contract (SPEC "KDA decode step", seed ``000``): argument order ``x, conv_weight,
-conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, output, gate,
-norm_weight, lower_bound, scale, eps, f_b, accepted, v_records, kg_records, stream``.
-``conv_state`` is passed as a ``[S, 3D, W]`` view (the window-first layout as its
-transposed view, any strides); ``conv_bias`` / ``accepted`` / the records are dummies
-when the configuration has none. Padding: a request whose state slot (``slots[b]``,
+Operands: ``KernelOperands`` (``conv_state`` as the ``[S, 3D, W]`` view; dummies for an
+absent bias, ``accepted`` or records). Padding: a request whose state slot (``slots[b]``,
 or ``slots[b, accepted[b] - 1]`` for T > 1) is <= 0 gets zero output rows and touches
-no state page, conv page or record. Rounding points: bf16 after the SiLU, on the raw
-gate and on ``o``; everything else fp32 (see ``kda.device``).
-
-PDL: the state page, the conv window and the weights are read before
-``griddepcontrol.wait`` (they must not be written by the immediately preceding kernel);
-x, gate, f_a and beta after it. Dependents are released once those inputs are read.
+nothing else. Rounding: bf16 after the SiLU, on the raw gate and on ``o``; all else fp32
+(``kda.device``). PDL: the state page, conv window and weights are read before
+``griddepcontrol.wait`` (the kernel right before must not write them), x, gate, f_a and
+beta after it; dependents are released once those are read.
 """
 
 from __future__ import annotations
