@@ -1,6 +1,7 @@
-"""A decode step's operands, defined once: ``DecodeOperands`` (the public arguments of
-``kda.decode`` and ``kda.reference.decode``, torch tensors) and ``KernelOperands`` (the
-same as CuTe values in the kernels' parameter order, built by ``kda.ops``)."""
+"""The operands of a decode step and of a recover call, defined once: ``DecodeOperands``
+(the public arguments of ``kda.decode`` and ``kda.reference.decode``, torch tensors),
+``KernelOperands`` (the same as CuTe values in the decode kernels' parameter order, built
+by ``kda.ops``) and ``RecoverOperands`` (``kda.recover`` / ``kda.reference.recover``)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,34 @@ class KernelOperands(NamedTuple):
     accepted: cute.Tensor
     v_records: cute.Tensor
     kg_records: cute.Tensor
+
+
+@dataclass(frozen=True)
+class RecoverOperands:
+    """A recover call's arguments (shapes and dtypes: ``kda.validate.check_recover``)."""
+
+    state: torch.Tensor  # [S, H, 128, 128] fp32
+    slots: torch.Tensor  # [B, >= T] int32
+    v_records: torch.Tensor  # [B, H, T, 128] fp32
+    kg_records: torch.Tensor  # [B, H, T, 256] bf16
+    a_log: torch.Tensor  # [H] fp32
+    dt_bias: torch.Tensor  # [D] fp32
+    accepted: torch.Tensor  # [B] int32: tokens to commit
+    checkpoint: torch.Tensor  # [B] int32: the verify step's accepted (its state slot)
+    _: KW_ONLY
+    lower_bound: float
+
+
+class RecoverKernelOperands(NamedTuple):
+    """KdaRecover's operands as CuTe values, in ``KdaRecover.__call__``'s order (its
+    kernel's one argument)."""
+
+    state: cute.Tensor
+    slots: cute.Tensor
+    v_records: cute.Tensor
+    kg_records: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    accepted: cute.Tensor
+    checkpoint: cute.Tensor
+    lower_bound: Float32

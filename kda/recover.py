@@ -9,13 +9,15 @@ recorded k (``(w0 + w2) + (w1 + w3)`` of 32-lane butterflies, as KdaWide), ``S =
 (checkpoint slot <= 0): no load, no store. Tokens t >= accepted[b] apply the neutral update
 (``decay = 1``, ``k^ = -0.0``, ``v_new = +0.0``: ``S`` bit for bit) and store nothing, so no
 data-dependent control flow; each thread writes back only what it read, so the checkpoint
-page may also be a target. PDL: everything is read after ``griddepcontrol.wait``.
+page may also be a target. PDL: everything is read after ``griddepcontrol.wait``;
+dependents are released once the page and the records are loaded.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .operands import RecoverOperands
 from .validate import check_recover
 
 
@@ -33,20 +35,9 @@ _KdaRecover = None
 _CACHE: dict = {}
 
 
-def recover(
-    state,
-    slots,
-    v_records,
-    kg_records,
-    a_log,
-    dt_bias,
-    accepted,
-    checkpoint,
-    *,
-    lower_bound,
-    pdl=False,
-):
-    """GPU ``kda.reference.recover``: same arguments (plus ``pdl``), mutates ``state``.
+def recover(*args, pdl=False, **kwargs):
+    """GPU ``kda.reference.recover``: same arguments (``kda.operands.RecoverOperands``'s
+    fields) plus ``pdl``; mutates ``state``.
 
     Validation (``kda.validate.check_recover``) raises ``ValueError`` before any launch;
     the value checks (counts in 1..T, slots below the pool) read the index tensors on the
@@ -54,13 +45,11 @@ def recover(
     goes to ``torch.cuda.current_stream()`` (graph-capturable); compiled kernels are
     cached by (heads, tokens, pdl, arch).
     """
+    op = RecoverOperands(*args, **kwargs)
+    state, v_records, kg_records = op.state, op.v_records, op.kg_records
     if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.recover runs the GPU kernel)")
-    capturing = torch.cuda.is_current_stream_capturing()
-    shape = check_recover(
-        state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint,
-        check_values=not capturing,
-    )  # fmt: skip
+    shape = check_recover(op, check_values=not torch.cuda.is_current_stream_capturing())
     for name, t in (("state", state), ("v_records", v_records), ("kg_records", kg_records)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
@@ -70,14 +59,16 @@ def recover(
     device = state.device
     arch = dispatch.arch_of(torch.cuda.get_device_capability(device))
     key = (shape.heads, shape.tokens, bool(pdl), arch)
-    tensors = [state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint]
+    tensors = [
+        state, op.slots, v_records, kg_records, op.a_log, op.dt_bias, op.accepted, op.checkpoint
+    ]  # fmt: skip
     aligned = (state, v_records, kg_records)
-    args = [to_cute(t, align=16 if any(t is a for a in aligned) else None) for t in tensors]
+    cute_args = [to_cute(t, align=16 if any(t is a for a in aligned) else None) for t in tensors]
     import cuda.bindings.driver as cuda
     from cutlass import Float32
 
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    ordered = [*args, Float32(lower_bound), stream]
+    ordered = [*cute_args, Float32(op.lower_bound), stream]
     compiled = _CACHE.get(key)
     if compiled is None:
         import cutlass.cute as cute

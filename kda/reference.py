@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .operands import DecodeOperands
+from .operands import DecodeOperands, RecoverOperands
 from .validate import HEAD_DIM, check_decode, check_recover, step_slots
 
 __all__ = ["decode", "recover"]
@@ -162,10 +162,9 @@ def decode(*args, **kwargs):
     return output
 
 
-def recover(
-    state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint, *, lower_bound
-):
-    """Commit the first ``accepted[b]`` tokens of a recorded verify step.
+def recover(*args, **kwargs):
+    """Commit the first ``accepted[b]`` tokens of a recorded verify step
+    (arguments: ``kda.operands.RecoverOperands``'s fields; mutates ``state``).
 
     ``checkpoint`` [B] is the ``accepted`` the verify step took, so the step read its state
     from ``slots[b, checkpoint[b] - 1]``; that state gets the tokens' updates (decay from the
@@ -173,7 +172,11 @@ def recover(
     token t goes to ``slots[b, t]`` when > 0, as a plain verify step writes it. Requests whose
     checkpoint slot is <= 0 (padding) are left alone.
     """
-    shape = check_recover(state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint)
+    op = RecoverOperands(*args, **kwargs)
+    shape = check_recover(op)
+    state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
+    a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
+    lower_bound = op.lower_bound
     T, device = shape.tokens, state.device
     s = slots.cpu().to(torch.int64)[:, :T]
     source = s.gather(1, checkpoint.cpu().to(torch.int64)[:, None] - 1)[:, 0]

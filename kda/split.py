@@ -140,12 +140,11 @@ class KdaSplit(KdaWide):
         return dev.tree_sum([exchange[index * C + p] for p in range(C)])
 
     @cute.jit
-    def recurrence_rows(
-        self, history, shared, s_beta, s_o, slots, state, slot, request, head, v_records, rank
-    ):
+    def recurrence_rows(self, op, history, shared, s_beta, s_o, slot, request, head, rank):
         """KdaWide's delta rule on the CTA's R rows (one row per thread group of 2 C
         lanes); o (bf16) into ``s_o[t, local row]``; the rows' state stored after token t
         (not in record mode)."""
+        slots, state, v_records = op.slots, op.state, op.v_records
         tid, _, _ = cute.arch.thread_idx()
         row, lane_in = tid // self.lanes, tid % self.lanes
         value_row = rank * self.rows + row
@@ -324,17 +323,7 @@ class KdaSplit(KdaWide):
             cute.arch.cp_async_wait_group(0)
             history = self.load_rows(staged)
             self.recurrence_rows(
-                history,
-                (s_q, s_k, s_v, s_decay),
-                s_beta,
-                s_o,
-                op.slots,
-                op.state,
-                slot,
-                request,
-                head,
-                op.v_records,
-                rank,
+                op, history, (s_q, s_k, s_v, s_decay), s_beta, s_o, slot, request, head, rank
             )
             cute.arch.barrier()
 

@@ -291,16 +291,7 @@ class KdaStream(KdaWide):
 
                 beta_now = s_beta[parity, None]
                 self.recurrence(
-                    history,
-                    (s_q, s_k, s_v, s_decay),
-                    beta_now,
-                    s_o,
-                    op.slots,
-                    op.state,
-                    slot,
-                    request,
-                    head,
-                    op.v_records,
+                    op, history, (s_q, s_k, s_v, s_decay), beta_now, s_o, slot, request, head
                 )
                 cute.arch.barrier()
                 if section == 0:

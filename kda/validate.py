@@ -13,7 +13,7 @@ import torch
 
 from tpcomm.checks import check_tensor
 
-from .operands import DecodeOperands
+from .operands import DecodeOperands, RecoverOperands
 
 HEAD_DIM = 128
 MAX_TOKENS = 8
@@ -205,19 +205,10 @@ class RecoverShape:
     state_pages: int
 
 
-def check_recover(
-    state,
-    slots,
-    v_records,
-    kg_records,
-    a_log,
-    dt_bias,
-    accepted,
-    checkpoint,
-    *,
-    check_values=True,
-) -> RecoverShape:
+def check_recover(op: RecoverOperands, *, check_values=True) -> RecoverShape:
     """Validate ``recover``'s arguments (shared by the reference and the kernel)."""
+    state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
+    a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
     _tensor("state", state, (torch.float32,), ndim=4)
     pages, heads = state.shape[0], state.shape[1]
     if state.shape[2:] != (HEAD_DIM, HEAD_DIM):

@@ -309,11 +309,10 @@ class KdaWide:
                 s_k[t, channel] = s_k[t, channel] * fk
 
     @cute.jit
-    def recurrence(
-        self, history, shared, s_beta, s_o, slots, state, slot, request, head, v_records
-    ):
+    def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
         """The delta rule per token on the register state; o (bf16) into s_o; the state
         after token t stored to its page (not in record mode)."""
+        slots, state, v_records = op.slots, op.state, op.v_records
         rows = tuple(range(ROWS))
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
@@ -577,18 +576,7 @@ class KdaWide:
 
             cute.arch.cp_async_wait_group(0)
             history = self.load_history(staged)
-            self.recurrence(
-                history,
-                (s_q, s_k, s_v, s_decay),
-                s_beta,
-                s_o,
-                op.slots,
-                op.state,
-                slot,
-                request,
-                head,
-                op.v_records,
-            )
+            self.recurrence(op, history, (s_q, s_k, s_v, s_decay), s_beta, s_o, slot, request, head)
             cute.arch.barrier()
 
             if section == 0:
