@@ -120,21 +120,7 @@ def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
             raise ValueError("records must be None for single-token decode (T = 1)")
         if not isinstance(records, tuple | list) or len(records) != 2:
             raise ValueError("records must be a (v_records, kg_records) pair")
-        v_records, kg_records = records
-        _tensor(
-            "v_records",
-            v_records,
-            (torch.float32,),
-            shape=(requests, heads, tokens, HEAD_DIM),
-            device=device,
-        )
-        _tensor(
-            "kg_records",
-            kg_records,
-            (torch.bfloat16,),
-            shape=(requests, heads, tokens, 2 * HEAD_DIM),
-            device=device,
-        )
+        _check_records(*records, requests, heads, tokens, device)
 
     if check_values:
         check_slot_values(slots, accepted, tokens, pages, conv_pages)
@@ -160,6 +146,14 @@ def step_slots(slots, accepted, tokens):
     offset = accepted.detach().to("cpu", torch.int64) - 1
     slot = s.gather(1, offset.clamp(0, s.shape[1] - 1)[:, None])[:, 0]
     return slot, s[:, 0].clone(), offset
+
+
+def _check_records(v_records, kg_records, requests, heads, tokens, device):
+    """v_records [B, H, T, 128] fp32 and kg_records [B, H, T, 256] bf16 (k, raw gate)."""
+    shape = (requests, heads, tokens, HEAD_DIM)
+    _tensor("v_records", v_records, (torch.float32,), shape=shape, device=device)
+    shape = (requests, heads, tokens, 2 * HEAD_DIM)
+    _tensor("kg_records", kg_records, (torch.bfloat16,), shape=shape, device=device)
 
 
 def check_slot_values(slots, accepted, tokens, state_pages, conv_pages):
@@ -222,14 +216,7 @@ def check_recover(op: RecoverOperands, *, check_values=True) -> RecoverShape:
         raise ValueError(
             f"v_records must be [B, H, T, 128] with T in 2..8; got {tuple(v_records.shape)}"
         )
-    _tensor("v_records", v_records, (torch.float32,), shape=(requests, heads, tokens, HEAD_DIM))
-    _tensor(
-        "kg_records",
-        kg_records,
-        (torch.bfloat16,),
-        shape=(requests, heads, tokens, 2 * HEAD_DIM),
-        device=device,
-    )
+    _check_records(v_records, kg_records, requests, heads, tokens, device)
     if slots.shape[1] < tokens:
         raise ValueError(f"slots must have >= T = {tokens} columns; got {tuple(slots.shape)}")
     _tensor("a_log", a_log, (torch.float32,), shape=(heads,), device=device)
