@@ -36,8 +36,19 @@ def digest(out: pathlib.Path, select: str) -> None:
     root = pathlib.Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "compile", "-k", select,
-               "-p", "no:cacheprovider", str(root / "tests")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "compile",
+            "-k",
+            select,
+            "-p",
+            "no:cacheprovider",
+            str(root / "tests"),
+        ]
         subprocess.run(cmd, cwd=root, env=env, check=True)
         table = collections.defaultdict(list)
         for path in sorted(pathlib.Path(dump).glob("*.ptx")):
