@@ -29,15 +29,14 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32
 
-from .dispatch import has_packed_fma  # noqa: F401  (the compile-time arch switch)
+from .dispatch import CTAS_PER_SM, has_packed_fma  # noqa: F401  (re-exported to the kernels)
+from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
 
 THREADS = 256  # 8 warps per item
 LANES = 4  # threads per state row
 ROWS = 2  # value rows per thread (r and r + 64)
 KCHUNKS = 8  # 16-byte key chunks per row per thread
 ACCUMULATORS = 4  # pairs of partial dot-product sums per row
-CTAS_PER_SM = 2
-HEAD_DIM = 128
 
 
 def fma2(a, b, c, packed: bool):

@@ -1,30 +1,14 @@
 """Host entry of the KDA decode kernels: ``kda.decode(...)``.
 
-Same arguments as ``kda.reference.decode`` plus:
-
-- ``kernel``: ``"auto"`` (``kda.dispatch.choose``), ``"wide"``, ``"stream"``, ``"split"`` or
-  ``"lean"`` (opt-in, never the auto choice: two launches, KdaPrepare writes each item's
-  conv / norm / gate / decay / beta vectors to an fp32 scratch buffer, cached per shape and
-  device, then KdaLean streams the state pages through Wide's recurrence; built to give
-  bitwise Wide's results (GPU-tested; measured slower than ``"stream"``, see
-  ``kda.dispatch.LEAN_PREPASS``); one scratch per shape, so steps of one
-  shape must not overlap on two streams);
-- ``cluster``: KdaSplit's CTAs per (request, head) item, 2, 4 or 8 (``kernel="split"``
-  only; ``None``: the dispatcher's choice);
-- ``gate_mode``: the raw gate's reduction: 0 (default) / 1 the seed's mma.sync chain
-  orders (one chain of eight, four chains of two), which differ from the exact dot in the
-  last fp32 bit and so flip a raw gate's bf16 rounding now and then; 2 the exactly
-  rounded dot (fp64 accumulation: bitwise the reference's raw gate, slower);
-- ``pdl``: launch with programmatic dependent launch (the kernels read the state and
-  conv pages before ``griddepcontrol.wait``, so the kernel right before must not
-  write them);
-- ``out``: a preallocated ``[B*T, D]`` bf16 output (every row is written).
-
-Validation (``kda.validate.check_decode``) raises ``ValueError`` before any launch; the
-slot-value checks read the index tensors on the host and are skipped while the current
-stream is capturing a CUDA graph. Compiled kernels are cached by (kernel, config, dtypes,
-layout, arch); every launch goes to ``torch.cuda.current_stream()``, so a step can be
-captured in a CUDA graph and replayed.
+``kda.reference.decode``'s arguments plus ``kernel`` ("auto": ``kda.dispatch.choose``,
+"wide", "stream", "split"), ``cluster`` (KdaSplit's CTAs per item: 2, 4, 8), ``gate_mode``
+(raw gate reduction: 0 / 1 the seed's mma.sync chains, which may flip a raw gate's bf16
+rounding now and then; 2 the exactly rounded dot, bitwise the reference's), ``pdl`` (the
+kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
+before must not write them) and ``out`` (a preallocated ``[B*T, D]`` bf16 output).
+Validation raises ``ValueError`` before any launch (slot values are not read while the
+stream captures a CUDA graph); compiled kernels are cached by (kernel, config, dtypes,
+layout, arch); launches go to ``torch.cuda.current_stream()`` (graph-capturable).
 """
 
 from __future__ import annotations
@@ -32,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .operands import DecodeOperands, KernelOperands
 from .validate import HEAD_DIM, check_decode
 
 _CACHE: dict = {}
 _DUMMIES: dict = {}
 _SM_COUNT: dict = {}
-_SCRATCH: dict = {}
 _VECTOR_ALIGNED = ("x", "f_a", "f_b", "state", "gate", "out")
 
 
@@ -59,7 +43,8 @@ def _cute_dtype(dtype):
     }[dtype]
 
 
-def _to_cute(t, leading_dim=None, align=None):
+def to_cute(t, leading_dim=None, align=None):
+    """A torch tensor as a CuTe tensor with a dynamic layout (``align``: assumed bytes)."""
     from cutlass.cute.runtime import from_dlpack
 
     if align is None:
@@ -82,34 +67,10 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     return dispatch.choose(requests, heads, tokens, sms=sms, kernel=kernel, cluster=cluster)
 
 
-def decode(
-    x,
-    conv_weight,
-    conv_bias,
-    conv_state,
-    f_a,
-    beta,
-    a_log,
-    dt_bias,
-    slots,
-    state,
-    gate,
-    norm_weight,
-    f_b,
-    *,
-    lower_bound,
-    scale,
-    eps,
-    accepted=None,
-    conv_dim_first=True,
-    records=None,
-    kernel="auto",
-    cluster=None,
-    gate_mode=0,
-    pdl=False,
-    out=None,
-):
-    """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16."""
+def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None, **kwargs):
+    """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
+    ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields."""
+    op = DecodeOperands(*args, **kwargs)
     if kernel not in dispatch.KERNELS:
         raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
     if cluster is not None and (kernel != "split" or cluster not in dispatch.CLUSTERS):
@@ -119,14 +80,12 @@ def decode(
         )
     if gate_mode not in (0, 1, 2):
         raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
-    if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
+    if not isinstance(op.state, torch.Tensor) or op.state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.decode runs the GPU kernels)")
-    capturing = torch.cuda.is_current_stream_capturing()
-    shape = check_decode(
-        x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-        gate, norm_weight, f_b, accepted=accepted, conv_dim_first=conv_dim_first,
-        records=records, check_values=not capturing,
-    )  # fmt: skip
+    shape = check_decode(op, check_values=not torch.cuda.is_current_stream_capturing())
+    x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
+    state, gate, f_a, f_b = op.state, op.gate, op.f_a, op.f_b
+    accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
     B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
     device = state.device
     if out is None:
@@ -148,37 +107,37 @@ def decode(
 
     record = records is not None
     v_records, kg_records = records if record else (None, None)
-    dummy_f32 = _dummy(device, torch.float32)
-    dummy_bf16 = _dummy(device, torch.bfloat16)
-    dummy_i32 = _dummy(device, torch.int32)
-    bias = conv_bias if conv_bias is not None else dummy_bf16
     conv_view = conv_state if conv_dim_first else conv_state.transpose(1, 2)
-    tensors = [
-        x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, state, out, gate,
-        norm_weight, f_b, accepted if accepted is not None else dummy_i32,
-        v_records if record else dummy_f32, kg_records if record else dummy_bf16,
-    ]  # fmt: skip
+    # The kernels' tensors by name (KernelOperands' order); dummies for absent operands.
+    tensors = dict(
+        x=x, conv_weight=conv_weight,
+        conv_bias=conv_bias if conv_bias is not None else _dummy(device, torch.bfloat16),
+        conv_state=conv_view, f_a=f_a, beta=op.beta, a_log=op.a_log, dt_bias=op.dt_bias,
+        slots=op.slots, state=state, output=out, gate=gate, norm_weight=op.norm_weight, f_b=f_b,
+        accepted=accepted if accepted is not None else _dummy(device, torch.int32),
+        v_records=v_records if record else _dummy(device, torch.float32),
+        kg_records=kg_records if record else _dummy(device, torch.bfloat16),
+    )  # fmt: skip
     config = (
         choice.kernel, H, T, record, gate_mode, conv_bias is not None, bool(conv_dim_first),
         shape.window, _knob(choice), pdl, arch,
     )  # fmt: skip
-    dtypes = tuple(t.dtype for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors.values())
     key = (config, dtypes)
-    args = [
-        _to_cute(t, leading_dim=1 if t is conv_view and not conv_dim_first else None,
-                 align=16 if any(t is named[n] for n in _VECTOR_ALIGNED) else None)
-        for t in tensors
-    ]  # fmt: skip
     from cutlass import Float32
 
-    scalars = [Float32(lower_bound), Float32(scale), Float32(eps)]
+    operands = KernelOperands(
+        **{
+            name: to_cute(t, leading_dim=1 if t is conv_view and not conv_dim_first else None,
+                          align=16 if any(t is named[n] for n in _VECTOR_ALIGNED) else None)
+            for name, t in tensors.items()
+        },
+        lower_bound=Float32(op.lower_bound), scale=Float32(op.scale), eps=Float32(op.eps),
+    )  # fmt: skip
     import cuda.bindings.driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    if choice.kernel == "lean":
-        _decode_lean(choice, args, scalars, stream, config, dtypes, (B, T, H), device, arch)
-        return out
-    ordered = [*args[:13], *scalars, *args[13:], stream]
+    ordered = [*operands, stream]
     compiled = _CACHE.get(key)
     if compiled is None:
         import cutlass.cute as cute
@@ -189,53 +148,6 @@ def decode(
         _CACHE[key] = compiled
     compiled(*ordered)
     return out
-
-
-def _scratch(device, requests, tokens, heads):
-    """The lean path's [B, T, H, SCRATCH_WIDTH] fp32 scratch, one per shape and device."""
-    from .prepass import SCRATCH_WIDTH
-
-    key = (device, requests, tokens, heads)
-    if key not in _SCRATCH:
-        shape = (requests, tokens, heads, SCRATCH_WIDTH)
-        _SCRATCH[key] = torch.empty(shape, dtype=torch.float32, device=device)
-    return _SCRATCH[key]
-
-
-def _decode_lean(choice, args, scalars, stream, config, dtypes, shape, device, arch):
-    """KdaPrepare (or KdaPrepareWarp: ``dispatch.LEAN_PREPASS``) then KdaLean (a
-    programmatic dependent of it) on ``stream``; ``args`` in the order of ``decode``'s
-    ``tensors`` list."""
-    import cutlass.cute as cute
-
-    from .lean import KdaLean
-    from .prepass import KdaPrepare
-    from .prepass_warp import KdaPrepareWarp
-
-    prepass = dispatch.LEAN_PREPASS
-    if prepass not in dispatch.LEAN_PREPASSES:
-        raise ValueError(f"dispatch.LEAN_PREPASS must be one of {dispatch.LEAN_PREPASSES}")
-    B, T, H = shape
-    _, _, _, record, gate_mode, has_bias, _, _, _, pdl, _ = config
-    scratch = _to_cute(_scratch(device, B, T, H), align=16)
-    lower_bound, scale, eps = scalars
-    (x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, state, out, gate,
-     norm_weight, f_b, accepted, v_records, kg_records) = args  # fmt: skip
-    prepare_args = [x, conv_weight, bias, conv_view, f_a, beta, a_log, dt_bias, slots, gate,
-                    lower_bound, scale, f_b, accepted, kg_records, scratch, stream]  # fmt: skip
-    lean_args = [slots, accepted, state, out, norm_weight, eps, v_records, scratch, stream]
-    keys = (("prepare", config, dtypes, prepass), ("lean", config, dtypes, dispatch.LEAN_PDL))
-    for key, ordered in zip(keys, (prepare_args, lean_args), strict=True):
-        compiled = _CACHE.get(key)
-        if compiled is None:
-            if key[0] == "prepare":
-                prepare = KdaPrepareWarp if prepass == "warp" else KdaPrepare
-                kernel_obj = prepare(H, T, record, gate_mode, has_bias, arch=arch, pdl=pdl)
-            else:
-                kernel_obj = KdaLean(H, T, record, choice.ctas, arch=arch, pdl=dispatch.LEAN_PDL)
-            compiled = cute.compile(kernel_obj, *ordered, options=f"--gpu-arch {arch}")
-            _CACHE[key] = compiled
-        compiled(*ordered)
 
 
 def _knob(choice):
@@ -267,4 +179,4 @@ def _build(choice, heads, tokens, record, gate_mode, has_bias, dim_first, window
     )  # fmt: skip
 
 
-__all__ = ["decode", "plan", "HEAD_DIM"]
+__all__ = ["decode", "plan", "to_cute", "HEAD_DIM"]

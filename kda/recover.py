@@ -1,35 +1,23 @@
 """KdaRecover: commit the accepted tokens of a recorded verify step (``kda.reference.recover``).
 
-Contract: argument order ``state, slots, v_records, kg_records, a_log, dt_bias, accepted,
-checkpoint, lower_bound, stream``. One CTA per (request b, head h), 256 threads in
-``kda.device``'s layout (thread ``tid`` owns value rows ``tid // 4`` and ``tid // 4 + 64``,
-keys ``4 * (tid % 4 + 4 c) + [0, 4)``). The checkpoint page ``slots[b, checkpoint[b] - 1]``
-is read once into registers; for token t < accepted[b]:
-
-- ``decay = exp(lower_bound * sigmoid(exp(a_log[h]) * (raw_g + dt_bias)))`` from the
-  recorded bf16 raw gate (``kda.device.decay``, the decode kernels' function);
-- ``k^ = k * rsqrt(sum k^2 + 1e-6)`` from the recorded bf16 k (sum: 32-lane butterflies,
-  then ``(w0 + w2) + (w1 + w3)`` as KdaWide adds q and k squares);
-- ``S = S * decay``; ``S = fma(k^, v_new, S)`` with the recorded fp32 ``v_new``;
-- the state after token t is stored to ``slots[b, t]`` when > 0.
-
-Rounding: exactly the reference's points (one fp32 multiply, one fp32 FMA per element
-per token); only the fp32 order of ``sum k^2`` differs. Padding: a request whose
-checkpoint slot is <= 0 is skipped (no load, no store). Tokens t >= accepted[b] apply
-the neutral update ``decay = 1``, ``k^ = -0.0``, ``v_new = +0.0`` (``S * 1 + (-0.0)`` is
-``S`` bit for bit, -0.0 included) and store nothing, so the register state needs no
-data-dependent control flow. Every thread writes back only the elements it read, so the
-checkpoint page may also be a target page (``slots[b, t]`` with t = checkpoint - 1).
-
-PDL (``pdl=True``): everything is read after ``griddepcontrol.wait`` (the records and the
-state come from the verify step just before); dependents are released once the page and
-the records are in registers / shared memory.
+One CTA per (request b, head h) in ``kda.device``'s thread layout reads the checkpoint page
+``slots[b, checkpoint[b] - 1]`` into registers; for token t < accepted[b]: decay from the
+recorded bf16 raw gate (``kda.device.decay``), ``k^ = k * rsqrt(sum k^2 + 1e-6)`` from the
+recorded k (``(w0 + w2) + (w1 + w3)`` of 32-lane butterflies, as KdaWide), ``S = S * decay``,
+``S = fma(k^, v_new, S)`` with the recorded fp32 ``v_new``, stored to ``slots[b, t]`` when
+> 0. Rounding: the reference's points; only the fp32 order of ``sum k^2`` differs. Padding
+(checkpoint slot <= 0): no load, no store. Tokens t >= accepted[b] apply the neutral update
+(``decay = 1``, ``k^ = -0.0``, ``v_new = +0.0``: ``S`` bit for bit) and store nothing, so no
+data-dependent control flow; each thread writes back only what it read, so the checkpoint
+page may also be a target. PDL: everything is read after ``griddepcontrol.wait``;
+dependents are released once the page and the records are loaded.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .operands import RecoverOperands
 from .validate import check_recover
 
 
@@ -47,20 +35,9 @@ _KdaRecover = None
 _CACHE: dict = {}
 
 
-def recover(
-    state,
-    slots,
-    v_records,
-    kg_records,
-    a_log,
-    dt_bias,
-    accepted,
-    checkpoint,
-    *,
-    lower_bound,
-    pdl=False,
-):
-    """GPU ``kda.reference.recover``: same arguments (plus ``pdl``), mutates ``state``.
+def recover(*args, pdl=False, **kwargs):
+    """GPU ``kda.reference.recover``: same arguments (``kda.operands.RecoverOperands``'s
+    fields) plus ``pdl``; mutates ``state``.
 
     Validation (``kda.validate.check_recover``) raises ``ValueError`` before any launch;
     the value checks (counts in 1..T, slots below the pool) read the index tensors on the
@@ -68,30 +45,30 @@ def recover(
     goes to ``torch.cuda.current_stream()`` (graph-capturable); compiled kernels are
     cached by (heads, tokens, pdl, arch).
     """
+    op = RecoverOperands(*args, **kwargs)
+    state, v_records, kg_records = op.state, op.v_records, op.kg_records
     if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.recover runs the GPU kernel)")
-    capturing = torch.cuda.is_current_stream_capturing()
-    shape = check_recover(
-        state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint,
-        check_values=not capturing,
-    )  # fmt: skip
+    shape = check_recover(op, check_values=not torch.cuda.is_current_stream_capturing())
     for name, t in (("state", state), ("v_records", v_records), ("kg_records", kg_records)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
     from . import dispatch
-    from .ops import _to_cute
+    from .ops import to_cute
 
     device = state.device
     arch = dispatch.arch_of(torch.cuda.get_device_capability(device))
     key = (shape.heads, shape.tokens, bool(pdl), arch)
-    tensors = [state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint]
+    tensors = [
+        state, op.slots, v_records, kg_records, op.a_log, op.dt_bias, op.accepted, op.checkpoint
+    ]  # fmt: skip
     aligned = (state, v_records, kg_records)
-    args = [_to_cute(t, align=16 if any(t is a for a in aligned) else None) for t in tensors]
+    cute_args = [to_cute(t, align=16 if any(t is a for a in aligned) else None) for t in tensors]
     import cuda.bindings.driver as cuda
     from cutlass import Float32
 
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    ordered = [*args, Float32(lower_bound), stream]
+    ordered = [*cute_args, Float32(op.lower_bound), stream]
     compiled = _CACHE.get(key)
     if compiled is None:
         import cutlass.cute as cute

@@ -22,6 +22,7 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .operands import RecoverKernelOperands
 
 
 class KdaRecover:
@@ -53,8 +54,11 @@ class KdaRecover:
     ):
         requests = accepted.shape[0]
         call = self.kernel(
-            state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint, lower_bound
-        )
+            RecoverKernelOperands(
+                state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint,
+                lower_bound,
+            )
+        )  # fmt: skip
         launch(call, (self.heads, requests, 1), (THREADS, 1, 1), stream, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------- device side
@@ -87,11 +91,11 @@ class KdaRecover:
                 st_global_f32x4(target0 + Int64(offset) * 4, values[r][c])
 
     @cute.jit
-    def stage_tokens(
-        self, kg_records, v_records, a_log, dt_bias, lower_bound, count, shared, request, head
-    ):
+    def stage_tokens(self, op, count, shared, request, head):
         """Per token: k (threads 0-127) with its per-warp sums of squares; decay and v_new
         (threads 128-255). Tokens past ``count`` get the neutral decay 1 and v_new +0."""
+        kg_records, v_records, a_log, dt_bias = op.kg_records, op.v_records, op.a_log, op.dt_bias
+        lower_bound = op.lower_bound
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         channel, section = tid % 128, tid // 128
@@ -157,23 +161,12 @@ class KdaRecover:
                 self.store_page(state, head, target, values)
 
     @cute.kernel
-    def kernel(
-        self,
-        state: cute.Tensor,
-        slots: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        accepted: cute.Tensor,
-        checkpoint: cute.Tensor,
-        lower_bound: Float32,
-    ):
+    def kernel(self, op):
         T = self.tokens
         head, request, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-        source = Int32(slots[request, Int32(checkpoint[request]) - 1])
+        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])
         if source > 0:
             smem = cutlass.memory.SmemAllocator()
             s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
@@ -181,16 +174,14 @@ class KdaRecover:
             s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
             sums = smem_tensor(smem, Float32, (T, 4))
             shared = (s_k, s_decay, s_v, sums)
-            count = Int32(accepted[request])
-            values = self.load_page(state, head, source)
-            self.stage_tokens(
-                kg_records, v_records, a_log, dt_bias, lower_bound, count, shared, request, head
-            )
+            count = Int32(op.accepted[request])
+            values = self.load_page(op.state, head, source)
+            self.stage_tokens(op, count, shared, request, head)
             cute.arch.barrier()
             self.normalize_k(s_k, sums, count)
             cute.arch.barrier()
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
-            self.apply(values, shared, slots, state, count, request, head)
+            self.apply(values, shared, op.slots, op.state, count, request, head)
         elif cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .operands import DecodeOperands, RecoverOperands
 from .validate import HEAD_DIM, check_decode, check_recover, step_slots
 
 __all__ = ["decode", "recover"]
@@ -73,38 +74,20 @@ def _l2(v):
     return _rsqrt(_dot(v, v) + 1e-6)[..., None]
 
 
-def decode(
-    x,
-    conv_weight,
-    conv_bias,
-    conv_state,
-    f_a,
-    beta,
-    a_log,
-    dt_bias,
-    slots,
-    state,
-    gate,
-    norm_weight,
-    f_b,
-    *,
-    lower_bound,
-    scale,
-    eps,
-    accepted=None,
-    conv_dim_first=True,
-    records=None,
-):
+def decode(*args, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
+    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
     record mode: the state is read from the checkpoint slot but not written.
     """
-    shape = check_decode(
-        x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-        gate, norm_weight, f_b, accepted=accepted, conv_dim_first=conv_dim_first,
-        records=records,
-    )  # fmt: skip
+    op = DecodeOperands(*args, **kwargs)
+    shape = check_decode(op)
+    x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
+    f_a, beta, a_log, dt_bias, slots = op.f_a, op.beta, op.a_log, op.dt_bias, op.slots
+    state, gate, norm_weight, f_b = op.state, op.gate, op.norm_weight, op.f_b
+    lower_bound, scale, eps = op.lower_bound, op.scale, op.eps
+    accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
     B, T, H = shape.requests, shape.tokens, shape.heads
     D, device = shape.dim, state.device
     output = torch.zeros(B * T, D, dtype=torch.bfloat16, device=device)
@@ -179,10 +162,9 @@ def decode(
     return output
 
 
-def recover(
-    state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint, *, lower_bound
-):
-    """Commit the first ``accepted[b]`` tokens of a recorded verify step.
+def recover(*args, **kwargs):
+    """Commit the first ``accepted[b]`` tokens of a recorded verify step
+    (arguments: ``kda.operands.RecoverOperands``'s fields; mutates ``state``).
 
     ``checkpoint`` [B] is the ``accepted`` the verify step took, so the step read its state
     from ``slots[b, checkpoint[b] - 1]``; that state gets the tokens' updates (decay from the
@@ -190,7 +172,11 @@ def recover(
     token t goes to ``slots[b, t]`` when > 0, as a plain verify step writes it. Requests whose
     checkpoint slot is <= 0 (padding) are left alone.
     """
-    shape = check_recover(state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint)
+    op = RecoverOperands(*args, **kwargs)
+    shape = check_recover(op)
+    state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
+    a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
+    lower_bound = op.lower_bound
     T, device = shape.tokens, state.device
     s = slots.cpu().to(torch.int64)[:, :T]
     source = s.gather(1, checkpoint.cpu().to(torch.int64)[:, None] - 1)[:, 0]

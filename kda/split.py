@@ -1,48 +1,21 @@
-"""KdaSplit: one (request, head) item per thread-block cluster of C = 2, 4 or 8 CTAs; CTA
-rank i owns value rows ``[i R, (i + 1) R)`` of the head, R = 128 / C.
+"""KdaSplit: one (request, head) item per cluster of C = 2, 4 or 8 CTAs; CTA rank i owns
+value rows ``[i R, (i + 1) R)`` of the head, R = 128 / C.
 
-Contract: KdaWide's (SPEC "KDA decode step", seed ``000``): argument order ``x,
-conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, output, gate,
-norm_weight, lower_bound, scale, eps, f_b, accepted, v_records, kg_records, stream``;
-``conv_state`` as the ``[S, 3D, W]`` view (window-first: its transposed view), T = 1..8,
-record mode, padding (state slot <= 0: zero output rows, nothing else touched), PDL.
-Rounding points are KdaWide's (bf16 after the SiLU, on the raw gate and on ``o``; all else
-fp32, ``kda.device``); the raw gate, the decay and the conv outputs (q, k before the
-norm, v) are KdaWide's bit for bit; the fp32 order of the three per-head sums and of the
-rows' dot products (butterflies over 2 C lanes) differs. PDL as KdaWide's: the state rows,
-conv windows and weights are read before ``griddepcontrol.wait``, x, gate, f_a and beta
-after it.
+Contract: KdaWide's (operands, T = 1..8, record mode, padding, PDL, rounding points). The
+raw gate, the decay and the conv outputs are KdaWide's bit for bit; only the fp32 order of
+the three per-head sums and of the rows' dot products (butterflies over 2 C lanes) differs.
+Every CTA convolves all q and k channels and runs the whole gate (every value row needs all
+keys), v only for its rows: the repeated work is why the split pays only for a few items
+(``kda.dispatch``, docs/kda_dispatch.md).
 
-Work per CTA (256 threads, 8 warps):
-- every CTA convolves all 128 q and k channels (thread ``tid``: part ``tid // 128``,
-  channel ``tid % 128``) and runs the whole gate projection (decay of all 128 keys: one
-  16-feature mma.sync tile per warp), because every value row needs all keys; v only for
-  its R rows. What that repeats, per cluster against one KdaWide CTA: (C - 1) x (256 T
-  conv outputs with their SiLU, 8 MMAs per warp and 128 T decays, about 3 fp64 ``exp``
-  per thread and token) and (C - 1) x (the 32 KB f_b tile, f_a, x's q and k
-  columns and the q, k conv windows) read again, from L2 after the first CTA. This work
-  is not divided by C: a CTA's latency is conv + gate (as KdaWide's) + the recurrence
-  over R = 128 / C rows + two cluster exchanges, so KdaSplit wins only while the GPU is
-  mostly idle (a few items) and the recurrence dominates (``kda.dispatch``); not yet
-  measured;
-- the state: R rows, the thread's ``16 / C`` 16-byte key chunks of row ``tid // (2 C)``
-  (lanes ``2 C`` per row), staged by cp.async before ``griddepcontrol.wait``.
-
-Per-head sums cross the cluster through distributed shared memory (st.async +
-mbarrier complete_tx, one barrier per exchange, armed before a cluster barrier):
-- ``sum q^2``, ``sum k^2`` per token: 16-lane butterflies give the squares of 8 groups
-  of 16 channels; CTA i adds its 8 / C groups (pairwise) and pushes the partial to every
-  CTA (itself included); each CTA adds the C partials pairwise in rank order, so the
-  total is the same pairwise tree over the 8 groups in every CTA and for every C;
-- ``sum o^2`` per token: the same over the value rows (CTA i's R rows, R / 16 groups).
-Every CTA therefore normalises with identical bits; ``o`` and the output rows are the
-CTA's own.
-
-Writes are split by ownership: CTA i writes its R rows of the state, v records and
-outputs and the q, k, v channels ``[i R, (i + 1) R)`` of the conv page and the k record;
-CTA 0 writes the raw-gate record. Every CTA reads the q and k taps of all channels, so a
-CTA writes its slice of the conv page only after the first exchange has completed (each
-peer pushes after a CTA barrier that follows its tap reads).
+Per-head sums (``sum q^2``, ``sum k^2``, ``sum o^2`` per token) cross the cluster through
+distributed shared memory (st.async + mbarrier complete_tx, one barrier per exchange,
+armed before a cluster barrier): each CTA pushes the pairwise sum of its 16-channel groups
+to every CTA, which adds the C partials pairwise in rank order, so every CTA normalises
+with identical bits. CTA i writes its rows of the state, v records and outputs, its
+channel slice of the conv page and the k record; CTA 0 the raw-gate record. A CTA writes
+its conv slice only after the first exchange (each peer pushes after a CTA barrier that
+follows its reads of all taps).
 """
 
 from __future__ import annotations
@@ -65,9 +38,9 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import ACCUMULATORS, HEAD_DIM, THREADS
+from .dispatch import CLUSTERS
 from .wide import KdaWide
 
-CLUSTERS = (2, 4, 8)
 GROUP = 16  # channels per butterfly group of the per-head sums
 GROUPS = HEAD_DIM // GROUP
 
@@ -100,37 +73,8 @@ class KdaSplit(KdaWide):
         self.silent.record = False
 
     # ------------------------------------------------------------------ host side
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        stream,
-    ):
-        requests = output.shape[0] // self.tokens
-        call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
-            kg_records,
-        )  # fmt: skip
+    def launch_grid(self, call, requests, stream):
+        """One cluster of C CTAs per (head, request) item."""
         launch(
             call,
             (self.heads * self.cluster, requests, 1),
@@ -196,12 +140,11 @@ class KdaSplit(KdaWide):
         return dev.tree_sum([exchange[index * C + p] for p in range(C)])
 
     @cute.jit
-    def recurrence_rows(
-        self, history, shared, s_beta, s_o, slots, state, slot, request, head, v_records, rank
-    ):
+    def recurrence_rows(self, op, history, shared, s_beta, s_o, slot, request, head, rank):
         """KdaWide's delta rule on the CTA's R rows (one row per thread group of 2 C
         lanes); o (bf16) into ``s_o[t, local row]``; the rows' state stored after token t
         (not in record mode)."""
+        slots, state, v_records = op.slots, op.state, op.v_records
         tid, _, _ = cute.arch.thread_idx()
         row, lane_in = tid // self.lanes, tid % self.lanes
         value_row = rank * self.rows + row
@@ -283,29 +226,7 @@ class KdaSplit(KdaWide):
                 conv_state[slot, ch, 2 + t] = conv_type(inputs[1][t])
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-    ):
+    def kernel(self, op):
         T, C, R = self.tokens, self.cluster, self.rows
         tid, _, _ = cute.arch.thread_idx()
         block, request, _ = cute.arch.block_idx()
@@ -316,12 +237,12 @@ class KdaSplit(KdaWide):
         dim = self.heads * HEAD_DIM
         token = request * T
         own_row = rank * R + tid % R  # the v row / output row of threads tid < R
-        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
             cute.arch.griddepcontrol_wait()
             if tid < R:
                 for t in cutlass.range_constexpr(T):
-                    output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
+                    op.output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
             cute.arch.griddepcontrol_launch_dependents()
         else:
             smem = cutlass.memory.SmemAllocator()
@@ -344,7 +265,7 @@ class KdaSplit(KdaWide):
             cute.arch.cluster_arrive()
 
             # Predecessor-independent: the state rows (cp.async), conv windows, weights.
-            self.stage_rows(state, staged, head, slot, rank)
+            self.stage_rows(op.state, staged, head, slot, rank)
             cute.arch.cp_async_commit_group()
             columns = (
                 section * dim + head * HEAD_DIM + channel,
@@ -352,26 +273,13 @@ class KdaSplit(KdaWide):
             )
             weight_columns = (head * HEAD_DIM + channel, head * HEAD_DIM + own_row)
             taps, coeff, bias = self.conv_operands(
-                conv_state, conv_weight, conv_bias, conv_slot, offset, columns, (section, 2),
-                weight_columns,
+                op.conv_state, op.conv_weight, op.conv_bias, conv_slot, offset, columns,
+                (section, 2), weight_columns,
             )  # fmt: skip
-            nw = Float32(norm_weight[own_row])
-            a = Float32(a_log[head])
-            group = lane // 4
-            dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+            nw = Float32(op.norm_weight[own_row])
+            a, dt, weights = self.gate_operands(op, head, warp, lane)
             exact_gate = self.gate_mode == 2
-            if cutlass.const_expr(not exact_gate):
-                weights = self.load_gate_weights(f_b, head)
-
-            cute.arch.griddepcontrol_wait()
-            inputs = [[x[token + t, columns[s]] for t in range(T)] for s in range(2)]
-            if (section == 1) & (channel < T):
-                s_beta[channel] = dev.sigmoid(Float32(beta[token + channel, head]))
-            if cutlass.const_expr(exact_gate):
-                self.load_fa_rows(f_a, fas, token)
-            else:
-                activations = self.load_activations(f_a, token)
-            cute.arch.griddepcontrol_launch_dependents()
+            inputs, activations = self.read_inputs(op, s_beta, fas, columns, token, head)
 
             # q (section 0) or k (section 1) of all 128 channels; v of the CTA's R rows.
             qk = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
@@ -383,26 +291,18 @@ class KdaSplit(KdaWide):
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if (section == 1) & (channel // R == rank):
                     for t in cutlass.range_constexpr(T):
-                        kg_records[request, head, t, channel] = BFloat16(qk[t])
+                        op.kg_records[request, head, t, channel] = BFloat16(qk[t])
 
             if cutlass.const_expr(exact_gate):
                 cute.arch.barrier()  # the f_a rows
                 if rank == 0:
-                    self.gate_phase_exact(
-                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.gate_phase_exact(op, fas, s_decay, request, head)
                 else:
-                    self.silent.gate_phase_exact(
-                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.silent.gate_phase_exact(op, fas, s_decay, request, head)
             elif rank == 0:
-                self.gate_phase(
-                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                )
+                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             else:
-                self.silent.gate_phase(
-                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                )
+                self.silent.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             cute.arch.barrier()  # the squares' groups, s_v, s_decay
 
             # sum q^2, sum k^2 across the cluster.
@@ -411,11 +311,11 @@ class KdaSplit(KdaWide):
             ptx.wait_exchange(bars)
             # Every peer pushed after a CTA barrier that follows its reads of all q and k
             # taps: only now may this CTA overwrite its slice of the conv page.
-            self.write_conv_slice(conv_state, conv_slot, head, rank, taps, inputs)
+            self.write_conv_slice(op.conv_state, conv_slot, head, rank, taps, inputs)
             for t in cutlass.range_constexpr(T):
                 factor = dev.rsqrt_f32(self.cluster_total(qk_exchange, t * 2 + section) + 1.0e-6)
                 if section == 0:
-                    s_q[t, channel] = (qk[t] * factor) * scale
+                    s_q[t, channel] = (qk[t] * factor) * op.scale
                 else:
                     s_k[t, channel] = qk[t] * factor
             cute.arch.barrier()
@@ -423,17 +323,7 @@ class KdaSplit(KdaWide):
             cute.arch.cp_async_wait_group(0)
             history = self.load_rows(staged)
             self.recurrence_rows(
-                history,
-                (s_q, s_k, s_v, s_decay),
-                s_beta,
-                s_o,
-                slots,
-                state,
-                slot,
-                request,
-                head,
-                v_records,
-                rank,
+                op, history, (s_q, s_k, s_v, s_decay), s_beta, s_o, slot, request, head, rank
             )
             cute.arch.barrier()
 
@@ -446,8 +336,8 @@ class KdaSplit(KdaWide):
                 ptx.wait_exchange(bars + 1)
                 for t in cutlass.range_constexpr(T):
                     sumsq = self.cluster_total(o_exchange, t)
-                    rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
+                    rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + op.eps)
                     column = head * HEAD_DIM + own_row
-                    g = Float32(gate[token + t, column])
+                    g = Float32(op.gate[token + t, column])
                     result = ((s_o[t, tid] * rstd) * nw) * dev.sigmoid(g)
-                    output[token + t, column] = BFloat16(result)
+                    op.output[token + t, column] = BFloat16(result)

@@ -1,18 +1,13 @@
-"""KdaStream: persistent KdaWide. Each CTA walks a contiguous range of (head, request)
-items (head-major: one or two heads per CTA, so the head's f_b rows and parameters are L1
-hits) and streams item n + 1's state page, conv window and projection rows into shared
-memory (cp.async) while it runs item n's recurrence.
+"""KdaStream: persistent KdaWide. Each CTA walks a contiguous, head-major range of
+(head, request) items (its heads' f_b rows and parameters stay in L1) and cp.asyncs item
+n + 1's state page, conv window and projection rows into shared memory while it runs item
+n's recurrence.
 
-Per item the math is KdaWide's, call for call (same rounding points and fp32 reduction
-order); only where the operands come from differs: the conv taps, x, the output gate
-and f_a are staged in shared memory. Both conv-cache layouts are staged with 16-byte
-copies: dim-first ``[S, 3D, W]`` (the item's 3 x 128 channels x W window, contiguous per
-part) and window-first ``[S, W, 3D]`` (the three tap rows of each part). The kernel takes
-``conv_state`` as the ``[S, 3D, W]`` view either way (``conv_dim_first`` says which memory
-layout is behind it). Padding items (state slot <= 0) write zero outputs only.
-
-PDL: the first item's state page and conv window are staged before
-``griddepcontrol.wait``; every other operand after it.
+Per item the math is KdaWide's call for call (same rounding points and fp32 order); only
+the operands' source differs (conv taps, x, the output gate and f_a staged in shared
+memory, both conv-cache layouts by 16-byte copies; ``conv_dim_first`` says which layout is
+behind the ``[S, 3D, W]`` view). Padding items write zero outputs only. PDL: the first
+item's page and window are staged before ``griddepcontrol.wait``, all else after it.
 """
 
 from __future__ import annotations
@@ -44,10 +39,6 @@ class KdaStream(KdaWide):
     """KdaWide's operands and semantics; ``ctas`` persistent CTAs (two per SM),
     ``conv_dim_first`` the conv cache's memory layout and ``window`` its length W."""
 
-    # the output gate read from its cp.async-staged rows (True) or from global memory on
-    # the item's tail (False); trace-time switch for measurements
-    STAGED_GATE = True
-
     def __init__(
         self,
         heads,
@@ -75,36 +66,8 @@ class KdaStream(KdaWide):
             )
         self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
 
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        stream,
-    ):
-        call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
-            kg_records,
-        )  # fmt: skip
+    def launch_grid(self, call, requests, stream):
+        """``ctas`` persistent CTAs, two per SM."""
         launch(
             call,
             (self.ctas, 1, 1),
@@ -182,16 +145,15 @@ class KdaStream(KdaWide):
     def output_gate(self, gate, token, t, head, channel):
         """sigmoid of the output gate of ``channel`` of token ``t``, read from the item's
         staged rows (``gate`` is ``(gs, parity)``: ``gs`` [2, T, 128] bf16 in shared memory)."""
-        if not isinstance(gate, tuple):  # STAGED_GATE off: the global rows, as KdaWide
-            return super().output_gate(gate, token, t, head, channel)
         rows, parity = gate
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
     @cute.jit
-    def stage_item(self, ops, buffers, head, request, parity, with_inputs):
+    def stage_item(self, op, buffers, head, request, parity, with_inputs):
         """Stage an item (state page, conv window, and with ``with_inputs`` its rows and
         sigmoid(beta) into ``s_beta[parity]``); nothing for a padding item."""
-        x, conv_state, f_a, beta, slots, state, gate, accepted = ops
+        x, conv_state, f_a, beta, gate = op.x, op.conv_state, op.f_a, op.beta, op.gate
+        slots, state, accepted = op.slots, op.state, op.accepted
         staged, convs, xs, gs, fas, s_beta = buffers
         tid, _, _ = cute.arch.thread_idx()
         slot, conv_slot, offset = self.item_slots(slots, accepted, request)
@@ -206,29 +168,7 @@ class KdaStream(KdaWide):
                     s_beta[parity, tid] = dev.sigmoid(b)
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-    ):
+    def kernel(self, op):
         T, H = self.tokens, self.heads
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -236,14 +176,14 @@ class KdaStream(KdaWide):
         channel, section = tid % 128, tid // 128
         group, quarter = lane // 4, lane % 4
         dim = H * HEAD_DIM
-        requests = output.shape[0] // T
+        requests = op.output.shape[0] // T
         total = H * requests
         first = (cta * total) // self.ctas
         count = ((cta + 1) * total) // self.ctas - first
 
         smem = cutlass.memory.SmemAllocator()
         staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
-        conv_type = conv_state.element_type
+        conv_type = op.conv_state.element_type
         conv_cols = HEAD_DIM * self.window if self.conv_dim_first else 3 * HEAD_DIM
         convs = smem_tensor(smem, conv_type, (3, conv_cols), align=16)
         xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
@@ -257,9 +197,8 @@ class KdaStream(KdaWide):
         s_beta = smem_tensor(smem, Float32, (2, 8))
         sums = smem_tensor(smem, Float32, (T, 2, 8))
         out_sums = smem_tensor(smem, Float32, (T, 4))
-        ops = (x, conv_state, f_a, beta, slots, state, gate, accepted)
         buffers = (staged, convs, xs, gs, fas, s_beta)
-        nw = Float32(norm_weight[channel])
+        nw = Float32(op.norm_weight[channel])
         parts = (2 * section, 1)
 
         # Prologue: the first item's page and window (predecessor-independent), its rows.
@@ -267,10 +206,10 @@ class KdaStream(KdaWide):
         # on one or two heads, whose f_b rows, conv taps and parameters stay in L1.
         head, request = first // requests, first % requests
         if count > 0:
-            self.stage_item(ops, buffers, head, request, 0, False)
+            self.stage_item(op, buffers, head, request, 0, False)
         cute.arch.griddepcontrol_wait()
         if count > 0:
-            self.stage_item(ops, buffers, head, request, 0, True)
+            self.stage_item(op, buffers, head, request, 0, True)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -281,17 +220,17 @@ class KdaStream(KdaWide):
             token = request * T
             parity = i % 2
             has_next = i + 1 < count
-            slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+            slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if slot <= 0:
                 if tid < HEAD_DIM:
                     for t in cutlass.range_constexpr(T):
-                        output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+                        op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
                 cute.arch.barrier()
                 if has_next:
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, True)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
                 cute.arch.cp_async_commit_group()
             else:
                 # Per-head parameters (L2-resident weights).
@@ -301,21 +240,16 @@ class KdaStream(KdaWide):
                     ch = parts[s] * dim + head * HEAD_DIM + channel
                     coeff.append(
                         [
-                            Float32(conv_weight[parts[s], e, head * HEAD_DIM + channel])
+                            Float32(op.conv_weight[parts[s], e, head * HEAD_DIM + channel])
                             for e in range(4)
                         ]
                     )
                     if cutlass.const_expr(self.has_bias):
-                        bias.append(Float32(conv_bias[ch]))
+                        bias.append(Float32(op.conv_bias[ch]))
                     else:
                         bias.append(Float32(0.0))
-                a = Float32(a_log[head])
-                dt = [
-                    Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * e]) for e in range(2)
-                ]
+                a, dt, weights = self.gate_operands(op, head, warp, lane)
                 exact_gate = self.gate_mode == 2
-                if cutlass.const_expr(not exact_gate):
-                    weights = self.load_gate_weights(f_b, head)
 
                 # Staged operands.
                 taps = []
@@ -338,45 +272,31 @@ class KdaStream(KdaWide):
                         )
 
                 self.conv_phase(
-                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, kg_records, request, head
+                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
                 )
-                self.write_conv(conv_state, conv_slot, head, taps, inputs)
+                self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
                 if cutlass.const_expr(exact_gate):
-                    self.gate_phase_exact(
-                        f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.gate_phase_exact(op, fas, s_decay, request, head)
                 else:
-                    self.gate_phase(
-                        weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                    )
+                    self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
                 cute.arch.barrier()
-                self.normalize_qk(s_q, s_k, sums, scale)
+                self.normalize_qk(s_q, s_k, sums, op.scale)
                 history = self.load_history(staged)
                 cute.arch.barrier()  # the stage is free: item n + 1 streams in
 
                 if has_next:
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(ops, buffers, next_head, next_request, 1 - parity, True)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
+                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
                 cute.arch.cp_async_commit_group()
 
                 beta_now = s_beta[parity, None]
                 self.recurrence(
-                    history,
-                    (s_q, s_k, s_v, s_decay),
-                    beta_now,
-                    s_o,
-                    slots,
-                    state,
-                    slot,
-                    request,
-                    head,
-                    v_records,
+                    op, history, (s_q, s_k, s_v, s_decay), beta_now, s_o, slot, request, head
                 )
                 cute.arch.barrier()
                 if section == 0:
                     self.norm_sums(s_o, out_sums)
                 cute.arch.barrier()
                 # the output gate from its staged rows (no global read on the item's tail)
-                gate_source = (gs, i % 2) if cutlass.const_expr(self.STAGED_GATE) else gate
-                self.write_output(s_o, out_sums, gate_source, nw, eps, output, token, head)
+                self.write_output(s_o, out_sums, (gs, i % 2), nw, op.eps, op.output, token, head)
             head, request = next_head, next_request

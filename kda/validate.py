@@ -13,6 +13,8 @@ import torch
 
 from tpcomm.checks import check_tensor
 
+from .operands import DecodeOperands, RecoverOperands
+
 HEAD_DIM = 128
 MAX_TOKENS = 8
 CONV_TAPS = 4
@@ -48,27 +50,12 @@ def _tensor(name, t, dtypes, ndim=None, shape=None, device=None):
     check_tensor(name, t, dtypes, shape=shape, ndim=ndim, device=device)
 
 
-def check_decode(
-    x,
-    conv_weight,
-    conv_bias,
-    conv_state,
-    f_a,
-    beta,
-    a_log,
-    dt_bias,
-    slots,
-    state,
-    gate,
-    norm_weight,
-    f_b,
-    *,
-    accepted=None,
-    conv_dim_first=True,
-    records=None,
-    check_values=True,
-) -> DecodeShape:
+def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
     """Validate a decode step's arguments; returns its ``DecodeShape``."""
+    x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
+    f_a, beta, a_log, dt_bias, slots = op.f_a, op.beta, op.a_log, op.dt_bias, op.slots
+    state, gate, norm_weight, f_b = op.state, op.gate, op.norm_weight, op.f_b
+    accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
     _tensor("state", state, (torch.float32,), ndim=4)
     pages, heads, rows_v, keys = state.shape
     if rows_v != HEAD_DIM or keys != HEAD_DIM:
@@ -133,21 +120,7 @@ def check_decode(
             raise ValueError("records must be None for single-token decode (T = 1)")
         if not isinstance(records, tuple | list) or len(records) != 2:
             raise ValueError("records must be a (v_records, kg_records) pair")
-        v_records, kg_records = records
-        _tensor(
-            "v_records",
-            v_records,
-            (torch.float32,),
-            shape=(requests, heads, tokens, HEAD_DIM),
-            device=device,
-        )
-        _tensor(
-            "kg_records",
-            kg_records,
-            (torch.bfloat16,),
-            shape=(requests, heads, tokens, 2 * HEAD_DIM),
-            device=device,
-        )
+        _check_records(*records, requests, heads, tokens, device)
 
     if check_values:
         check_slot_values(slots, accepted, tokens, pages, conv_pages)
@@ -173,6 +146,14 @@ def step_slots(slots, accepted, tokens):
     offset = accepted.detach().to("cpu", torch.int64) - 1
     slot = s.gather(1, offset.clamp(0, s.shape[1] - 1)[:, None])[:, 0]
     return slot, s[:, 0].clone(), offset
+
+
+def _check_records(v_records, kg_records, requests, heads, tokens, device):
+    """v_records [B, H, T, 128] fp32 and kg_records [B, H, T, 256] bf16 (k, raw gate)."""
+    shape = (requests, heads, tokens, HEAD_DIM)
+    _tensor("v_records", v_records, (torch.float32,), shape=shape, device=device)
+    shape = (requests, heads, tokens, 2 * HEAD_DIM)
+    _tensor("kg_records", kg_records, (torch.bfloat16,), shape=shape, device=device)
 
 
 def check_slot_values(slots, accepted, tokens, state_pages, conv_pages):
@@ -218,19 +199,10 @@ class RecoverShape:
     state_pages: int
 
 
-def check_recover(
-    state,
-    slots,
-    v_records,
-    kg_records,
-    a_log,
-    dt_bias,
-    accepted,
-    checkpoint,
-    *,
-    check_values=True,
-) -> RecoverShape:
+def check_recover(op: RecoverOperands, *, check_values=True) -> RecoverShape:
     """Validate ``recover``'s arguments (shared by the reference and the kernel)."""
+    state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
+    a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
     _tensor("state", state, (torch.float32,), ndim=4)
     pages, heads = state.shape[0], state.shape[1]
     if state.shape[2:] != (HEAD_DIM, HEAD_DIM):
@@ -244,14 +216,7 @@ def check_recover(
         raise ValueError(
             f"v_records must be [B, H, T, 128] with T in 2..8; got {tuple(v_records.shape)}"
         )
-    _tensor("v_records", v_records, (torch.float32,), shape=(requests, heads, tokens, HEAD_DIM))
-    _tensor(
-        "kg_records",
-        kg_records,
-        (torch.bfloat16,),
-        shape=(requests, heads, tokens, 2 * HEAD_DIM),
-        device=device,
-    )
+    _check_records(v_records, kg_records, requests, heads, tokens, device)
     if slots.shape[1] < tokens:
         raise ValueError(f"slots must have >= T = {tokens} columns; got {tuple(slots.shape)}")
     _tensor("a_log", a_log, (torch.float32,), shape=(heads,), device=device)

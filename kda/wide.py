@@ -1,18 +1,12 @@
 """KdaWide: one CTA per (request, head) item; the head's fp32 state lives in registers.
 
-Contract (SPEC "KDA decode step", seed ``000``): argument order ``x, conv_weight,
-conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, output, gate,
-norm_weight, lower_bound, scale, eps, f_b, accepted, v_records, kg_records, stream``.
-``conv_state`` is passed as a ``[S, 3D, W]`` view (the window-first layout as its
-transposed view, any strides); ``conv_bias`` / ``accepted`` / the records are dummies
-when the configuration has none. Padding: a request whose state slot (``slots[b]``,
+Operands: ``KernelOperands`` (``conv_state`` as the ``[S, 3D, W]`` view; dummies for an
+absent bias, ``accepted`` or records). Padding: a request whose state slot (``slots[b]``,
 or ``slots[b, accepted[b] - 1]`` for T > 1) is <= 0 gets zero output rows and touches
-no state page, conv page or record. Rounding points: bf16 after the SiLU, on the raw
-gate and on ``o``; everything else fp32 (see ``kda.device``).
-
-PDL: the state page, the conv window and the weights are read before
-``griddepcontrol.wait`` (they must not be written by the immediately preceding kernel);
-x, gate, f_a and beta after it. Dependents are released once those inputs are read.
+nothing else. Rounding: bf16 after the SiLU, on the raw gate and on ``o``; all else fp32
+(``kda.device``). PDL: the state page, conv window and weights are read before
+``griddepcontrol.wait`` (the kernel right before must not write them), x, gate, f_a and
+beta after it; dependents are released once those are read.
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .operands import KernelOperands
 
 STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
 
@@ -104,12 +99,17 @@ class KdaWide:
         kg_records: cute.Tensor,
         stream,
     ):
-        requests = output.shape[0] // self.tokens
         call = self.kernel(
-            x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-            output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted, v_records,
-            kg_records,
+            KernelOperands(
+                x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
+                state, output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted,
+                v_records, kg_records,
+            )
         )  # fmt: skip
+        self.launch_grid(call, output.shape[0] // self.tokens, stream)
+
+    def launch_grid(self, call, requests, stream):
+        """One CTA per (head, request) item, two per SM (KdaStream, KdaSplit: their grids)."""
         launch(
             call,
             (self.heads, requests, 1),
@@ -134,17 +134,12 @@ class KdaWide:
     def stage_state(self, state, staged, head, slot):
         """cp.async the item's [128, 128] fp32 page into the thread-private 16-byte slots
         ``staged[r * KCHUNKS + c, tid]`` (conflict-free to read back)."""
-        self.stage_state_rows(state, staged, head, slot, tuple(range(ROWS)))
-
-    @cute.jit
-    def stage_state_rows(self, state, staged, head, slot, rows):
-        """``stage_state`` for the thread's value rows ``rows`` (a tuple of 0 / 1) only."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         source0 = Int64(state.iterator.toint()) + page * 4
         shared0 = Int32(staged.iterator.toint())
-        for r in rows:
+        for r in cutlass.range_constexpr(ROWS):
             for c in cutlass.range_constexpr(KCHUNKS):
                 key = 4 * (lane_in + LANES * c)
                 offset = (base_row + 64 * r) * HEAD_DIM + key
@@ -154,16 +149,10 @@ class KdaWide:
     @cute.jit
     def load_history(self, staged):
         """The staged page into registers: history[r][c][e]."""
-        return self.load_history_rows(staged, tuple(range(ROWS)))
-
-    @cute.jit
-    def load_history_rows(self, staged, rows):
-        """``load_history`` of the thread's value rows ``rows`` only: history[i][c][e] is
-        row ``rows[i]``."""
         tid, _, _ = cute.arch.thread_idx()
         shared0 = Int32(staged.iterator.toint())
         history = []
-        for r in rows:
+        for r in cutlass.range_constexpr(ROWS):
             row = []
             for c in cutlass.range_constexpr(KCHUNKS):
                 shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
@@ -172,15 +161,12 @@ class KdaWide:
         return history
 
     @cute.jit
-    def load_gate_weights(self, f_b, head, tile=None):
-        """f_b A fragments of 16-feature tile ``tile`` (default: this thread's warp), 8 k16
-        chunks (K permuted within a chunk identically for A and B: thread columns
-        4q..4q+3 -> k 2q, 2q+1, 2q+8, 2q+9)."""
-        if cutlass.const_expr(tile is None):
-            tid, _, _ = cute.arch.thread_idx()
-            lane, m = tid % 32, tid // 32
-        else:  # a warp-per-item caller (KdaPrepareWarp) walks the tiles itself
-            lane, m = cute.arch.lane_idx(), tile
+    def load_gate_weights(self, f_b, head):
+        """f_b A fragments of this thread's warp's 16-feature tile, 8 k16 chunks (K permuted
+        within a chunk identically for A and B: thread columns 4q..4q+3 -> k 2q, 2q+1, 2q+8,
+        2q+9)."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, m = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
         base = Int64(f_b.iterator.toint())
         feature = head * HEAD_DIM + 16 * m + group
@@ -245,10 +231,9 @@ class KdaWide:
                 s_v[t, channel] = first[t]
 
     @cute.jit
-    def gate_phase(
-        self, weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-    ):
+    def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head):
         """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record."""
+        lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
@@ -264,12 +249,12 @@ class KdaWide:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
 
     @cute.jit
-    def gate_phase_exact(
-        self, f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-    ):
+    def gate_phase_exact(self, op, fas, s_decay, request, head):
         """Raw gate as the exactly rounded dot (bf16 x bf16 products are exact in fp32,
         summed in fp64, rounded to fp32 then bf16): thread (feature = tid % 128) takes
         tokens tid // 128, + 2, ...; decay into shared, the raw-gate record."""
+        f_b, a_log, dt_bias = op.f_b, op.a_log, op.dt_bias
+        lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         feature, parity = tid % 128, tid // 128
         T = self.tokens
@@ -324,23 +309,11 @@ class KdaWide:
                 s_k[t, channel] = s_k[t, channel] * fk
 
     @cute.jit
-    def recurrence(
-        self, history, shared, s_beta, s_o, slots, state, slot, request, head, v_records
-    ):
+    def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
         """The delta rule per token on the register state; o (bf16) into s_o; the state
         after token t stored to its page (not in record mode)."""
-        self.recurrence_rows(
-            history, tuple(range(ROWS)), shared, s_beta, s_o, slots, state, slot, request,
-            head, v_records,
-        )  # fmt: skip
-
-    @cute.jit
-    def recurrence_rows(
-        self, history, rows, shared, s_beta, s_o, slots, state, slot, request, head, v_records
-    ):
-        """``recurrence`` of the thread's value rows ``rows`` (a tuple of 0 / 1; history[i]
-        is row ``rows[i]``): rows are independent, so running them one at a time gives
-        every element the same operations in the same order."""
+        slots, state, v_records = op.slots, op.state, op.v_records
+        rows = tuple(range(ROWS))
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         s_q, s_k, s_v, s_decay = shared
@@ -411,7 +384,7 @@ class KdaWide:
                     target = Int32(slots[request, t])
                 if target > 0:
                     page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                    self.store_state_rows(state0, page, rows, history)
+                    self.store_state(state0, page, history)
 
     @cute.jit
     def load_chunk(self, base, chunk_offset, t, c):
@@ -420,14 +393,14 @@ class KdaWide:
         return ld_shared_f32x4(base + chunk_offset[c])
 
     @cute.jit
-    def store_state_rows(self, state0, page, rows, history):
-        """The thread's value rows ``rows`` of the register state to page ``page``."""
+    def store_state(self, state0, page, history):
+        """The thread's value rows of the register state to page ``page``."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
-        for i, r in enumerate(rows):
+        for r in cutlass.range_constexpr(ROWS):
             for c in cutlass.range_constexpr(KCHUNKS):
                 offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
-                st_global_f32x4(state0 + (page + offset) * 4, history[i][c])
+                st_global_f32x4(state0 + (page + offset) * 4, history[r][c])
 
     @cute.jit
     def norm_sums(self, s_o, out_sums):
@@ -457,9 +430,45 @@ class KdaWide:
             bias.append(Float32(conv_bias[ch]) if self.has_bias else Float32(0.0))
         return taps, coeff, bias
 
+    def gate_operands(self, op, head, warp, lane):
+        """Trace-time helper (no barrier): the head's a_log, the thread's two dt_bias values
+        (rows ``lane // 4`` and + 8 of its warp's gate tile) and, for the mma.sync gate, its
+        f_b fragments (None with ``gate_mode`` 2)."""
+        a = Float32(op.a_log[head])
+        group = lane // 4
+        dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+        weights = None
+        if cutlass.const_expr(self.gate_mode != 2):
+            weights = self.load_gate_weights(op.f_b, head)
+        return a, dt, weights
+
+    def read_inputs(self, op, s_beta, fas, columns, token, head):
+        """Trace-time helper: after ``griddepcontrol.wait``, x at the thread's two
+        ``columns``, sigmoid(beta) into ``s_beta``, f_a (rows into ``fas`` with ``gate_mode``
+        2, else the thread's fragments); then releases the dependents. Returns (inputs,
+        fragments or None)."""
+        cute.arch.griddepcontrol_wait()
+        inputs = [[op.x[token + t, columns[s]] for t in range(self.tokens)] for s in range(2)]
+        self.load_beta(op.beta, s_beta, token, head)
+        activations = None
+        if cutlass.const_expr(self.gate_mode == 2):
+            self.load_fa_rows(op.f_a, fas, token)
+        else:
+            activations = self.load_activations(op.f_a, token)
+        cute.arch.griddepcontrol_launch_dependents()
+        return inputs, activations
+
+    @cute.jit
+    def load_beta(self, beta, s_beta, token, head):
+        """sigmoid(beta) of the item's tokens into ``s_beta`` (threads 128 .. 128 + T - 1)."""
+        tid, _, _ = cute.arch.thread_idx()
+        channel, section = tid % 128, tid // 128
+        if (section == 1) & (channel < self.tokens):
+            s_beta[channel] = dev.sigmoid(Float32(beta[token + channel, head]))
+
     def output_gate(self, gate, token, t, head, channel):
         """sigmoid of the output gate of ``channel`` of token ``t`` (trace-time hook:
-        KdaLean reads it precomputed from shared memory)."""
+        KdaStream reads it from its staged rows)."""
         return dev.sigmoid(Float32(gate[token + t, head * HEAD_DIM + channel]))
 
     @cute.jit
@@ -504,29 +513,7 @@ class KdaWide:
                 prefetch_l2_bulk(Int64(state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-    ):
+    def kernel(self, op):
         T = self.tokens
         tid, _, _ = cute.arch.thread_idx()
         head, request, _ = cute.arch.block_idx()
@@ -535,12 +522,12 @@ class KdaWide:
         channel, section = tid % 128, tid // 128
         dim = self.heads * HEAD_DIM
         token = request * T
-        slot, conv_slot, offset = self.item_slots(slots, accepted, request)
+        slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
             cute.arch.griddepcontrol_wait()
             if tid < HEAD_DIM:
                 for t in cutlass.range_constexpr(T):
-                    output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
             cute.arch.griddepcontrol_launch_dependents()
         else:
             smem = cutlass.memory.SmemAllocator()
@@ -557,73 +544,42 @@ class KdaWide:
 
             if cutlass.const_expr(self.ahead > 0):  # noqa: SIM102
                 if tid == 0:
-                    self.prefetch_next(slots, accepted, state, head, request, requests)
+                    self.prefetch_next(op.slots, op.accepted, op.state, head, request, requests)
 
             # Predecessor-independent: the state page (cp.async), the conv window, weights.
-            self.stage_state(state, staged, head, slot)
+            self.stage_state(op.state, staged, head, slot)
             cute.arch.cp_async_commit_group()
             parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
+            columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
             taps, coeff, bias = self.conv_operands(
-                conv_state, conv_weight, conv_bias, conv_slot, offset,
-                [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)],
-                parts, [head * HEAD_DIM + channel] * 2,
+                op.conv_state, op.conv_weight, op.conv_bias, conv_slot, offset, columns, parts,
+                [head * HEAD_DIM + channel] * 2,
             )  # fmt: skip
-            nw = Float32(norm_weight[channel])
-            a = Float32(a_log[head])
-            group = lane // 4
-            dt = [Float32(dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
+            nw = Float32(op.norm_weight[channel])
+            a, dt, weights = self.gate_operands(op, head, warp, lane)
             exact_gate = self.gate_mode == 2
-            if cutlass.const_expr(not exact_gate):
-                weights = self.load_gate_weights(f_b, head)
-
-            cute.arch.griddepcontrol_wait()
-            inputs = []
-            for s in cutlass.range_constexpr(2):
-                col = parts[s] * dim + head * HEAD_DIM + channel
-                inputs.append([x[token + t, col] for t in range(T)])
-            if (section == 1) & (channel < T):
-                s_beta[channel] = dev.sigmoid(Float32(beta[token + channel, head]))
-            if cutlass.const_expr(exact_gate):
-                self.load_fa_rows(f_a, fas, token)
-            else:
-                activations = self.load_activations(f_a, token)
-            cute.arch.griddepcontrol_launch_dependents()
+            inputs, activations = self.read_inputs(op, s_beta, fas, columns, token, head)
 
             self.conv_phase(
-                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, kg_records, request, head
+                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
             )
             # The conv page now: frees the taps' and inputs' registers for the recurrence.
-            self.write_conv(conv_state, conv_slot, head, taps, inputs)
+            self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
             if cutlass.const_expr(exact_gate):
                 cute.arch.barrier()  # the f_a rows
-                self.gate_phase_exact(
-                    f_b, fas, a_log, dt_bias, lower_bound, s_decay, kg_records, request, head
-                )
+                self.gate_phase_exact(op, fas, s_decay, request, head)
             else:
-                self.gate_phase(
-                    weights, activations, a, dt, lower_bound, s_decay, kg_records, request, head
-                )
+                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             cute.arch.barrier()
-            self.normalize_qk(s_q, s_k, sums, scale)
+            self.normalize_qk(s_q, s_k, sums, op.scale)
             cute.arch.barrier()
 
             cute.arch.cp_async_wait_group(0)
             history = self.load_history(staged)
-            self.recurrence(
-                history,
-                (s_q, s_k, s_v, s_decay),
-                s_beta,
-                s_o,
-                slots,
-                state,
-                slot,
-                request,
-                head,
-                v_records,
-            )
+            self.recurrence(op, history, (s_q, s_k, s_v, s_decay), s_beta, s_o, slot, request, head)
             cute.arch.barrier()
 
             if section == 0:
                 self.norm_sums(s_o, out_sums)
             cute.arch.barrier()
-            self.write_output(s_o, out_sums, gate, nw, eps, output, token, head)
+            self.write_output(s_o, out_sums, op.gate, nw, op.eps, op.output, token, head)

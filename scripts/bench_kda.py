@@ -16,10 +16,7 @@ measured in the same run (bytes read + written).
 {1, 4}) with KdaSplit (each cluster size) beside Wide, Stream and the peers; plot it with
 ``scripts/plot_kda.py``.
 
-``--lean``: also time ``kernel="lean"`` (KdaPrepare + KdaLean, opt-in) and print it as
-extra columns after the existing ones (``lean`` us, its state TB/s and % of copy).
-
-Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small] [--lean] [--diag]
+Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small] [--diag]
 """
 
 from __future__ import annotations
@@ -224,9 +221,6 @@ def main():
     )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
     parser.add_argument("--gate-mode", type=int, default=0, choices=(0, 1, 2))
-    parser.add_argument(
-        "--lean", action="store_true", help="also time kernel='lean' (extra columns)"
-    )
     args = parser.parse_args()
     if args.diag:
         diagnose()
@@ -242,8 +236,6 @@ def main():
     header = (f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} {'%copy':>6} "
               f"{'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} {'fla comp':>9} "
               f"{'x comp':>6}")  # fmt: skip
-    if args.lean:
-        header += f" {'lean':>8} {'TB/s':>6} {'%copy':>6}"
     print(header)
     for H, B, T in shapes:
         per_launch = B * H * (1 + T) * PAGE
@@ -257,11 +249,6 @@ def main():
         for name in ("auto", "wide", "stream"):
             fn = ours(layer, steps, name, args.gate_mode)
             result[f"{name}_us"] = time_graph(fn, inner=rotations)
-        if args.lean:
-            fn = ours(layer, steps, "lean", args.gate_mode)
-            result["lean_us"] = time_graph(fn, inner=rotations)
-            result["lean_tbs"] = per_launch / (result["lean_us"] * 1e-6) / 1e12
-            result["lean_pct_copy"] = 100 * result["lean_tbs"] / copy_tbs
         if args.small:
             for cluster in (2, 4, 8):
                 try:
@@ -302,11 +289,6 @@ def main():
             f"{f(fla)} {f(result['speedup_fla'], 6, 2)} {f(comp, 9)} "
             f"{f(result['speedup_composed'], 6, 2)}"
         )
-        if args.lean:
-            line += (
-                f" {f(result['lean_us'])} {f(result['lean_tbs'], 6, 2)}"
-                f" {f(result['lean_pct_copy'], 6)}"
-            )
         print(line)
         if args.small:
             splits = " ".join(f"split{c} {f(result[f'split{c}_us'])}" for c in (2, 4, 8))

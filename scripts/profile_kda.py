@@ -19,7 +19,7 @@ from bench_kda import fla_recurrence, ours, setup  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", default="stream", help="wide, stream, split, lean or fla")
+    p.add_argument("--kernel", default="stream", help="wide, stream, split or fla")
     p.add_argument("--heads", type=int, default=96)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1)

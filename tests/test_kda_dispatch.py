@@ -54,9 +54,7 @@ def test_bad_kernel_name():
 
 
 def test_few_items_pick_split_with_the_largest_cluster_that_fits():
-    def choose(*args, **kw):
-        return dispatch.choose(*args, split_in_auto=True, **kw)
-
+    choose = dispatch.choose
     one = choose(1, 6, 1, sms=132)
     assert one.kernel == "split" and one.cluster == 8 and one.ctas == 48
     assert "split" in one.reason
@@ -70,10 +68,8 @@ def test_few_items_pick_split_with_the_largest_cluster_that_fits():
 
 
 def test_auto_takes_split_for_few_items():
-    assert dispatch.SPLIT_IN_AUTO  # GPU-validated; crossover measured (dispatch docstring)
     assert dispatch.choose(1, 6, 1, sms=132).kernel == "split"
     assert dispatch.choose(8, 12, 1, sms=132).kernel == "wide"  # 96 items: wide measured best
-    assert dispatch.choose(1, 6, 1, sms=132, split_in_auto=False).kernel == "wide"
 
 
 def test_forced_split_and_cluster():

@@ -113,8 +113,26 @@ def quantize_gate_inputs(layer, step):
     layer.f_b = ((layer.f_b.float() * 64).round() / 64).to(torch.bfloat16)
 
 
+def check_records(step, B, ref_records, got_records):
+    """Live requests' records as the reference's (v_new 1e-5, raw gate bitwise, k 1 ulp);
+    padding requests' records still poison."""
+    live = step.slots.view(B, -1)[torch.arange(B), step.accepted.long() - 1] > 0
+    rv, rkg = ref_records
+    gv, gkg = got_records
+    assert torch.isnan(gv[~live]).all() and torch.isnan(gkg[~live].float()).all()
+    rv, gv = rv[live], gv[live]
+    scale = rv.abs().amax(dim=(-1, -2), keepdim=True)
+    assert ((gv - rv).abs() <= 1e-5 * scale).all(), "v_records differ"
+    # raw gate: the exact dot in every gate mode here -> bitwise; k (SiLU): 1 ulp.
+    assert torch.equal(gkg[live][..., 128:], rkg[live][..., 128:]), "raw-gate records"
+    k_ref, k_got = rkg[live][..., :128].float(), gkg[live][..., :128].float()
+    k_err = (k_got - k_ref).abs()
+    assert (k_err <= bf16_ulp(k_ref)).all(), "k records beyond 1 bf16 ulp"
+    print(f"k records exact fraction {(k_err == 0).float().mean().item():.6f}")
+
+
 def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
-             conv_dtype=torch.bfloat16, seed=0, holes=False):  # fmt: skip
+             conv_dtype=torch.bfloat16, seed=0, holes=False, cluster=None):  # fmt: skip
     device = "cuda"
     pages = 1 + B * T + 4
     layer = kt.make_layer(H, pages, window=T + 2 + (seed % 3), conv_dim_first=dim_first,
@@ -134,27 +152,16 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
     ref_records = make_records(B, H, T, device) if record else None
     got_records = make_records(B, H, T, device) if record else None
     ref = kt.run_reference(ref_layer, step, records=ref_records)
-    got = call_kernel(layer, step, kernel, records=got_records, gate_mode=gate_mode)
+    got = call_kernel(layer, step, kernel, records=got_records, gate_mode=gate_mode,
+                      cluster=cluster)  # fmt: skip
     torch.cuda.synchronize()
     check_state(layer.state, ref_layer.state, before, written_pages(step, ref_records))
     assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"
     if record:
-        live = step.slots.view(B, -1)[torch.arange(B), step.accepted.long() - 1] > 0
-        rv, rkg = ref_records
-        gv, gkg = got_records
-        # Padding requests' records are untouched (still poison) in both.
-        assert torch.isnan(gv[~live]).all() and torch.isnan(gkg[~live].float()).all()
-        rv, gv = rv[live], gv[live]
-        scale = rv.abs().amax(dim=(-1, -2), keepdim=True)
-        assert ((gv - rv).abs() <= 1e-5 * scale).all(), "v_records differ"
-        # raw gate: the exact dot in every gate mode here -> bitwise; k (SiLU): 1 ulp.
-        assert torch.equal(gkg[live][..., 128:], rkg[live][..., 128:]), "raw-gate records"
-        k_ref, k_got = rkg[live][..., :128].float(), gkg[live][..., :128].float()
-        k_err = (k_got - k_ref).abs()
-        assert (k_err <= bf16_ulp(k_ref)).all(), "k records beyond 1 bf16 ulp"
-        print(f"k records exact fraction {(k_err == 0).float().mean().item():.6f}")
+        check_records(step, B, ref_records, got_records)
     exact = check_output(got, ref, H)  # last: the state, conv and record checks ran
-    print(f"H{H} B{B} T{T} {kernel}: outputs at 0 ulp {exact:.4%}")
+    label = kernel if cluster is None else f"{kernel} C{cluster}"
+    print(f"H{H} B{B} T{T} {label}: outputs at 0 ulp {exact:.4%}")
     return exact
 
 

@@ -9,69 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kda_kernels_gpu import (
-    POISON,
-    bf16_ulp,
-    call_kernel,
-    check_output,
-    check_state,
-    make_records,
-    quantize_gate_inputs,
-    written_pages,
-)
+from test_kda_kernels_gpu import POISON, check_output, check_state, run_case, written_pages
 
-from kda import dispatch
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
 
 CLUSTERS = [2, 4, 8]
-
-
-def check_records(step, B, ref_records, got_records):
-    """Live requests' records as the reference's (v_new 1e-5, raw gate bitwise, k 1 ulp);
-    padding requests' records still poison."""
-    live = step.slots.view(B, -1)[torch.arange(B), step.accepted.long() - 1] > 0
-    rv, rkg = ref_records
-    gv, gkg = got_records
-    assert torch.isnan(gv[~live]).all() and torch.isnan(gkg[~live].float()).all()
-    rv, gv = rv[live], gv[live]
-    scale = rv.abs().amax(dim=(-1, -2), keepdim=True)
-    assert ((gv - rv).abs() <= 1e-5 * scale).all(), "v_records differ"
-    assert torch.equal(gkg[live][..., 128:], rkg[live][..., 128:]), "raw-gate records"
-    k_ref, k_got = rkg[live][..., :128].float(), gkg[live][..., :128].float()
-    assert ((k_got - k_ref).abs() <= bf16_ulp(k_ref)).all(), "k records beyond 1 bf16 ulp"
-
-
-def run_split(H, B, T, cluster, *, dim_first, bias, record, padding, gate_mode=2,
-              conv_dtype=torch.bfloat16, seed=0, holes=False):  # fmt: skip
-    device = "cuda"
-    pages = 1 + B * T + 4
-    layer = kt.make_layer(H, pages, window=T + 2 + (seed % 3), conv_dim_first=dim_first,
-                          bias=bias, conv_dtype=conv_dtype, seed=seed, device=device)  # fmt: skip
-    step = kt.make_step(B, T, H, pages=pages, padding=padding, seed=seed + 1, device=device)
-    if gate_mode in (0, 1):
-        quantize_gate_inputs(layer, step)
-    if holes and T > 1:
-        s = step.slots.clone()
-        for b in range(B):
-            if int(step.accepted[b]) < T and b not in padding:
-                s[b, T - 1] = 0
-        step.slots = s
-    ref_layer = layer.clone()
-    before = layer.state.clone()
-    ref_records = make_records(B, H, T, device) if record else None
-    got_records = make_records(B, H, T, device) if record else None
-    ref = kt.run_reference(ref_layer, step, records=ref_records)
-    got = call_kernel(layer, step, "split", records=got_records, gate_mode=gate_mode,
-                      cluster=cluster)  # fmt: skip
-    torch.cuda.synchronize()
-    check_state(layer.state, ref_layer.state, before, written_pages(step, ref_records))
-    assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"
-    if record:
-        check_records(step, B, ref_records, got_records)
-    exact = check_output(got, ref, H)
-    print(f"H{H} B{B} T{T} split C{cluster}: outputs at 0 ulp {exact:.4%}")
 
 
 CASES = [
@@ -102,15 +46,11 @@ CASES = [
 )
 def test_split_matches_reference(cluster, case):
     H, B, T, dim_first, bias, record, padding, gate_mode, conv_dtype, holes = case
-    run_split(H, B, T, cluster, dim_first=dim_first, bias=bias, record=record,
-              padding=padding, gate_mode=gate_mode, conv_dtype=conv_dtype, seed=B + T,
-              holes=holes)  # fmt: skip
+    run_case(H, B, T, dim_first=dim_first, bias=bias, record=record, padding=padding,
+             kernel="split", gate_mode=gate_mode, conv_dtype=conv_dtype, seed=B + T,
+             holes=holes, cluster=cluster)  # fmt: skip
 
 
-@pytest.mark.skipif(
-    not dispatch.SPLIT_IN_AUTO,
-    reason="KdaSplit joins kernel='auto' once validated (kda.dispatch.SPLIT_IN_AUTO)",
-)
 def test_auto_picks_split_for_one_request():
     """B = 1, H = 6 through kernel="auto": the dispatcher's split, checked like the rest."""
     import kda

@@ -1,0 +1,100 @@
+"""The operands of a decode step and of a recover call, defined once: ``DecodeOperands``
+(the public arguments of ``kda.decode`` and ``kda.reference.decode``, torch tensors),
+``KernelOperands`` (the same as CuTe values in the decode kernels' parameter order, built
+by ``kda.ops``) and ``RecoverOperands`` (``kda.recover`` / ``kda.reference.recover``)."""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+
+@dataclass(frozen=True)
+class DecodeOperands:
+    """A decode step's arguments, written once: ``kda.reference.decode(*args, **kwargs)``
+    and ``kda.decode`` build this from theirs (shapes and dtypes: ``check_decode``)."""
+
+    x: torch.Tensor  # [B*T, 3D] bf16: the q, k, v projections
+    conv_weight: torch.Tensor  # [3, 4, D]
+    conv_bias: torch.Tensor | None  # [3D] or None
+    conv_state: torch.Tensor  # [S, 3D, W] (conv_dim_first) or [S, W, 3D]
+    f_a: torch.Tensor  # [B*T, 128] bf16
+    beta: torch.Tensor  # [B*T, H]
+    a_log: torch.Tensor  # [H] fp32
+    dt_bias: torch.Tensor  # [D] fp32
+    slots: torch.Tensor  # [B] (T = 1) or [B, >= T] int32; <= 0: padding
+    state: torch.Tensor  # [S, H, 128, 128] fp32
+    gate: torch.Tensor  # [B*T, D] bf16: the output gate
+    norm_weight: torch.Tensor  # [128]
+    f_b: torch.Tensor  # [D, 128] bf16
+    _: KW_ONLY
+    lower_bound: float
+    scale: float
+    eps: float
+    accepted: torch.Tensor | None = None  # [B] int32, T > 1 only
+    conv_dim_first: bool = True
+    records: tuple | None = None  # (v_records, kg_records): record mode, T > 1 only
+
+
+class KernelOperands(NamedTuple):
+    """The decode kernels' operands as CuTe values, in their order: ``KdaWide.__call__``'s
+    parameters, and the kernels' one argument (the DSL passes a NamedTuple's fields as the
+    kernel's parameters, in this order)."""
+
+    x: cute.Tensor
+    conv_weight: cute.Tensor
+    conv_bias: cute.Tensor
+    conv_state: cute.Tensor
+    f_a: cute.Tensor
+    beta: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    slots: cute.Tensor
+    state: cute.Tensor
+    output: cute.Tensor
+    gate: cute.Tensor
+    norm_weight: cute.Tensor
+    lower_bound: Float32
+    scale: Float32
+    eps: Float32
+    f_b: cute.Tensor
+    accepted: cute.Tensor
+    v_records: cute.Tensor
+    kg_records: cute.Tensor
+
+
+@dataclass(frozen=True)
+class RecoverOperands:
+    """A recover call's arguments (shapes and dtypes: ``kda.validate.check_recover``)."""
+
+    state: torch.Tensor  # [S, H, 128, 128] fp32
+    slots: torch.Tensor  # [B, >= T] int32
+    v_records: torch.Tensor  # [B, H, T, 128] fp32
+    kg_records: torch.Tensor  # [B, H, T, 256] bf16
+    a_log: torch.Tensor  # [H] fp32
+    dt_bias: torch.Tensor  # [D] fp32
+    accepted: torch.Tensor  # [B] int32: tokens to commit
+    checkpoint: torch.Tensor  # [B] int32: the verify step's accepted (its state slot)
+    _: KW_ONLY
+    lower_bound: float
+
+
+class RecoverKernelOperands(NamedTuple):
+    """KdaRecover's operands as CuTe values, in ``KdaRecover.__call__``'s order (its
+    kernel's one argument)."""
+
+    state: cute.Tensor
+    slots: cute.Tensor
+    v_records: cute.Tensor
+    kg_records: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    accepted: cute.Tensor
+    checkpoint: cute.Tensor
+    lower_bound: Float32
