@@ -1,6 +1,6 @@
 """GPU tests (one H200, loopback backend): OprojFused, the producer + consumer in one launch.
 
-Every TP rank launches its fused kernel on its own stream (``run_ranks(fused=True)``).
+Every TP rank launches its fused kernel on its own stream (``run_ranks(mode="fused")``).
 Checks, per step: ``prefix`` and ``output`` (and the xmoe copies) bitwise equal to the
 unfused ``OprojProducer`` + ``OprojConsumer`` pair on the same inputs; against
 ``tpcomm.oproj.reference`` fed the partials the producer publishes (themselves within
@@ -74,7 +74,7 @@ class _Setup:
         self.comm.run_ranks(
             a["attn"], self.prefixes[kind], a["blocks"], a["norm"], a["query"], a["out_norm"],
             self.outputs[kind], step, xmoes=None if self.xmoes is None else self.xmoes[kind],
-            w_os=self.w_os, fused=kind == "fused", **kw,
+            w_os=self.w_os, mode="fused" if kind == "fused" else "per-rank", **kw,
         )  # fmt: skip
 
     def published(self, attn, step):
@@ -260,7 +260,7 @@ def test_fused_pdl_is_bitwise_the_same():
         s.start(kind, a["prefix"])
         s.comm.run_ranks(a["attn"], s.prefixes[kind], a["blocks"], a["norm"], a["query"],
                          a["out_norm"], s.outputs[kind], step, xmoes=s.xmoes[kind],
-                         w_os=s.w_os, fused=True, pdl=kind == "fused")  # fmt: skip
+                         w_os=s.w_os, mode="fused", pdl=kind == "fused")  # fmt: skip
         torch.cuda.synchronize()
         s.no_errors()
         assert s.comm.armed()
