@@ -14,7 +14,7 @@ xmoe, error and hint words) bitwise untouched; PDL between the launches; CUDA-gr
 
 import pytest
 import torch
-from test_oproj_consumer_gpu import EPS, OUT_EPS, _inputs, _poison, _reference, _ulp_check
+from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, random_inputs, reference_step, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.api import OprojAllReduce
@@ -47,8 +47,8 @@ class _Twin:
     def reset(self, prefix):
         for m in "po":
             self.prefixes[m].copy_(prefix[None].expand_as(self.prefixes[m]))
-            _poison(self.outputs[m])
-            _poison(self.xmoes[m])
+            poison(self.outputs[m])
+            poison(self.xmoes[m])
 
     def step(self, mode, a, step, project, pdl=False):
         comm = self.comms[mode]
@@ -79,7 +79,7 @@ CASES = [  # tp, tokens, hid, nb, d_local, xmoe, project
 @pytest.mark.parametrize("tp, tokens, hid, nb, d_local, xmoe, project", CASES)
 def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe, project, pdl):
     s = _Twin(tp, tokens, hid, nb, d_local, xmoe, seed=tp * 10 + tokens + nb)
-    a = _inputs(tp, tokens, hid, nb, seed=tp + tokens + d_local)
+    a = random_inputs(tp, tokens, hid, nb, seed=tp + tokens + d_local)
     s.reset(a["prefix"])
     guard = {m: (s.prefixes[m][tp].clone(), s.outputs[m][tp].clone(), s.xmoes[m][tp].clone())
              for m in "po"}  # fmt: skip
@@ -87,7 +87,7 @@ def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe
     prefix, worst = a["prefix"], 0.0
     for step in range(3):  # both parities, the prefix chained
         for m in "po":
-            _poison(s.outputs[m][:tp])
+            poison(s.outputs[m][:tp])
             s.step(m, a, step, project, pdl)
         torch.cuda.synchronize()
         for m, c in s.comms.items():
@@ -100,10 +100,10 @@ def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe
         for r in range(tp):
             assert torch.equal(_bits(s.outputs["o"][r]), _bits(s.outputs["o"][0])), f"rank {r}"
         if not project:  # ready partials: the reference's prefix bitwise, output <= 1 ulp
-            want_out, prefix = _reference(a, prefix, True, one.groups)
+            want_out, prefix = reference_step(a, prefix, True, one.groups)
             for r in range(tp):
                 assert torch.equal(_bits(s.prefixes["o"][r]), _bits(prefix)), f"rank {r}"
-            worst = max(worst, _ulp_check(s.outputs["o"][0], want_out)[1])
+            worst = max(worst, ulp_check(s.outputs["o"][0], want_out)[1])
         else:  # the producer's partials are checked against R.project elsewhere
             assert not torch.equal(_bits(s.prefixes["o"][0]), _bits(a["prefix"]))
     for m in "po":
@@ -119,7 +119,7 @@ def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe
 def test_one_launch_graph_replay(project):
     tp, tokens, hid, nb, d_local = 16, 1, 7168, 8, 768
     s = _Twin(tp, tokens, hid, nb, d_local, 0, seed=77)
-    a = _inputs(tp, tokens, hid, nb, seed=78)
+    a = random_inputs(tp, tokens, hid, nb, seed=78)
     s.reset(a["prefix"])
 
     def steps(mode):

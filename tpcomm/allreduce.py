@@ -10,12 +10,13 @@ Imports without the CuTe DSL.
 import torch
 
 from tpcomm.checks import check_device_tensor
-from tpcomm.mailbox import COLUMNS_PER_CTA, Mailbox
-
-THREADS = 128
-MIN_BLOCKS_PER_SM = 8
-POLL_CHUNK = 4
-DEFAULT_BUDGET_NS = 50_000_000  # 50 ms: far above any healthy step, far below a hang
+from tpcomm.mailbox import (
+    ALLREDUCE_BLOCKS_PER_SM,
+    COLUMNS_PER_CTA,
+    CTA_THREADS,
+    DEFAULT_BUDGET_NS,
+    Mailbox,
+)
 
 
 def grid_ctas(hid: int, tokens: int) -> int:
@@ -51,7 +52,7 @@ class MailboxAllReduce:
         )
         self._fn = None
         self.backend.check_coresident(
-            grid_ctas(self.layout.hid, self.layout.tokens), THREADS, MIN_BLOCKS_PER_SM
+            grid_ctas(self.layout.hid, self.layout.tokens), CTA_THREADS, ALLREDUCE_BLOCKS_PER_SM
         )
 
     def function(self):

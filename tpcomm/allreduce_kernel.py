@@ -16,9 +16,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.allreduce import MIN_BLOCKS_PER_SM, POLL_CHUNK, THREADS
 from tpcomm.cuteutil import fake_tensor, launch, pack_bf16x2, unpack_bf16x2
-from tpcomm.mailbox import COLUMNS_PER_CTA, MAX_TP
+from tpcomm.mailbox import ALLREDUCE_BLOCKS_PER_SM as MIN_BLOCKS_PER_SM
+from tpcomm.mailbox import COLUMNS_PER_CTA, MAX_TP, POLL_CHUNK
+from tpcomm.mailbox import CTA_THREADS as THREADS
 
 
 class AllReduceKernel:

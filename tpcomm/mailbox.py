@@ -32,9 +32,13 @@ SENTINEL = 0xFFFFFFFF
 CANONICAL_NAN_WORD = 0x7FC07FC0
 GROUP_ELEMS = 8  # bf16 per 16-byte group
 COLUMNS_PER_CTA = 1024  # 128 threads x one group each
+CTA_THREADS = COLUMNS_PER_CTA // GROUP_ELEMS
+ALLREDUCE_BLOCKS_PER_SM = 8  # the all-reduce kernel's launch bound (<= 64 registers a thread)
 MAX_TP = 16
 MAX_TOKENS = 8
 MAX_HID = 8192
+POLL_CHUNK = 4  # mailbox slots a thread polls together (registers: 16 words)
+DEFAULT_BUDGET_NS = 50_000_000  # a poll's budget: far above any healthy step, far below a hang
 
 
 def parity(step: int) -> int:

@@ -11,20 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
+from tpcomm.mailbox import CTA_THREADS, DEFAULT_BUDGET_NS, MAX_TOKENS, MAX_TP, POLL_CHUNK
 from tpcomm.mailbox import MAX_HID as MAX_HIDDEN
-from tpcomm.mailbox import MAX_TOKENS, MAX_TP
 
-__all__ = ["SLICE", "MAX_HIDDEN", "MAX_TOKENS", "MAX_TP", "choose", "plan_fused"]
+__all__ = [
+    "SLICE",
+    "MAX_HIDDEN",
+    "MAX_TOKENS",
+    "MAX_TP",
+    "POLL_CHUNK",
+    "DEFAULT_BUDGET_NS",
+    "choose",
+    "plan_fused",
+]
 
 MAX_BLOCKS = 8  # AttnRes block snapshots
-GROUP_THREADS = 128
-POLL_CHUNK = 4  # mailbox slots polled together (registers: 16 words)
+GROUP_THREADS = CTA_THREADS  # one 16-byte group of each slot a thread
 MAX_GROUPS = 4
 MAX_CLUSTER = 8
-DEFAULT_BUDGET_NS = 50_000_000
 WORD_ROW_BYTES = 16  # a rank's row of error words / hint counters: int32 [4]
 
-THREADS = 128  # publisher CTA
+THREADS = CTA_THREADS  # a publisher CTA, a producer tile
 FEATURES = 16  # output features per producer tile (the MMA's M)
 K_CHUNK = 32  # k per warp iteration (two m16n8k16)
 WARPS = 4
@@ -55,31 +62,35 @@ def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
 
 def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
     """The consumer's compile-time configuration."""
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
-        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
-        raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
+    _check_tp_hid(tp, hid)
     if not isinstance(nb, int) or not 0 <= nb <= MAX_BLOCKS:
         raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
     if not isinstance(groups, int) or not 1 <= groups <= MAX_GROUPS:
         raise ValueError(f"groups must be an int in 1..{MAX_GROUPS}; got {groups!r}")
     if not isinstance(xmoe_reps, int) or not 0 <= xmoe_reps <= 8:
         raise ValueError(f"xmoe_reps must be an int in 0..8; got {xmoe_reps!r}")
-    if twoshot and hid % (8 * tp):
-        raise ValueError(f"twoshot needs hid ({hid}) divisible by 8 * tp ({8 * tp})")
+    _check_twoshot(tp, hid, twoshot)
 
 
 def check_producer(tp, hid, d_local=None, *, twoshot=False, ranks=1):
     """The publisher's (``d_local`` None) or the producer's compile-time configuration."""
     check_ranks(tp, ranks, twoshot)
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
-        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= 8 * SLICE:
-        raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
+    _check_tp_hid(tp, hid)
     if d_local is not None and (
         not isinstance(d_local, int) or d_local <= 0 or d_local % (K_CHUNK * WARPS)
     ):
         raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
+    _check_twoshot(tp, hid, twoshot)
+
+
+def _check_tp_hid(tp, hid):
+    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
+        raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
+
+
+def _check_twoshot(tp, hid, twoshot):
     if twoshot and hid % (8 * tp):
         raise ValueError(f"twoshot needs hid ({hid}) divisible by 8 * tp ({8 * tp})")
 
