@@ -29,6 +29,8 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32
 
+from tpcomm.cuteutil import mma_bf16_16816
+
 from .dispatch import CTAS_PER_SM, has_packed_fma  # noqa: F401  (re-exported to the kernels)
 from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
 
@@ -129,19 +131,6 @@ def tree_sum(values):
 def quad_sum(r):
     """The four warps' partial sums of a 128-channel head: ``(w0 + w2) + (w1 + w3)``."""
     return (r[0] + r[2]) + (r[1] + r[3])
-
-
-def mma_bf16_16816(a, b, c):
-    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: D = A B + C for one warp;
-    ``a`` four, ``b`` two 32-bit bf16x2 words, ``c`` four fp32 (fragment order of the PTX
-    ISA). Register-only: no memory access."""
-    return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
-        "{{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32] * 4,
-        read_only_args=[*a, *b, *c],
-    )
 
 
 def gate_projection(weights, activations, gate_mode: int):

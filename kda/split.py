@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from tpcomm import ptx
+from tpcomm import cuteutil as ptx  # the cluster exchange: push_float, arm/wait_exchange
 from tpcomm.cuteutil import (
     cp_async_16,
     launch,

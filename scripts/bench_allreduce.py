@@ -95,8 +95,8 @@ class Bench:
         import torch.distributed as dist
 
         from tpcomm import host
-        from tpcomm.backends.nvshmem import _TorchStream
-        from tpcomm.symm import make_backend
+        from tpcomm.backends import make_backend
+        from tpcomm.backends.nvshmem import TorchStream
 
         self.args, self.dist, self.host = args, dist, host
         self.info = host.init_distributed()  # gloo: the uid broadcast and the gathers
@@ -106,7 +106,7 @@ class Bench:
         self.device = torch.device("cuda", index)
         self.backend = make_backend("nvshmem", device=index, launcher="torchrun")
         self.nccl = dist.new_group(backend="nccl")
-        self._nv, self._stream = nv, _TorchStream
+        self._nv, self._stream = nv, TorchStream
         if args.heads % self.world:
             raise ValueError(f"--heads {args.heads} must be a multiple of TP {self.world}")
         self.d_local = args.heads // self.world * 128

@@ -13,21 +13,19 @@ CUDA graphs of ``--iters`` steps, median of ``--repeats`` replays.
 
 Producer rows: one rank's ``OprojProducer`` (GEMM + fan-out publish into every mailbox,
 8 weight copies cycled so that L2 does not hold them) and all ranks' producers +
-consumers per step; the ``deep`` columns (JSON ``producer_deep_alone_us``,
-``produce_consume_all_deep_us``) the same with ``OprojAllReduce(..., producer="deep")``
-(``OprojProducerDeep``: each CTA's weight tile requested at once into shared memory).
+consumers per step.
 
 One-launch rows (``one launch, all ranks``; JSON ``*_1l_*``): every rank in one launch
-per kernel (``run_ranks(..., one_launch=True, pdl=True)``: one publisher or producer
+per kernel (``run_ranks(..., mode="one-launch", pdl=True)``: one publisher or producer
 launch covering all ranks, then one consumer launch covering all ranks, PDL-chained):
 ``cons`` the consumers alone (every mailbox refilled by a copy whose time is subtracted),
-``pub+cons``, ``prod+cons`` and ``prod+cons deep``; floors as the ``all`` columns.
+``pub+cons`` and ``prod+cons``; floors as the ``all`` columns.
 
 Fused rows (``OprojFused``: producer + consumer in one launch, ``produce_consume``):
 ``fused 1`` is one rank's launch alone (the other ranks' slots refilled by a copy whose
 time is subtracted; planned for one launch on the GPU, as with one rank per GPU), floor =
 weights + fan-out stores + the consumer's bytes; ``fused all`` every rank's launch at
-once (``run_ranks(fused=True)``), skipped where the plan refuses them (co-residency),
+once (``run_ranks(mode="fused")``), skipped where the plan refuses them (co-residency),
 floor as ``prod+cons all``. The plan's tiles per producer group (T) are reported.
 
     python scripts/bench_oproj.py [--quick] [--json PATH]
@@ -137,11 +135,6 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     )
     w_bytes = hid * d_local * 2
     row["floor_producer_us"] = (w_bytes + tp * tokens * hid * 2) / COPY_TBPS / 1e6
-    deep = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, producer="deep")
-    row["producer_deep_alone_us"] = _graph_time(
-        lambda i: deep.produce(attn, w_os[i % ROTATE], i, rank=0), iters, repeats
-    )
-    row["errors_alone"] += int(deep.errors.abs().sum())
     # one rank's fused producer + consumer: its own slot comes from its producer
     comm.mailbox.arm()  # the producer rows above left rank 0's own slots published
     others = a["partials"][1:]
@@ -185,19 +178,10 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
         row["produce_consume_all_us"] = _graph_time(produce_all, iters, repeats)
         row["errors_all"] = int(comm.errors.abs().sum())
-        deep = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
-                              producer="deep")  # fmt: skip
-
-        def produce_all_deep(i):
-            deep.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
-                           a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
-
-        row["produce_consume_all_deep_us"] = _graph_time(produce_all_deep, iters, repeats)
-        row["errors_all"] += int(deep.errors.abs().sum())
 
         def fused_all(i):
             comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
-                           a["out_norm"], outs, i, w_os=w_all, fused=True)  # fmt: skip
+                           a["out_norm"], outs, i, w_os=w_all, mode="fused")  # fmt: skip
 
         try:
             try:
@@ -218,15 +202,14 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
             row["fused_all_skipped"] = str(e)
     except ValueError as e:
         row["publish_consume_all_us"] = row["produce_consume_all_us"] = None
-        row["produce_consume_all_deep_us"] = None
         row["fused_all_us"] = None
         row["all_skipped"] = str(e)
     # every rank in one launch (one publisher or producer launch, one consumer launch, PDL
     # between them): what a one-GPU deployment runs; consumers start after every partial,
     # so no co-residency rule (one_launch=True all-reduces), every token count runs
-    one = {v: OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
-                             producer=v, one_launch=True) for v in ("tiled", "deep")}  # fmt: skip
-    boxes = one["tiled"].mailbox.buffer.payload  # [TP ranks, 2, TP slots, tokens, HID]
+    one = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
+                         one_launch=True)  # fmt: skip
+    boxes = one.mailbox.buffer.payload  # [TP ranks, 2, TP slots, tokens, HID]
     stacked = a["partials"][None].expand(tp, -1, -1, -1)
 
     def refill_all(i):
@@ -234,23 +217,20 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     def consume_all(i):
         refill_all(i)
-        one["tiled"].consume_all(prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"],
-                                 outs, i)  # fmt: skip
+        one.consume_all(prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outs, i)
 
     t_copy = _graph_time(refill_all, iters, repeats)
     row["consumer_all_1l_us"] = _graph_time(consume_all, iters, repeats) - t_copy
-    row["groups_1l"] = one["tiled"].groups
-    for key, c, w in (("publish_consume_all_1l_us", one["tiled"], None),
-                      ("produce_consume_all_1l_us", one["tiled"], w_all),
-                      ("produce_consume_all_1l_deep_us", one["deep"], w_all)):  # fmt: skip
+    row["groups_1l"] = one.groups
+    for key, w in (("publish_consume_all_1l_us", None), ("produce_consume_all_1l_us", w_all)):
 
-        def one_launch(i, c=c, w=w):
-            c.run_ranks(a["partials"] if w is None else attns, prefixes, a["blocks"], a["norm"],
-                        a["query"], a["out_norm"], outs, i, w_os=w, one_launch=True,
-                        pdl=True)  # fmt: skip
+        def one_launch(i, w=w):
+            one.run_ranks(a["partials"] if w is None else attns, prefixes, a["blocks"],
+                          a["norm"], a["query"], a["out_norm"], outs, i, w_os=w,
+                          mode="one-launch", pdl=True)  # fmt: skip
 
         row[key] = _graph_time(one_launch, iters, repeats)
-    row["errors_1l"] = sum(int(c.errors.abs().sum()) for c in one.values())
+    row["errors_1l"] = int(one.errors.abs().sum())
     row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
     backend.teardown()
     prefix = a["prefix"].clone()
@@ -274,8 +254,8 @@ def main():
     ]  # fmt: skip
     rows = []
     head = f"{'TP':>3} {'T':>2} {'nb':>3} | {'cons 1':>7} {'floor':>5} | {'prod 1':>7} "
-    head += f"{'floor':>5} {'prod 1 deep':>11} | {'pub+cons all':>12} {'floor':>5} | "
-    head += f"{'prod+cons all':>13} {'floor':>6} {'prod+cons all deep':>18} | "
+    head += f"{'floor':>5} | {'pub+cons all':>12} {'floor':>5} | "
+    head += f"{'prod+cons all':>13} {'floor':>6} | "
     head += f"{'fused 1':>7} {'floor':>5} | {'fused all':>9} | {'torch':>6}"
     print(head)
 
@@ -287,11 +267,10 @@ def main():
         rows.append(r)
         print(f"{tp:>3} {tokens:>2} {nb:>3} | {cell(r['consumer_alone_us'], 7)} "
               f"{cell(r['floor_alone_us'], 5)} | {cell(r['producer_alone_us'], 7)} "
-              f"{cell(r['floor_producer_us'], 5)} {cell(r['producer_deep_alone_us'], 11)} | "
+              f"{cell(r['floor_producer_us'], 5)} | "
               f"{cell(r['publish_consume_all_us'], 12)} "
               f"{cell(r['floor_all_us'], 5)} | {cell(r['produce_consume_all_us'], 13)} "
-              f"{cell(r.get('floor_produce_consume_all_us'), 6)} "
-              f"{cell(r['produce_consume_all_deep_us'], 18)} | "
+              f"{cell(r.get('floor_produce_consume_all_us'), 6)} | "
               f"{cell(r['fused_alone_us'], 7)} {cell(r['floor_fused_alone_us'], 5)} | "
               f"{cell(r['fused_all_us'], 9)} | "
               f"{cell(r['torch_us'], 6)}", flush=True)  # fmt: skip
@@ -301,7 +280,6 @@ def main():
         print(f"    one launch, all ranks: cons {cell(r.get('consumer_all_1l_us'), 6)} | "
               f"pub+cons {cell(r.get('publish_consume_all_1l_us'), 6)} | "
               f"prod+cons {cell(r.get('produce_consume_all_1l_us'), 6)} | "
-              f"prod+cons deep {cell(r.get('produce_consume_all_1l_deep_us'), 6)} | "
               f"floor {cell(r.get('floor_produce_consume_all_us'), 6)} | "
               f"groups {r.get('groups_1l')}",
               flush=True)  # fmt: skip

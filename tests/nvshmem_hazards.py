@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tpcomm import mailbox as mb  # noqa: E402
 from tpcomm.allreduce import MailboxAllReduce  # noqa: E402
-from tpcomm.symm import make_backend  # noqa: E402
+from tpcomm.backends import make_backend  # noqa: E402
 
 TOKENS, HID = 4, 7168
 REPLAYS = 1000

@@ -5,7 +5,7 @@ import torch
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import api
-from tpcomm.oproj.consumer import group_ranks, min_blocks_per_sm, per_group
+from tpcomm.oproj.plan import group_ranks, min_blocks_per_sm, per_group
 
 
 @pytest.mark.parametrize("tp, groups", [(1, 1), (2, 1), (4, 1), (5, 2), (8, 2), (12, 3), (16, 4)])
@@ -124,8 +124,6 @@ def test_step_rank_xmoe_validation():
         comm2.consume(*call, 0, rank=0, xmoe=torch.zeros(1, 2, 2048, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="partial"):
         comm.publish(torch.zeros(2, 1024, dtype=torch.bfloat16), 0, rank=0)
-    with pytest.raises(ValueError, match="comm"):
-        api.allreduce_attnres(None, None, *call, 0)
     with pytest.raises(ValueError, match="run_ranks"):
         comm.run_ranks(None, None, None, None, None, None, None, 0)
 
@@ -135,7 +133,7 @@ def test_import_without_dsl_side_effects():
 
     import tpcomm.oproj.api  # noqa: F401
 
-    assert "tpcomm.ptx" not in sys.modules or "cutlass" in sys.modules
+    assert "tpcomm.protocol" not in sys.modules or "cutlass" in sys.modules
 
 
 def test_twoshot_buffers_and_validation():
@@ -159,7 +157,7 @@ def test_twoshot_buffers_and_validation():
 
 
 def test_one_launch_validation():
-    """run_ranks(one_launch=True): every rank stacked [TP, ...] contiguous, one-shot, all
+    """run_ranks(mode="one-launch"): every rank stacked [TP, ...] contiguous, one-shot, all
     ranks; each refusal names its argument before any launch."""
     comm = _comm()
     a = _args()
@@ -171,13 +169,16 @@ def test_one_launch_validation():
         s = dict(stacked)
         for k in ("prefixes", "outputs"):
             s[k] = kw.pop(k, s[k])
+        kw.setdefault("mode", "one-launch")
         c.run_ranks(partials, s["prefixes"], a["blocks"], a["norm"], a["query"], a["out_norm"],
-                    s["outputs"], 0, one_launch=True, **kw)  # fmt: skip
+                    s["outputs"], 0, **kw)  # fmt: skip
 
-    with pytest.raises(ValueError, match="ranks, publishers and fused"):
+    with pytest.raises(ValueError, match="ranks and publishers"):
         run(ranks=(0, 1))
-    with pytest.raises(ValueError, match="ranks, publishers and fused"):
-        run(fused=True)
+    with pytest.raises(ValueError, match="ranks and publishers"):
+        run(publishers=(0, 1))
+    with pytest.raises(ValueError, match="mode"):
+        run(mode="fused-one-launch")
     with pytest.raises(ValueError, match="one-shot"):
         run(c=_comm(twoshot=True))
     with pytest.raises(ValueError, match="prefixes"):
@@ -185,8 +186,8 @@ def test_one_launch_validation():
     with pytest.raises(ValueError, match="outputs"):
         run(outputs=torch.zeros(4, 2048, 2, **bf).transpose(1, 2))
     with pytest.raises(ValueError, match="step"):
-        comm.run_ranks_one_launch(partials, stacked["prefixes"], a["blocks"], a["norm"],
-                                  a["query"], a["out_norm"], stacked["outputs"], -1)  # fmt: skip
+        comm.run_ranks(partials, stacked["prefixes"], a["blocks"], a["norm"], a["query"],
+                       a["out_norm"], stacked["outputs"], -1, mode="one-launch")  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):  # valid; the CPU mailbox cannot launch
         run()
 

@@ -42,9 +42,9 @@ def test_publisher_compiles(arch, tp, multicast):
 def test_consumer_ptx_protocol(tmp_path):
     """The scoped accesses, DSMEM exchanges, bounded polls and launch bounds are there."""
     cute = require_dsl()
-    from tpcomm.oproj.consumer import fake_arguments, kernel_class
+    from tpcomm.oproj.consumer import OprojConsumerKernel, fake_arguments
 
-    kernel = kernel_class()(8, 7168, 8, groups=2, xmoe_reps=1)
+    kernel = OprojConsumerKernel(8, 7168, 8, groups=2, xmoe_reps=1)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     text = cute.compile(kernel, *fake_arguments(8, 7168, 8, 1), options=options).__ptx__
     for needle in (
@@ -65,38 +65,36 @@ def test_consumer_ptx_protocol(tmp_path):
 
 def test_kernel_config_validation():
     require_dsl()
-    from tpcomm.oproj.consumer import kernel_class
+    from tpcomm.oproj.consumer import OprojConsumerKernel
 
     with pytest.raises(ValueError, match="nb"):
-        kernel_class()(4, 1024, 9)
+        OprojConsumerKernel(4, 1024, 9)
     with pytest.raises(ValueError, match="groups"):
-        kernel_class()(4, 1024, 1, groups=5)
+        OprojConsumerKernel(4, 1024, 1, groups=5)
     with pytest.raises(ValueError, match="hid"):
-        kernel_class()(4, 9216, 1)
+        OprojConsumerKernel(4, 9216, 1)
     with pytest.raises(ValueError, match="tp"):
-        kernel_class()(17, 1024, 1)
+        OprojConsumerKernel(17, 1024, 1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", ["tiled", "deep"])
 @pytest.mark.parametrize(
     "tp, hid, d_local, multicast, pdl", [(16, 7168, 768, False, True), (2, 1024, 128, True, False)]
 )
-def test_producer_compiles(arch, variant, tp, hid, d_local, multicast, pdl):
+def test_producer_compiles(arch, tp, hid, d_local, multicast, pdl):
     require_dsl()
     from tpcomm.oproj.producer import compiled_producer
 
-    f = compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch, variant=variant)
+    f = compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch)
     assert f is not None
-    assert f is compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch,
-                                  variant=variant)  # fmt: skip
+    assert f is compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch)
 
 
 def test_producer_ptx_uses_mma_and_scoped_stores(tmp_path):
     cute = require_dsl()
-    from tpcomm.oproj.producer import fake_producer_arguments, producer_class
+    from tpcomm.oproj.producer import OprojProducer, fake_producer_arguments
 
-    kernel = producer_class()(16, 7168, 768)
+    kernel = OprojProducer(16, 7168, 768)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     text = cute.compile(kernel, *fake_producer_arguments(16, 7168, 768), options=options).__ptx__
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
@@ -106,12 +104,12 @@ def test_producer_ptx_uses_mma_and_scoped_stores(tmp_path):
 
 def test_producer_config_validation():
     require_dsl()
-    from tpcomm.oproj.producer import producer_class
+    from tpcomm.oproj.producer import OprojProducer
 
     with pytest.raises(ValueError, match="d_local"):
-        producer_class()(4, 1024, 100)
+        OprojProducer(4, 1024, 100)
     with pytest.raises(ValueError, match="hid"):
-        producer_class()(4, 1000, 128)
+        OprojProducer(4, 1000, 128)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -124,60 +122,57 @@ def test_twoshot_compiles(arch, tp, hid, nb, groups):
     assert compiled(tp, hid, nb, True, groups, 1, False, arch, twoshot=True, fence=True)
     assert compiled_publisher(tp, hid, False, True, False, arch, twoshot=True)
     assert compiled_producer(tp, hid, 768, False, False, True, arch, twoshot=True)
-    assert compiled_producer(tp, hid, 768, False, True, True, arch, twoshot=True, variant="deep")
 
 
 def test_twoshot_needs_whole_groups_per_shard():
     require_dsl()
-    from tpcomm.oproj.consumer import kernel_class
+    from tpcomm.oproj.consumer import OprojConsumerKernel
 
     with pytest.raises(ValueError, match="twoshot"):
-        kernel_class()(3, 1024, 1, twoshot=True)  # 1024 % 24 != 0
+        OprojConsumerKernel(3, 1024, 1, twoshot=True)  # 1024 % 24 != 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("pdl", [False, True])
 def test_one_launch_kernels_compile(arch, pdl):
-    """Every rank in one launch (ranks = TP): consumer, publisher, both producers."""
+    """Every rank in one launch (ranks = TP): consumer, publisher, producer."""
     require_dsl()
     from tpcomm.oproj.consumer import compiled
     from tpcomm.oproj.producer import compiled_producer, compiled_publisher
 
     assert compiled(16, 7168, 8, True, 4, 1, pdl, arch, ranks=16) is not None
     assert compiled_publisher(16, 7168, False, False, pdl, arch, ranks=16) is not None
-    for variant in ("tiled", "deep"):
-        assert compiled_producer(16, 7168, 768, False, False, pdl, arch, variant=variant,
-                                 ranks=16) is not None  # fmt: skip
+    assert compiled_producer(16, 7168, 768, False, False, pdl, arch, ranks=16) is not None
 
 
 def test_one_launch_grid_and_offsets_in_ptx(tmp_path):
     """ranks = TP reads the grid's rank index (consumer: z, producer: y); ranks = 1 not."""
     cute = require_dsl()
-    from tpcomm.oproj.consumer import fake_arguments, kernel_class
-    from tpcomm.oproj.producer import fake_producer_arguments, producer_class
+    from tpcomm.oproj.consumer import OprojConsumerKernel, fake_arguments
+    from tpcomm.oproj.producer import OprojProducer, fake_producer_arguments
 
     def ptx(kernel, args):
         options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
         return cute.compile(kernel, *args, options=options).__ptx__
 
-    one = ptx(kernel_class()(16, 7168, 8, ranks=16), fake_arguments(16, 7168, 8))
-    alone = ptx(kernel_class()(16, 7168, 8), fake_arguments(16, 7168, 8))
+    one = ptx(OprojConsumerKernel(16, 7168, 8, ranks=16), fake_arguments(16, 7168, 8))
+    alone = ptx(OprojConsumerKernel(16, 7168, 8), fake_arguments(16, 7168, 8))
     assert "%ctaid.z" in one and "%ctaid.z" not in alone
-    one = ptx(producer_class()(16, 7168, 768, ranks=16), fake_producer_arguments(16, 7168, 768))
-    alone = ptx(producer_class()(16, 7168, 768), fake_producer_arguments(16, 7168, 768))
+    one = ptx(OprojProducer(16, 7168, 768, ranks=16), fake_producer_arguments(16, 7168, 768))
+    alone = ptx(OprojProducer(16, 7168, 768), fake_producer_arguments(16, 7168, 768))
     assert "%ctaid.y" in one and "%ctaid.y" not in alone
 
 
 def test_one_launch_config_validation():
     require_dsl()
-    from tpcomm.oproj.consumer import kernel_class
-    from tpcomm.oproj.producer import producer_class, publisher_class
+    from tpcomm.oproj.consumer import OprojConsumerKernel
+    from tpcomm.oproj.producer import OprojProducer, PartialPublisher
 
     with pytest.raises(ValueError, match="ranks"):
-        kernel_class()(16, 7168, 8, ranks=4)
+        OprojConsumerKernel(16, 7168, 8, ranks=4)
     with pytest.raises(ValueError, match="twoshot"):
-        kernel_class()(16, 2048, 8, groups=1, twoshot=True, ranks=16)
+        OprojConsumerKernel(16, 2048, 8, groups=1, twoshot=True, ranks=16)
     with pytest.raises(ValueError, match="ranks"):
-        producer_class()(8, 7168, 1536, ranks=2)
+        OprojProducer(8, 7168, 1536, ranks=2)
     with pytest.raises(ValueError, match="ranks"):
-        publisher_class()(8, 7168, ranks=0)
+        PartialPublisher(8, 7168, ranks=0)

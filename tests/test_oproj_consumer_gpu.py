@@ -22,7 +22,7 @@ EPS, OUT_EPS = 1e-6, 1e-5
 STATS = []
 
 
-def _inputs(tp, tokens, hid, nb, seed):
+def random_inputs(tp, tokens, hid, nb, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def bf(*shape, s=1.0, shift=0.0):
@@ -38,12 +38,12 @@ def _inputs(tp, tokens, hid, nb, seed):
     )
 
 
-def _reference(a, prefix, has_delta, groups):
+def reference_step(a, prefix, has_delta, groups):
     return R.consume(a["partials"], prefix, a["blocks"], a["norm"], a["query"], a["out_norm"],
                      eps=EPS, out_eps=OUT_EPS, has_delta=has_delta, groups=groups)  # fmt: skip
 
 
-def _ulp_check(got, ref):
+def ulp_check(got, ref):
     """SPEC's 1-ulp rule; returns (fraction at 0 ulp, worst ulps) or raises."""
     g, r = got.float(), ref.float()
     rms = r.pow(2).mean(-1, keepdim=True).sqrt()
@@ -61,7 +61,7 @@ def _ulp_check(got, ref):
     return float((diff == 0).float().mean()), float(ulps.max())
 
 
-def _poison(t):
+def poison(t):
     t.view(torch.int16).fill_(0x7F81)
 
 
@@ -102,7 +102,7 @@ def _check_step(s, a, prefix_old, want_out, want_prefix):
                 assert torch.equal(
                     s.xmoes[r, rep].view(torch.int16), s.outputs[r].view(torch.int16)
                 )
-    return _ulp_check(s.outputs[0], want_out)
+    return ulp_check(s.outputs[0], want_out)
 
 
 CASES = [  # tp, tokens, hid, nb, has_delta, groups, xmoe
@@ -126,13 +126,13 @@ def test_consumer_matches_reference(tp, tokens, hid, nb, has_delta, groups, xmoe
     s = _Setup(tp, tokens, hid, nb, has_delta=has_delta, groups=groups, xmoe=xmoe)
     worst, exact = 0.0, []
     for step in range(3):  # both parities, odd count
-        a = _inputs(tp, tokens, hid, nb, seed=1000 * tp + 10 * tokens + step)
+        a = random_inputs(tp, tokens, hid, nb, seed=1000 * tp + 10 * tokens + step)
         if step == 1:  # a sentinel word in a partial must be canonicalised, not hang
             a["partials"].view(torch.int32)[tp - 1, tokens - 1, 3] = -1
         s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
-        _poison(s.outputs)
+        poison(s.outputs)
         if s.xmoes is not None:
-            _poison(s.xmoes)
+            poison(s.xmoes)
         s.step(a, step)
         torch.cuda.synchronize()
         assert int(s.comm.errors.abs().sum()) == 0, f"error words {s.comm.errors[:, 0].tolist()}"
@@ -142,7 +142,7 @@ def test_consumer_matches_reference(tp, tokens, hid, nb, has_delta, groups, xmoe
             ref_partials.view(torch.int32)[tp - 1, tokens - 1, 3] = 0x7FC07FC0
             _check_nan_step(s, tokens, hid)
             continue
-        want_out, want_prefix = _reference(dict(a, partials=ref_partials), a["prefix"],
+        want_out, want_prefix = reference_step(dict(a, partials=ref_partials), a["prefix"],
                                            has_delta, s.groups)  # fmt: skip
         frac, ulps = _check_step(s, a, a["prefix"], want_out, want_prefix)
         exact.append(frac)
@@ -171,7 +171,7 @@ def _check_nan_step(s, tokens, hid):
 def test_hundred_steps_in_a_row():
     tp, tokens, hid, nb = 8, 2, 2048, 3
     s = _Setup(tp, tokens, hid, nb, has_delta=True, groups=2, xmoe=1)
-    pool = [_inputs(tp, tokens, hid, nb, seed=7 + i) for i in range(3)]
+    pool = [random_inputs(tp, tokens, hid, nb, seed=7 + i) for i in range(3)]
     steps = 100
     outs = torch.empty(steps, tp, tokens, hid, dtype=torch.bfloat16, device="cuda")
     prefs = torch.empty_like(outs)
@@ -186,13 +186,13 @@ def test_hundred_steps_in_a_row():
     prefix = pool[0]["prefix"]
     worst = 0.0
     for step in range(steps):
-        want_out, prefix = _reference(pool[step % 3], prefix, True, s.groups)
+        want_out, prefix = reference_step(pool[step % 3], prefix, True, s.groups)
         assert torch.equal(prefs[step].view(torch.int16),
                            prefix[None].expand_as(prefs[step]).contiguous().view(torch.int16)), (
             f"step {step}: prefix_new"
         )  # fmt: skip
         assert (outs[step].view(torch.int16) == outs[step, 0].view(torch.int16)).all()
-        worst = max(worst, _ulp_check(outs[step, 0], want_out)[1])
+        worst = max(worst, ulp_check(outs[step, 0], want_out)[1])
     assert s.comm.hint_words[:, 0].tolist() == [steps * 4 * 2 * tokens] * tp
     print(f"\n100 steps: worst {worst:.2f} ulp")
     s.close()
@@ -201,14 +201,14 @@ def test_hundred_steps_in_a_row():
 def test_graph_replay():
     tp, tokens, hid, nb = 4, 2, 1024, 1
     s = _Setup(tp, tokens, hid, nb, has_delta=True, groups=2)
-    pool = [_inputs(tp, tokens, hid, nb, seed=50 + i) for i in range(2)]
+    pool = [random_inputs(tp, tokens, hid, nb, seed=50 + i) for i in range(2)]
     s.prefixes.copy_(pool[0]["prefix"][None].expand_as(s.prefixes))
     for step in range(2):  # compile and load outside the capture
         s.step(pool[step], step)
     torch.cuda.synchronize()
     prefix = pool[0]["prefix"]
     for step in range(2):
-        _, prefix = _reference(pool[step], prefix, True, s.groups)
+        _, prefix = reference_step(pool[step], prefix, True, s.groups)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for step in range(2):
@@ -220,11 +220,11 @@ def test_graph_replay():
     assert int(s.comm.errors.abs().sum()) == 0
     assert s.armed()
     for i in range(2 * replays):
-        want_out, prefix = _reference(pool[i % 2], prefix, True, s.groups)
+        want_out, prefix = reference_step(pool[i % 2], prefix, True, s.groups)
     for r in range(tp):
         assert torch.equal(s.prefixes[r].view(torch.int16), prefix.view(torch.int16))
         assert torch.equal(s.outputs[r].view(torch.int16), s.outputs[0].view(torch.int16))
-    _ulp_check(s.outputs[0], want_out)
+    ulp_check(s.outputs[0], want_out)
     s.close()
 
 
@@ -232,12 +232,12 @@ def test_never_publishing_rank_errors():
     tp, tokens, hid, nb, dead = 4, 2, 2048, 3, 2
     budget_ns = 20_000_000
     s = _Setup(tp, tokens, hid, nb, groups=2, xmoe=1, budget_ns=budget_ns)
-    a = _inputs(tp, tokens, hid, nb, seed=3)
+    a = random_inputs(tp, tokens, hid, nb, seed=3)
     s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
     s.step(a, 0)  # warm: compiled and loaded
     torch.cuda.synchronize()
     before = s.prefixes.clone()
-    _poison(s.outputs)
+    poison(s.outputs)
     live = [r for r in range(tp) if r != dead]
     start = time.perf_counter()
     s.step(a, 1, publishers=live)
@@ -256,7 +256,7 @@ def test_never_publishing_rank_errors():
     s.step(a, 2)
     torch.cuda.synchronize()
     assert int(s.comm.errors.abs().sum()) == 0
-    want_out, want_prefix = _reference(a, a["prefix"], True, s.groups)
+    want_out, want_prefix = reference_step(a, a["prefix"], True, s.groups)
     _check_step(s, a, a["prefix"], want_out, want_prefix)
     s.close()
 
@@ -285,7 +285,7 @@ def test_producer_publishes_projection(tp, tokens, hid, d_local, nb):
     w_os = (torch.randn(tp, hid, d_local, generator=g, device="cuda") * d_local**-0.5).to(
         torch.bfloat16
     )
-    a = _inputs(tp, tokens, hid, nb, seed=tp + tokens)
+    a = random_inputs(tp, tokens, hid, nb, seed=tp + tokens)
     worst = 0.0
     for step in range(2):
         for r in range(tp):
@@ -296,13 +296,14 @@ def test_producer_publishes_projection(tp, tokens, hid, d_local, nb):
             assert torch.equal(boxes[r].view(torch.int16), boxes[0].view(torch.int16))
         for r in range(tp):
             want = R.project(attn[r], w_os[r])
-            worst = max(worst, _ulp_check(boxes[0][r], want)[1])
+            worst = max(worst, ulp_check(boxes[0][r], want)[1])
         s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
-        _poison(s.outputs)
+        poison(s.outputs)
         s.step(dict(a, partials=None), step, publishers=())
         torch.cuda.synchronize()
         assert int(s.comm.errors.abs().sum()) == 0
-        want_out, want_prefix = _reference(dict(a, partials=boxes[0]), a["prefix"], True, s.groups)
+        box = dict(a, partials=boxes[0])
+        want_out, want_prefix = reference_step(box, a["prefix"], True, s.groups)
         _check_step(s, a, a["prefix"], want_out, want_prefix)
         assert s.armed()
     # the loopback run_ranks path with the producer
@@ -328,9 +329,9 @@ def test_twoshot_matches_reference(tp, tokens, hid, nb, has_delta, groups):
     s = _Setup(tp, tokens, hid, nb, has_delta=has_delta, groups=groups, twoshot=True)
     worst = 0.0
     for step in range(3):
-        a = _inputs(tp, tokens, hid, nb, seed=500 + 10 * tp + step)
+        a = random_inputs(tp, tokens, hid, nb, seed=500 + 10 * tp + step)
         s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
-        _poison(s.outputs)
+        poison(s.outputs)
         s.step(a, step)
         torch.cuda.synchronize()
         assert int(s.comm.errors.abs().sum()) == 0, f"error words {s.comm.errors[:, 0].tolist()}"
@@ -352,7 +353,7 @@ def test_twoshot_producer_and_dead_rank():
     w_os = (torch.randn(tp, hid, d_local, generator=g, device="cuda") * d_local**-0.5).to(
         torch.bfloat16
     )
-    a = _inputs(tp, tokens, hid, nb, seed=78)
+    a = random_inputs(tp, tokens, hid, nb, seed=78)
     width = hid // tp
     for step in range(2):
         for r in range(tp):
@@ -363,7 +364,7 @@ def test_twoshot_producer_and_dead_rank():
             [s.comm.rows.receive_view(o)[step & 1] for o in range(tp)], dim=2
         ).contiguous()
         for r in range(tp):
-            _ulp_check(delivered[r], R.project(attn[r], w_os[r]))
+            ulp_check(delivered[r], R.project(attn[r], w_os[r]))
         s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
         s.step(dict(a, partials=None), step, publishers=())
         torch.cuda.synchronize()
@@ -376,7 +377,7 @@ def test_twoshot_producer_and_dead_rank():
         assert s.armed() and delivered.shape[2] == width * tp
     # rank 5 never publishes: its shard's owner and every gather poll report it
     before = s.prefixes.clone()
-    _poison(s.outputs)
+    poison(s.outputs)
     s.step(a, 2, publishers=[r for r in range(tp) if r != 5])
     torch.cuda.synchronize()
     errors = s.comm.errors[:, 0].tolist()

@@ -6,10 +6,10 @@ import torch
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import api
-from tpcomm.oproj import fused as F
-from tpcomm.oproj.consumer import min_blocks_per_sm, smem_bytes
+from tpcomm.oproj import plan as P
+from tpcomm.oproj.plan import min_blocks_per_sm, smem_bytes
 
-H200 = F.DeviceLimits(sms=132)
+H200 = P.DeviceLimits(sms=132)
 
 
 @pytest.mark.parametrize("hid", [1024, 2048, 7168, 8192])
@@ -17,14 +17,14 @@ H200 = F.DeviceLimits(sms=132)
 @pytest.mark.parametrize("tiles", [1, 2, 4, 16, 64])
 def test_tiles_cover_every_feature_once(hid, groups, tiles):
     ctas = hid // 1024
-    rows = F.producer_rows(hid, groups, tiles)
+    rows = P.producer_rows(hid, groups, tiles)
     seen = []
     for row in range(rows):
         for cta in range(ctas):
             for g in range(groups):
                 for t in range(tiles):
-                    i = F.tile_index(row, cta, g, t, ctas, groups, tiles)
-                    if i < F.tile_count(hid):
+                    i = P.tile_index(row, cta, g, t, ctas, groups, tiles)
+                    if i < P.tile_count(hid):
                         seen.append(i)
     assert sorted(seen) == list(range(hid // 16))
     # one row fewer would leave tiles out
@@ -32,43 +32,43 @@ def test_tiles_cover_every_feature_once(hid, groups, tiles):
 
 
 def test_tiles_candidates_end_at_one_row():
-    assert F.tiles_candidates(4) == [1, 2, 4, 8, 16]
-    assert F.tiles_candidates(1) == [1, 2, 4, 8, 16, 32, 64]
-    assert F.tiles_candidates(3)[-1] == 32
+    assert P.tiles_candidates(4) == [1, 2, 4, 8, 16]
+    assert P.tiles_candidates(1) == [1, 2, 4, 8, 16, 32, 64]
+    assert P.tiles_candidates(3)[-1] == 32
     for g in range(1, 5):
-        assert F.producer_rows(7168, g, F.tiles_candidates(g)[-1]) == 1
+        assert P.producer_rows(7168, g, P.tiles_candidates(g)[-1]) == 1
 
 
 def test_smem_is_consumer_plus_producer_fragments():
     for nb in (0, 3, 8):
         for groups in (1, 2, 4):
             base = smem_bytes(7168, nb, groups)
-            assert F.fused_smem_bytes(7168, nb, groups) == -(-base // 16) * 16 + groups * 2048
+            assert P.fused_smem_bytes(7168, nb, groups) == -(-base // 16) * 16 + groups * 2048
 
 
 def test_ctas_per_sm_names_the_limit():
-    assert F.ctas_per_sm(512, 46048, 2, H200) == (2, "launch bound (registers)")
-    assert F.ctas_per_sm(128, 31712, 8, H200) == (7, "shared memory")  # 7 x 32.7 KB
-    small = F.DeviceLimits(sms=132, max_threads_per_sm=1024)
-    assert F.ctas_per_sm(512, 1000, 4, small) == (2, "threads")
-    few = F.DeviceLimits(sms=132, max_ctas_per_sm=4)
-    assert F.ctas_per_sm(128, 1000, 8, few) == (4, "CTA slots")
+    assert P.ctas_per_sm(512, 46048, 2, H200) == (2, "launch bound (registers)")
+    assert P.ctas_per_sm(128, 31712, 8, H200) == (7, "shared memory")  # 7 x 32.7 KB
+    small = P.DeviceLimits(sms=132, max_threads_per_sm=1024)
+    assert P.ctas_per_sm(512, 1000, 4, small) == (2, "threads")
+    few = P.DeviceLimits(sms=132, max_ctas_per_sm=4)
+    assert P.ctas_per_sm(128, 1000, 8, few) == (4, "CTA slots")
 
 
 def test_resident_ctas_leave_cluster_slack_per_gpc():
     assert H200.gpc_bound == 9  # >= the H200's 8 GPCs
-    assert F.resident_ctas(2, 1, H200) == 264  # no clusters: SMs x CTAs/SM
-    assert F.resident_ctas(2, 7, H200) == 210  # (264 - 9 x 6) / 7 clusters
-    assert F.resident_ctas(2, 7, F.DeviceLimits(sms=132, gpcs=8)) == 217  # ceil(216 / 7)
-    assert F.resident_ctas(1, 8, F.DeviceLimits(sms=8, gpcs=1)) == 8  # one full GPC
-    assert F.resident_ctas(1, 8, F.DeviceLimits(sms=7, gpcs=1)) == 0
-    assert F.resident_ctas(3, 7, F.DeviceLimits(sms=16, gpcs=2)) == 42  # 2 x (24 // 7) * 7
+    assert P.resident_ctas(2, 1, H200) == 264  # no clusters: SMs x CTAs/SM
+    assert P.resident_ctas(2, 7, H200) == 210  # (264 - 9 x 6) / 7 clusters
+    assert P.resident_ctas(2, 7, P.DeviceLimits(sms=132, gpcs=8)) == 217  # ceil(216 / 7)
+    assert P.resident_ctas(1, 8, P.DeviceLimits(sms=8, gpcs=1)) == 8  # one full GPC
+    assert P.resident_ctas(1, 8, P.DeviceLimits(sms=7, gpcs=1)) == 0
+    assert P.resident_ctas(3, 7, P.DeviceLimits(sms=16, gpcs=2)) == 42  # 2 x (24 // 7) * 7
 
 
 def test_plan_one_rank_per_gpu_uses_every_tile_row():
     """TP16 HID 7168 on its own GPU: T = 1, 16 producer rows (112 CTAs of 16 warps)."""
     for tokens in (1, 4, 8):
-        p = F.plan_fused(16, tokens, 7168, 8, 4, H200)
+        p = P.plan_fused(16, tokens, 7168, 8, 4, H200)
         assert (p.tiles, p.rows, p.grid) == (1, 16, (7, 16 + tokens, 1))
         assert p.ctas == 7 * (16 + tokens) and p.threads == 512 and p.launch_bound == 2
         assert p.ctas <= p.capacity == 210
@@ -76,27 +76,27 @@ def test_plan_one_rank_per_gpu_uses_every_tile_row():
 
 
 def test_plan_loopback_counts_every_rank_and_grows_tiles():
-    p = F.plan_fused(8, 4, 7168, 8, 2, H200, launches=8)
+    p = P.plan_fused(8, 4, 7168, 8, 2, H200, launches=8)
     assert p.tiles == 8 and p.rows == 4 and 8 * p.ctas <= p.capacity
-    assert F.plan_fused(8, 4, 7168, 8, 2, H200, launches=1).tiles == 1
+    assert P.plan_fused(8, 4, 7168, 8, 2, H200, launches=1).tiles == 1
     with pytest.raises(ValueError, match="co-resident"):  # T = 4: 8 x 7 x (8 + 4) > 469
-        F.plan_fused(8, 4, 7168, 8, 2, H200, launches=8, tiles=4)
+        P.plan_fused(8, 4, 7168, 8, 2, H200, launches=8, tiles=4)
 
 
 def test_plan_refuses_when_not_coresident():
     # every loopback rank's launch on one GPU: 16 x 7 x (1 + 1) = 224 > 210 even at T = 16
     with pytest.raises(ValueError, match="co-resident") as e:
-        F.plan_fused(16, 1, 7168, 8, 4, H200, launches=16)
+        P.plan_fused(16, 1, 7168, 8, 4, H200, launches=16)
     text = str(e.value)
     assert "16 launch(es)" in text and "224 CTAs > 210" in text and "launch bound" in text
     # a forced T that does not fit
     with pytest.raises(ValueError, match="co-resident"):
-        F.plan_fused(8, 4, 7168, 8, 2, H200, launches=8, tiles=1)
+        P.plan_fused(8, 4, 7168, 8, 2, H200, launches=8, tiles=1)
     # shared memory the limit: groups 1, nb 8 -> 7 CTAs per SM
     with pytest.raises(ValueError, match="shared memory"):
-        F.plan_fused(16, 8, 7168, 8, 1, H200, launches=16)
+        P.plan_fused(16, 8, 7168, 8, 1, H200, launches=16)
     # fits on a bigger (made-up) GPU
-    assert F.plan_fused(16, 1, 7168, 8, 4, F.DeviceLimits(sms=264), launches=16).tiles == 8
+    assert P.plan_fused(16, 1, 7168, 8, 4, P.DeviceLimits(sms=264), launches=16).tiles == 8
 
 
 @pytest.mark.parametrize(
@@ -115,13 +115,13 @@ def test_plan_validation(kwargs, match):
     a = dict(tp=8, tokens=1, hid=7168, nb=8, groups=2)
     a.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        F.plan_fused(a["tp"], a["tokens"], a["hid"], a["nb"], a["groups"], H200,
+        P.plan_fused(a["tp"], a["tokens"], a["hid"], a["nb"], a["groups"], H200,
                      tiles=a.get("tiles"), launches=a.get("launches", 1))  # fmt: skip
 
 
 def test_launch_bound_is_the_consumers():
     for groups in range(1, 5):
-        p = F.plan_fused(4, 1, 1024, 0, groups, H200)
+        p = P.plan_fused(4, 1, 1024, 0, groups, H200)
         assert p.launch_bound == min_blocks_per_sm(groups)
 
 
@@ -203,4 +203,4 @@ def test_fused_plan_on_the_api():
 def test_run_ranks_fused_needs_streams():
     comm = _comm()
     with pytest.raises(ValueError, match="run_ranks"):
-        comm.run_ranks(None, None, None, None, None, None, None, 0, fused=True)
+        comm.run_ranks(None, None, None, None, None, None, None, 0, mode="fused")

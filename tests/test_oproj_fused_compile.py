@@ -22,9 +22,10 @@ CONFIGS = [  # tp, hid, nb, d_local, keyword configuration
 @pytest.mark.parametrize("tp, hid, nb, d_local, kw", CONFIGS)
 def test_fused_compiles(arch, tp, hid, nb, d_local, kw):
     require_dsl()
-    from tpcomm.oproj.fused import fake_fused_arguments, fused_class, fused_smem_bytes
+    from tpcomm.oproj.fused import OprojFused, fake_fused_arguments
+    from tpcomm.oproj.plan import fused_smem_bytes
 
-    kernel = fused_class()(tp, hid, nb, d_local, **kw)
+    kernel = OprojFused(tp, hid, nb, d_local, **kw)
     args = fake_fused_arguments(tp, hid, nb, d_local, kw.get("xmoe_reps", 0),
                                 kw.get("twoshot", False))  # fmt: skip
     f = compile_for(arch, kernel, *args)
@@ -44,9 +45,9 @@ def test_fused_cached_compile():
 
 def _ptx(tmp_path, tp, hid, nb, d_local, **kw):
     cute = require_dsl()
-    from tpcomm.oproj.fused import fake_fused_arguments, fused_class
+    from tpcomm.oproj.fused import OprojFused, fake_fused_arguments
 
-    kernel = fused_class()(tp, hid, nb, d_local, **kw)
+    kernel = OprojFused(tp, hid, nb, d_local, **kw)
     args = fake_fused_arguments(tp, hid, nb, d_local, kw.get("xmoe_reps", 0))
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     return cute.compile(kernel, *args, options=options).__ptx__
@@ -94,7 +95,7 @@ def test_fused_consumer_waits_before_polling(tmp_path):
 def test_fused_fits_its_launch_bound(tmp_path, groups, tiles):
     """ptxas keeps the registers under the launch bound's cap without spilling, so the
     co-residency rule's CTAs per SM hold."""
-    from tpcomm.oproj.consumer import min_blocks_per_sm
+    from tpcomm.oproj.plan import min_blocks_per_sm
 
     tp = {1: 4, 2: 8, 4: 16}[groups]
     text = _ptx(tmp_path, tp, 7168, 8, 768, groups=groups, tiles=tiles, pdl=True)

@@ -1,6 +1,6 @@
 """GPU tests (one H200, loopback backend): OprojFused, the producer + consumer in one launch.
 
-Every TP rank launches its fused kernel on its own stream (``run_ranks(fused=True)``).
+Every TP rank launches its fused kernel on its own stream (``run_ranks(mode="fused")``).
 Checks, per step: ``prefix`` and ``output`` (and the xmoe copies) bitwise equal to the
 unfused ``OprojProducer`` + ``OprojConsumer`` pair on the same inputs; against
 ``tpcomm.oproj.reference`` fed the partials the producer publishes (themselves within
@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from test_oproj_consumer_gpu import EPS, OUT_EPS, _poison, _ulp_check
+from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import reference as R
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 KINDS = ("pair", "fused")
 
 
-def _inputs(tp, tokens, hid, nb, d_local, seed):
+def random_inputs(tp, tokens, hid, nb, d_local, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def bf(*shape, s=1.0, shift=0.0):
@@ -66,15 +66,15 @@ class _Setup:
     def start(self, kind, prefix):
         """Every rank's prefix set, outputs poisoned."""
         self.prefixes[kind].copy_(prefix[None].expand_as(self.prefixes[kind]))
-        _poison(self.outputs[kind])
+        poison(self.outputs[kind])
         if self.xmoes is not None:
-            _poison(self.xmoes[kind])
+            poison(self.xmoes[kind])
 
     def run(self, kind, a, step, **kw):
         self.comm.run_ranks(
             a["attn"], self.prefixes[kind], a["blocks"], a["norm"], a["query"], a["out_norm"],
             self.outputs[kind], step, xmoes=None if self.xmoes is None else self.xmoes[kind],
-            w_os=self.w_os, fused=kind == "fused", **kw,
+            w_os=self.w_os, mode="fused" if kind == "fused" else "per-rank", **kw,
         )  # fmt: skip
 
     def published(self, attn, step):
@@ -121,7 +121,7 @@ def _check_against_reference(s, kind, want_out, want_prefix):
         _same(s.outputs[kind][r], s.outputs[kind][0], f"rank {r}: output differs from rank 0")
         for rep in range(s.xmoe):
             _same(s.xmoes[kind][r, rep], s.outputs[kind][r], f"rank {r}: xmoe copy {rep}")
-    return _ulp_check(s.outputs[kind][0], want_out)[1]
+    return ulp_check(s.outputs[kind][0], want_out)[1]
 
 
 def _check_fused_is_pair(s):
@@ -165,10 +165,10 @@ def test_fused_matches_pair_and_reference(tp, tokens, nb, hid, groups, d_local, 
     worst, worst_partial = 0.0, 0.0
     steps = 3  # both parities, odd count
     for step in range(steps):
-        a = _inputs(tp, tokens, hid, nb, d_local, seed=100 * tp + 10 * tokens + step)
+        a = random_inputs(tp, tokens, hid, nb, d_local, seed=100 * tp + 10 * tokens + step)
         partials = s.published(a["attn"], step)
         for r in range(tp):
-            got = _ulp_check(partials[r], R.project(a["attn"][r], s.w_os[r]))[1]
+            got = ulp_check(partials[r], R.project(a["attn"][r], s.w_os[r]))[1]
             worst_partial = max(worst_partial, got)
         for kind in KINDS:
             s.start(kind, a["prefix"])
@@ -189,7 +189,7 @@ def test_fused_matches_pair_and_reference(tp, tokens, nb, hid, groups, d_local, 
 
 def _pool(s, d_local, n, seed):
     """``n`` input sets and the partials the producer publishes for each."""
-    pool = [_inputs(s.tp, s.tokens, s.hid, s.nb, d_local, seed=seed + i) for i in range(n)]
+    pool = [random_inputs(s.tp, s.tokens, s.hid, s.nb, d_local, seed=seed + i) for i in range(n)]
     return pool, [s.published(a["attn"], 0) for a in pool]
 
 
@@ -216,7 +216,7 @@ def test_fused_steps_in_a_row():
         want_out, prefix = s.reference(partials[step % 3], pool[step % 3], prefix)
         _same(prefs["fused"][step], prefix[None].expand(tp, -1, -1), f"step {step}: prefix")
         assert (_bits(outs["fused"][step]) == _bits(outs["fused"][step, 0])).all()
-        worst = max(worst, _ulp_check(outs["fused"][step, 0], want_out)[1])
+        worst = max(worst, ulp_check(outs["fused"][step, 0], want_out)[1])
     assert s.comm.hint_words[:, 0].tolist() == [2 * steps * 4 * 2 * tokens] * tp
     print(f"\n{steps} fused steps: worst {worst:.2f} ulp")
     s.close()
@@ -248,19 +248,19 @@ def test_fused_graph_replay():
     for r in range(tp):
         _same(s.prefixes["fused"][r], prefix, f"rank {r}: prefix after replays")
         _same(s.outputs["fused"][r], s.outputs["fused"][0], f"rank {r}: output")
-    _ulp_check(s.outputs["fused"][0], want_out)
+    ulp_check(s.outputs["fused"][0], want_out)
     s.close()
 
 
 def test_fused_pdl_is_bitwise_the_same():
     tp, tokens, hid, nb, d_local = 8, 4, 2048, 8, 512
     s = _Setup(tp, tokens, hid, nb, d_local, groups=2, xmoe=1)
-    a = _inputs(tp, tokens, hid, nb, d_local, seed=11)
+    a = random_inputs(tp, tokens, hid, nb, d_local, seed=11)
     for step, kind in enumerate(KINDS):  # "pair" slot holds the non-PDL fused run here
         s.start(kind, a["prefix"])
         s.comm.run_ranks(a["attn"], s.prefixes[kind], a["blocks"], a["norm"], a["query"],
                          a["out_norm"], s.outputs[kind], step, xmoes=s.xmoes[kind],
-                         w_os=s.w_os, fused=True, pdl=kind == "fused")  # fmt: skip
+                         w_os=s.w_os, mode="fused", pdl=kind == "fused")  # fmt: skip
         torch.cuda.synchronize()
         s.no_errors()
         assert s.comm.armed()
@@ -272,7 +272,7 @@ def test_fused_twoshot_matches_pair():
     tp, tokens, hid, nb, d_local = 8, 4, 2048, 3, 512
     s = _Setup(tp, tokens, hid, nb, d_local, groups=1, twoshot=True)
     for step in range(2):
-        a = _inputs(tp, tokens, hid, nb, d_local, seed=300 + step)
+        a = random_inputs(tp, tokens, hid, nb, d_local, seed=300 + step)
         partials = s.published(a["attn"], step)
         for kind in KINDS:
             s.start(kind, a["prefix"])
@@ -290,13 +290,13 @@ def test_fused_rank_that_never_launches_errors():
     tp, tokens, hid, nb, d_local, dead = 4, 2, 2048, 3, 256, 2
     budget_ns = 20_000_000
     s = _Setup(tp, tokens, hid, nb, d_local, groups=2, xmoe=1, budget_ns=budget_ns)
-    a = _inputs(tp, tokens, hid, nb, d_local, seed=3)
+    a = random_inputs(tp, tokens, hid, nb, d_local, seed=3)
     s.start("fused", a["prefix"])
     s.run("fused", a, 0)  # warm: compiled and loaded
     torch.cuda.synchronize()
     s.no_errors()
     before = s.prefixes["fused"].clone()
-    _poison(s.outputs["fused"])
+    poison(s.outputs["fused"])
     live = [r for r in range(tp) if r != dead]
     start = time.perf_counter()
     s.run("fused", a, 1, ranks=live)
@@ -326,7 +326,7 @@ def test_fused_refuses_what_cannot_be_resident():
     on one GPU: refused before anything is launched (the consumer alone would fit)."""
     tp, tokens, hid, nb, d_local = 16, 1, 7168, 8, 256
     s = _Setup(tp, tokens, hid, nb, d_local, groups=4)
-    a = _inputs(tp, tokens, hid, nb, d_local, seed=5)
+    a = random_inputs(tp, tokens, hid, nb, d_local, seed=5)
     s.start("fused", a["prefix"])
     with pytest.raises(ValueError, match="co-resident"):
         s.run("fused", a, 0)

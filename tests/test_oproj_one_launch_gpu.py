@@ -1,5 +1,5 @@
 """GPU tests (one H200, loopback backend): every rank in one launch
-(``OprojAllReduce.run_ranks(..., one_launch=True)``: one publisher or producer launch and
+(``OprojAllReduce.run_ranks(..., mode="one-launch")``: one publisher or producer launch and
 one consumer launch for all TP ranks, grid rank index = rank).
 
 Checks, over several steps (both mailbox parities, the prefix chained): prefixes, outputs,
@@ -14,7 +14,7 @@ xmoe, error and hint words) bitwise untouched; PDL between the launches; CUDA-gr
 
 import pytest
 import torch
-from test_oproj_consumer_gpu import EPS, OUT_EPS, _inputs, _poison, _reference, _ulp_check
+from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, random_inputs, reference_step, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.api import OprojAllReduce
@@ -29,9 +29,9 @@ def _bits(t):
 class _Twin:
     """Two all-reduces on one loopback backend: per-rank launches and one launch."""
 
-    def __init__(self, tp, tokens, hid, nb, d_local, xmoe, producer, seed):
+    def __init__(self, tp, tokens, hid, nb, d_local, xmoe, seed):
         self.backend = LoopbackBackend(tp)
-        kw = dict(eps=EPS, out_eps=OUT_EPS, xmoe_reps=xmoe, producer=producer)
+        kw = dict(eps=EPS, out_eps=OUT_EPS, xmoe_reps=xmoe)
         self.comms = {m: OprojAllReduce(self.backend, tokens, hid, nb, **kw) for m in "po"}
         self.tp, self.tokens, self.hid, self.xmoe = tp, tokens, hid, xmoe
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -47,8 +47,8 @@ class _Twin:
     def reset(self, prefix):
         for m in "po":
             self.prefixes[m].copy_(prefix[None].expand_as(self.prefixes[m]))
-            _poison(self.outputs[m])
-            _poison(self.xmoes[m])
+            poison(self.outputs[m])
+            poison(self.xmoes[m])
 
     def step(self, mode, a, step, project, pdl=False):
         comm = self.comms[mode]
@@ -58,29 +58,28 @@ class _Twin:
                        a["out_norm"], self.outputs[mode][:tp], step,
                        xmoes=self.xmoes[mode][:tp] if self.xmoe else None,
                        w_os=self.w_os if project else None,
-                       one_launch=mode == "o", pdl=pdl and mode == "o")  # fmt: skip
+                       mode="one-launch" if mode == "o" else "per-rank",
+                       pdl=pdl and mode == "o")  # fmt: skip
 
     def close(self):
         self.backend.teardown()
 
 
-CASES = [  # tp, tokens, hid, nb, d_local, xmoe, producer, project
-    (16, 1, 7168, 8, 768, 0, "tiled", True),  # the TP16 decode shape
-    (16, 1, 7168, 8, 768, 0, "deep", True),
-    (16, 4, 2048, 3, 256, 1, "tiled", True),
-    (8, 3, 7168, 0, 1536, 0, "deep", True),
-    (8, 8, 1024, 1, 128, 2, "tiled", False),  # publisher of ready partials
-    (2, 2, 1024, 8, 128, 0, "tiled", False),
-    (4, 5, 8192, 2, 512, 0, "tiled", True),
+CASES = [  # tp, tokens, hid, nb, d_local, xmoe, project
+    (16, 1, 7168, 8, 768, 0, True),  # the TP16 decode shape
+    (16, 4, 2048, 3, 256, 1, True),
+    (8, 3, 7168, 0, 1536, 0, True),
+    (8, 8, 1024, 1, 128, 2, False),  # publisher of ready partials
+    (2, 2, 1024, 8, 128, 0, False),
+    (4, 5, 8192, 2, 512, 0, True),
 ]
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("tp, tokens, hid, nb, d_local, xmoe, producer, project", CASES)
-def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe, producer,
-                                              project, pdl):  # fmt: skip
-    s = _Twin(tp, tokens, hid, nb, d_local, xmoe, producer, seed=tp * 10 + tokens + nb)
-    a = _inputs(tp, tokens, hid, nb, seed=tp + tokens + d_local)
+@pytest.mark.parametrize("tp, tokens, hid, nb, d_local, xmoe, project", CASES)
+def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe, project, pdl):
+    s = _Twin(tp, tokens, hid, nb, d_local, xmoe, seed=tp * 10 + tokens + nb)
+    a = random_inputs(tp, tokens, hid, nb, seed=tp + tokens + d_local)
     s.reset(a["prefix"])
     guard = {m: (s.prefixes[m][tp].clone(), s.outputs[m][tp].clone(), s.xmoes[m][tp].clone())
              for m in "po"}  # fmt: skip
@@ -88,7 +87,7 @@ def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe
     prefix, worst = a["prefix"], 0.0
     for step in range(3):  # both parities, the prefix chained
         for m in "po":
-            _poison(s.outputs[m][:tp])
+            poison(s.outputs[m][:tp])
             s.step(m, a, step, project, pdl)
         torch.cuda.synchronize()
         for m, c in s.comms.items():
@@ -101,17 +100,17 @@ def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe
         for r in range(tp):
             assert torch.equal(_bits(s.outputs["o"][r]), _bits(s.outputs["o"][0])), f"rank {r}"
         if not project:  # ready partials: the reference's prefix bitwise, output <= 1 ulp
-            want_out, prefix = _reference(a, prefix, True, one.groups)
+            want_out, prefix = reference_step(a, prefix, True, one.groups)
             for r in range(tp):
                 assert torch.equal(_bits(s.prefixes["o"][r]), _bits(prefix)), f"rank {r}"
-            worst = max(worst, _ulp_check(s.outputs["o"][0], want_out)[1])
+            worst = max(worst, ulp_check(s.outputs["o"][0], want_out)[1])
         else:  # the producer's partials are checked against R.project elsewhere
             assert not torch.equal(_bits(s.prefixes["o"][0]), _bits(a["prefix"]))
     for m in "po":
         rows = (s.prefixes[m][tp], s.outputs[m][tp], s.xmoes[m][tp])
         for t, g in zip(rows, guard[m], strict=True):
             assert torch.equal(_bits(t), _bits(g)), f"{m}: the guard rank's row was written"
-    print(f"\none launch TP{tp} T{tokens} HID{hid} nb{nb} {producer} project={project} "
+    print(f"\none launch TP{tp} T{tokens} HID{hid} nb{nb} project={project} "
           f"pdl={pdl}: bitwise per-rank launches; worst {worst:.2f} ulp")  # fmt: skip
     s.close()
 
@@ -119,8 +118,8 @@ def test_one_launch_bitwise_per_rank_launches(tp, tokens, hid, nb, d_local, xmoe
 @pytest.mark.parametrize("project", [False, True])
 def test_one_launch_graph_replay(project):
     tp, tokens, hid, nb, d_local = 16, 1, 7168, 8, 768
-    s = _Twin(tp, tokens, hid, nb, d_local, 0, "tiled", seed=77)
-    a = _inputs(tp, tokens, hid, nb, seed=78)
+    s = _Twin(tp, tokens, hid, nb, d_local, 0, seed=77)
+    a = random_inputs(tp, tokens, hid, nb, seed=78)
     s.reset(a["prefix"])
 
     def steps(mode):

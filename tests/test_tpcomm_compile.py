@@ -10,14 +10,16 @@ pytestmark = pytest.mark.compile
 
 
 def _primitives_kernel_fn():
-    """A kernel calling every primitive of ``tpcomm.ptx`` once (compile coverage only)."""
+    """A kernel calling every primitive of ``tpcomm.protocol`` (and the exchanges of
+    ``tpcomm.cuteutil``) once (compile coverage only)."""
     require_dsl()
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    from tpcomm import ptx
+    from tpcomm import cuteutil as cu
+    from tpcomm import protocol
 
     @cute.kernel
     def kernel(words: cute.Tensor, error: cute.Tensor, hints: cute.Tensor, mc: Int64):
@@ -25,34 +27,34 @@ def _primitives_kernel_fn():
         smem = cutlass.memory.SmemAllocator()
         bars = smem.allocate_array(cutlass.Int64, 2)
         slots = smem.allocate_array(Int32, 8 * 4, byte_alignment=16)
-        ptx.arm_exchanges(bars, (16, 4))
+        cu.arm_exchanges(bars, (16, 4))
         cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()
         base = Int64(words.iterator.toint()) + tid * 16
-        a = ptx.load16_relaxed_sys(base)
-        b = ptx.load16_acquire_sys(base + 4096)
-        c = ptx.load16(base + 8192)
-        lo, hi = ptx.unpack_bf16x2(a[0])
-        packed = ptx.pack_bf16x2(lo + hi, Float32(1.0))
-        ptx.store16(base, [packed, b[1], c[2], ptx.canonicalize(a[3])])
-        ptx.store16_release_sys(base + 16, [b[0], b[1], b[2], b[3]])
-        ptx.publish(base + 32, [a[0], a[1], a[2], a[3]])
-        ptx.publish(mc + tid * 16, [a[0], a[1], a[2], a[3]], multicast=True)
+        a = protocol.load16_relaxed_sys(base)
+        b = protocol.load16_acquire_sys(base + 4096)
+        c = protocol.load16(base + 8192)
+        lo, hi = cu.unpack_bf16x2(a[0])
+        packed = cu.pack_bf16x2(lo + hi, Float32(1.0))
+        protocol.store16(base, [packed, b[1], c[2], protocol.canonicalize(a[3])])
+        protocol.store16_release_sys(base + 16, [b[0], b[1], b[2], b[3]])
+        protocol.publish(base + 32, [a[0], a[1], a[2], a[3]])
+        protocol.publish(mc + tid * 16, [a[0], a[1], a[2], a[3]], multicast=True)
         raw = cute.make_rmem_tensor(8, Int32)
-        failed = ptx.poll_groups(
+        failed = protocol.poll_groups(
             raw, [base + 64, base + 80], 2, Int64(1000), Int64(error.iterator.toint())
         )
         if failed == 0:
-            ptx.rearm(base + 64)
+            protocol.rearm(base + 64)
         peer = cute.arch.block_idx_in_cluster() ^ 1
         if tid == 0:
-            ptx.push_words(slots + 4, (a[0], a[1], a[2], a[3]), bars, peer)
-            ptx.push_float(slots + 1, ptx.bits_float(ptx.float_bits(lo)), bars + 1, peer)
-        ptx.wait_exchange(bars)
-        ptx.wait_exchange(bars + 1)
-        ptx.fence_sys()
-        if ptx.published(raw[0], raw[1], raw[2], raw[3]):
-            ptx.release_increment(Int64(hints.iterator.toint()))
+            cu.push_words(slots + 4, (a[0], a[1], a[2], a[3]), bars, peer)
+            cu.push_float(slots + 1, cu.bits_float(cu.float_bits(lo)), bars + 1, peer)
+        cu.wait_exchange(bars)
+        cu.wait_exchange(bars + 1)
+        protocol.fence_sys()
+        if protocol.published(raw[0], raw[1], raw[2], raw[3]):
+            protocol.release_increment(Int64(hints.iterator.toint()))
 
     @cute.jit
     def launch(
@@ -87,16 +89,16 @@ def test_primitives_compile(arch):
 @pytest.mark.parametrize("tp, multicast", [(2, False), (16, False), (16, True), (5, True)])
 def test_allreduce_compiles(arch, tp, multicast):
     require_dsl()
-    from tpcomm.allreduce import compiled
+    from tpcomm.allreduce_kernel import compiled
 
     assert compiled(tp, 2048, multicast, multicast, arch) is not None
 
 
 def test_allreduce_ptx_uses_scoped_accesses(tmp_path):
     cute = require_dsl()
-    from tpcomm.allreduce import fake_arguments, kernel_class
+    from tpcomm.allreduce_kernel import AllReduceKernel, fake_arguments
 
-    kernel = kernel_class()(4, 1024, fence=True)
+    kernel = AllReduceKernel(4, 1024, fence=True)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     fn = cute.compile(kernel, *fake_arguments(4, 1024), options=options)
     text = fn.__ptx__
@@ -110,9 +112,9 @@ def test_allreduce_ptx_uses_scoped_accesses(tmp_path):
 
 def test_kernel_config_validation():
     require_dsl()
-    from tpcomm.allreduce import kernel_class
+    from tpcomm.allreduce_kernel import AllReduceKernel
 
     with pytest.raises(ValueError, match="tp"):
-        kernel_class()(17, 1024)
+        AllReduceKernel(17, 1024)
     with pytest.raises(ValueError, match="hid"):
-        kernel_class()(2, 1000)
+        AllReduceKernel(2, 1000)

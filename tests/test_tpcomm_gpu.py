@@ -214,7 +214,7 @@ def test_nvshmem_one_pe():
 
 
 def nvshmem_main():
-    from tpcomm.symm import make_backend
+    from tpcomm.backends import make_backend
 
     for cycle in range(2):  # init, allocate, views, all-reduce, teardown; twice
         backend = make_backend("nvshmem")

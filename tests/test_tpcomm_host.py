@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     from tpcomm import mailbox as mb
-    from tpcomm.symm import make_backend
+    from tpcomm.backends import make_backend
 
     backend = make_backend("host")
     rank, world = backend.rank, backend.world

@@ -5,8 +5,9 @@ import torch
 
 from tpcomm import mailbox as mb
 from tpcomm.allreduce import MailboxAllReduce, grid_ctas
+from tpcomm.backends import make_backend
 from tpcomm.backends.loopback import LoopbackBackend, coresident_capacity
-from tpcomm.symm import SymmetricTensor, make_backend
+from tpcomm.symm import SymmetricTensor
 
 
 def test_parity_alternates():

@@ -25,3 +25,8 @@ def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None, align=N
         raise ValueError(f"{name} must be on {device}; got {t.device}")
     if align is not None and t.data_ptr() % align:
         raise ValueError(f"{name} must be {align}-byte aligned")
+
+
+def check_device_tensor(name, t, shape, dtype, device) -> None:
+    """A kernel operand: ``check_tensor`` with ``shape`` on ``device``, 16-byte aligned."""
+    check_tensor(name, t, dtype, shape=shape, device=device, align=16)

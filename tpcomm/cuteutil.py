@@ -1,12 +1,12 @@
-"""Generic CuTe DSL helpers shared by the kernel families (``kda/`` imports them).
+"""Generic CuTe DSL helpers shared by the kernel families (``kda/`` imports them): shared
+tensors and addresses, vector loads and stores, ``cp.async``, bf16 pack/unpack, the
+``mma.sync`` wrapper, warp sums, cluster exchanges, launch options, and the host side
+(``to_cute``, fake tensors for compile-only arguments).
 
-Addresses are plain integers: ``Int64`` generic addresses of global memory (identical to
-the global-window address on sm_90 / sm_100) and ``Int32`` shared-window addresses. Each
-hand-written PTX wrapper states its memory order and scope in its docstring; unless it
-says otherwise it is a weak (non-atomic) access ordered only by the CTA barriers and
-``cp.async`` waits around it.
-
-Import only from code that runs with the ``cu13`` extra: this module imports ``cutlass``.
+Addresses are ``Int64`` generic addresses of global memory and ``Int32`` shared-window
+addresses. Each hand-written PTX wrapper states its memory order in its docstring; unless
+it says otherwise it is a weak access ordered only by the barriers around it. Needs the
+CuTe DSL (the ``cu13`` extra).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 __all__ = [
     "smem_tensor",
@@ -33,6 +35,18 @@ __all__ = [
     "xor_sum",
     "warp_sum",
     "launch",
+    "ld_global_nc_b32x4",
+    "mma_bf16_16816",
+    "bits_float",
+    "float_bits",
+    "unpack_bf16x2",
+    "pack_bf16x2",
+    "push_words",
+    "push_float",
+    "arm_exchanges",
+    "wait_exchange",
+    "to_cute",
+    "fake_tensor",
 ]
 
 
@@ -140,6 +154,28 @@ def ld_shared_b32x4(shared: Int32):
     )
 
 
+def ld_global_nc_b32x4(address: Int64):
+    """Weak 16-byte read-only load (non-coherent path, no L1 allocation): weights."""
+    return cute.arch.inline_ptx(
+        "ld.global.nc.L1::no_allocate.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32] * 4,
+        read_only_args=[address],
+    )
+
+
+def mma_bf16_16816(a, b, c):
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: D = A B + C for one warp;
+    ``a`` four, ``b`` two 32-bit bf16x2 words, ``c`` four fp32 (fragment order of the PTX
+    ISA). Register-only: no memory access."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+        "{{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4,
+        read_only_args=[*a, *b, *c],
+    )
+
+
 def bf16x2_to_f32(word: Uint32):
     """The two bf16 halves of a 32-bit word as fp32 (low half first); exact."""
     low = cute.arch.inline_ptx(
@@ -209,4 +245,91 @@ def launch(
     kernel_call.launch(**options)
 
 
-_ = cutlass  # the DSL must be importable wherever this module is
+# --- bf16 pairs (llvm form; ``bf16x2_to_f32`` is the inline-PTX form KDA uses) ----
+
+
+@dsl_user_op
+def bits_float(word, *, loc=None, ip=None) -> Float32:
+    """No memory access: reinterpret a 32-bit word as fp32."""
+    return Float32(llvm.bitcast(T.f32(), Int32(word).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def float_bits(value, *, loc=None, ip=None) -> Int32:
+    """No memory access: reinterpret an fp32 as a 32-bit word."""
+    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def unpack_bf16x2(word: Int32):
+    """No memory access: a word holding (low, high) bf16 -> two exact fp32 values."""
+    return bits_float(word << 16), bits_float(word & Int32(-65536))
+
+
+@dsl_user_op
+def pack_bf16x2(low, high, *, loc=None, ip=None) -> Int32:
+    """No memory access: round two fp32 to bf16 (nearest even) into one word, low first."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+# --- cluster exchanges (DSMEM) -----------------------------------------------------
+
+
+@cute.jit
+def push_words(smem_ptr, words, mbar_ptr, peer: Int32):
+    """Release at cluster scope (complete_tx): st.async of 1, 2 or 4 words to a peer CTA."""
+    cute.arch.store_async_dsmem(smem_ptr, words, mbar_ptr, peer)
+
+
+@cute.jit
+def push_float(smem_ptr, value: Float32, mbar_ptr, peer: Int32):
+    """Release at cluster scope (complete_tx): st.async of one fp32 into a peer CTA's smem."""
+    cute.arch.store_async_dsmem(smem_ptr, float_bits(value), mbar_ptr, peer)
+
+
+@cute.jit
+def arm_exchanges(bars, sizes: cutlass.Constexpr):
+    """CTA scope: one thread arms mbarrier i for ``sizes[i]`` bytes of st.async traffic.
+
+    Call before ``cluster_arrive`` so no peer pushes into an unarmed barrier; the fence
+    makes the initialisation visible to the cluster.
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        for i in cutlass.range_constexpr(len(sizes)):
+            cute.arch.mbarrier_init(bars + i, 1)
+        cute.arch.mbarrier_init_fence()
+        for i in cutlass.range_constexpr(len(sizes)):
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
+
+
+@cute.jit
+def wait_exchange(bar):
+    """Acquire at cluster scope: wait for phase 0 of an armed exchange barrier."""
+    cute.arch.mbarrier_wait(bar, 0)
+
+
+# --- host side ------------------------------------------------------------------------
+
+
+def to_cute(t, align=16):
+    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+
+
+def fake_tensor(dtype, shape, align=16):
+    """A compact fake tensor for compile-only arguments (``cute.sym_int()`` extents)."""
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, assumed_align=align)

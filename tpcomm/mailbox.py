@@ -32,9 +32,13 @@ SENTINEL = 0xFFFFFFFF
 CANONICAL_NAN_WORD = 0x7FC07FC0
 GROUP_ELEMS = 8  # bf16 per 16-byte group
 COLUMNS_PER_CTA = 1024  # 128 threads x one group each
+CTA_THREADS = COLUMNS_PER_CTA // GROUP_ELEMS
+ALLREDUCE_BLOCKS_PER_SM = 8  # the all-reduce kernel's launch bound (<= 64 registers a thread)
 MAX_TP = 16
 MAX_TOKENS = 8
 MAX_HID = 8192
+POLL_CHUNK = 4  # mailbox slots a thread polls together (registers: 16 words)
+DEFAULT_BUDGET_NS = 50_000_000  # a poll's budget: far above any healthy step, far below a hang
 
 
 def parity(step: int) -> int:
@@ -125,7 +129,7 @@ class TwoshotLayout:
         return slice(rank * self.shard, (rank + 1) * self.shard)
 
 
-# --- host-side word operations (the device does the same in tpcomm.ptx) -----------------
+# --- host-side word operations (the device does the same in tpcomm.protocol) ------------
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -155,13 +159,31 @@ def published(t: torch.Tensor) -> torch.Tensor:
     return (_words(t).view(-1, 4) != -1).all(dim=1)
 
 
+def grouped_sum(partials: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """``[TP, ...]`` bf16 -> fp32, not rounded: with ``S = ceil(TP / groups)`` group g sums
+    ranks ``g*S ..`` in rank order from its first rank's value; the group sums are added in
+    group order (an empty group adds +0.0). ``groups = 1``: the plain rank-order sum."""
+    tp = partials.shape[0]
+    per = -(-tp // groups)
+    p = partials.float()
+    total = None
+    for g in range(groups):
+        first, count = g * per, min(per, tp - g * per)
+        if count <= 0:
+            part = torch.zeros_like(p[0])
+        else:
+            part = p[first]
+            for r in range(first + 1, first + count):
+                part = part + p[r]
+        total = part if total is None else total + part
+    return total
+
+
 def rank_order_sum(partials: torch.Tensor) -> torch.Tensor:
     """``[TP, ...]`` bf16 -> bf16: fp32 sum in rank order from rank 0's value, one rounding.
 
     Partials are canonicalised first, as the producers do.
     """
-    from tpcomm.oproj.reference import rank_order_sum as grouped_sum
-
     if partials.dim() < 2 or partials.dtype != torch.bfloat16:
         raise ValueError("partials must be a bf16 tensor [TP, ...]")
     return grouped_sum(canonicalize(partials.contiguous()), groups=1).to(torch.bfloat16)

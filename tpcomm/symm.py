@@ -1,21 +1,12 @@
-"""Symmetric memory: one small interface, three backends, one factory.
+"""Symmetric memory: one small interface (``SymmetricBackend``) that three backends
+implement (``tpcomm.backends``: ``nvshmem``, ``loopback``, ``host``; built by
+``tpcomm.backends.make_backend``).
 
-A backend hosts one or more ranks of a TP group of size ``world``:
-
-- ``nvshmem``  (``tpcomm.backends.nvshmem``): one PE per process and GPU; peers through
-  nvshmem4py peer pointers, multicast through NVLS when the platform has it.
-- ``loopback`` (``tpcomm.backends.loopback``): one process, one GPU, every rank a CUDA
-  stream over one allocation, so the whole protocol runs on a single GPU.
-- ``host``     (``tpcomm.backends.host``): CPU tensors and torch.distributed (gloo); no
-  load/store peer access, collectives only: the reference path without a GPU.
-
-Interface (``SymmetricBackend``): ``allocate(shape, dtype) -> SymmetricTensor``,
-``local(t, rank)``, ``peer(t, peer, rank)``, ``multicast(t)`` (a tensor or None),
+A backend hosts one or more ranks of a TP group of size ``world``: ``allocate(shape,
+dtype)``, ``local(t, rank)``, ``peer(t, peer, rank)``, ``multicast(t)`` (or None),
 ``peer_pointers(t, rank)`` (int64 device tensor of peer base addresses), ``barrier()``,
-``teardown()`` (idempotent), ``ranks`` (ranks hosted here), ``world``, ``single_device``,
-``check_coresident(ctas, threads, min_blocks_per_sm)``.
-
-Importing this module needs only torch.
+``teardown()`` (idempotent), ``ranks``, ``world``, ``single_device``,
+``check_coresident(ctas, threads, min_blocks_per_sm)``. Needs only torch.
 """
 
 from __future__ import annotations
@@ -147,20 +138,3 @@ class SymmetricBackend(abc.ABC):
     def _require_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.name} backend was torn down")
-
-
-def make_backend(kind: str, **kwargs) -> SymmetricBackend:
-    """Build a backend by name: ``nvshmem``, ``loopback`` (``world=``) or ``host``."""
-    if kind == "loopback":
-        from tpcomm.backends.loopback import LoopbackBackend
-
-        return LoopbackBackend(**kwargs)
-    if kind == "host":
-        from tpcomm.backends.host import HostBackend
-
-        return HostBackend(**kwargs)
-    if kind == "nvshmem":
-        from tpcomm.backends.nvshmem import NvshmemBackend
-
-        return NvshmemBackend(**kwargs)
-    raise ValueError(f"kind must be one of {BACKENDS}; got {kind!r}")

@@ -44,7 +44,7 @@ def _device_class():
     return Device
 
 
-class _TorchStream:
+class TorchStream:
     """A torch stream in the CUDA stream protocol that nvshmem4py accepts."""
 
     def __init__(self, stream):
@@ -144,7 +144,7 @@ class NvshmemBackend(SymmetricBackend):
     def barrier(self) -> None:
         self._require_open()
         torch.cuda.synchronize(self.device)
-        stream = _TorchStream(torch.cuda.current_stream(self.device))
+        stream = TorchStream(torch.cuda.current_stream(self.device))
         try:
             _nvshmem().barrier_all(stream)
         except Exception:

@@ -1,75 +1,35 @@
-"""Host API of the o-projection all-reduce + AttnRes: the plan, the buffers, the launches.
-
-``choose(tp, tokens, hid)`` is the plain-Python heuristic (CPU-tested): how many 128-thread
-groups poll the mailbox and whether twoshot is worth it.
-
-- groups: every group polls at most ``POLL_CHUNK`` (4) rank slots, so one round of four
-  16-byte loads per thread is in flight: ``groups = ceil(TP / 4)`` (TP <= 4: 1, TP 8: 2,
-  TP 16: 4). More groups only add threads (co-residency of the fused kernel and of the
-  loopback backend).
-- twoshot: one-shot moves ``TP x tokens x HID x 2`` bytes into every rank; twoshot about
-  ``2 x tokens x HID x 2`` plus a second hop. Worth it from TP 8 with 4+ tokens. The
-  twoshot path (``OprojAllReduce(..., twoshot=True)``) is GPU-validated on loopback,
-  but the plan picks it only with ``twoshot_available=True`` (``TWOSHOT_AVAILABLE``)
-  until a run on 8 GPUs measures the crossover; otherwise one-shot, saying why. A
-  twoshot plan uses 1 group (the consumer polls the one gather slot).
+"""Host API of the o-projection all-reduce + AttnRes: buffers, checks and launches.
 
 ``OprojAllReduce`` holds one double-buffered ``Mailbox`` (or, with ``twoshot``, the
-``TwoshotRows``: receive views and gather rows) on a ``tpcomm.symm`` backend,
-the error words and hint counters, and launches the producer (``OprojProducer``, or
-``OprojProducerDeep`` with ``producer="deep"``: the o-projection GEMM) or the publisher
-(a ready partial) and the ``OprojConsumer`` per rank
-(``run_ranks`` runs every loopback rank on its own stream), or both in one launch
-(``produce_consume``: ``tpcomm.oproj.fused.OprojFused``, bitwise the same results; it
-refuses, before any launch, a shape whose CTAs cannot all be resident on the GPU, every
-loopback rank's launch counted). ``allreduce_attnres`` is the one-call form for one rank.
-Validation raises ``ValueError`` naming the argument before any launch.
+``TwoshotRows``) on a ``tpcomm.symm`` backend, the error words and hint counters, and
+launches the kernels of ``tpcomm.oproj``: per rank ``publish`` (a ready partial),
+``produce`` (the o-projection GEMM), ``consume`` and ``produce_consume`` (one fused
+launch); every rank of a one-GPU backend in one launch ``publish_all``, ``produce_all``,
+``consume_all``; ``run_ranks`` drives every loopback rank. Validation raises
+``ValueError`` naming the argument before any launch. Imports without the CuTe DSL.
 """
-
-from dataclasses import dataclass
 
 import torch
 
-from tpcomm.checks import check_tensor
+from tpcomm.checks import check_device_tensor
 from tpcomm.mailbox import Mailbox, TwoshotRows
-from tpcomm.oproj import consumer as C
-from tpcomm.oproj import fused as F
+from tpcomm.oproj.plan import (
+    DEFAULT_BUDGET_NS,
+    GROUP_THREADS,
+    SLICE,
+    WORD_ROW_BYTES,
+    DeviceLimits,
+    Plan,
+    check_config,
+    choose,
+    min_blocks_per_sm,
+    plan_fused,
+)
 from tpcomm.oproj.reference import check_consume
 
-POLL_CHUNK = C.POLL_CHUNK
-TWOSHOT_MIN_TP = 8
-TWOSHOT_MIN_TOKENS = 4
-# twoshot passed its GPU tests (loopback, H200); it joins the automatic choice once an
-# 8-GPU run shows where it beats one-shot (it only saves NVLink bytes at TP >= 8)
-TWOSHOT_AVAILABLE = False
+__all__ = ["OprojAllReduce", "Plan", "choose"]
 
-
-@dataclass(frozen=True)
-class Plan:
-    groups: int
-    twoshot: bool
-    reason: str
-
-
-def choose(tp: int, tokens: int, hid: int, *, twoshot_available: bool = TWOSHOT_AVAILABLE):
-    """The consumer plan for a TP group size, token count and hidden width."""
-    if not isinstance(tp, int) or not 1 <= tp <= C.MAX_TP:
-        raise ValueError(f"tp must be an int in 1..{C.MAX_TP}; got {tp!r}")
-    if not isinstance(tokens, int) or not 1 <= tokens <= 8:
-        raise ValueError(f"tokens must be an int in 1..8; got {tokens!r}")
-    C.check_config(tp, hid, 0, 1, 0)
-    groups = min(C.MAX_GROUPS, -(-tp // POLL_CHUNK))
-    reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}"
-    wants = tp >= TWOSHOT_MIN_TP and tokens >= TWOSHOT_MIN_TOKENS and hid % (8 * tp) == 0
-    if wants and twoshot_available:
-        return Plan(1, True, f"twoshot: TP {tp} x {tokens} tokens; one gather slot")
-    if wants:
-        reason += "; twoshot would pay off but is not available: one-shot"
-    return Plan(groups, False, reason)
-
-
-def _check_device_tensor(name, t, shape, dtype, device):
-    check_tensor(name, t, dtype, shape=shape, device=device, align=16)
+RUN_MODES = ("per-rank", "fused", "one-launch")
 
 
 class OprojAllReduce:
@@ -80,27 +40,18 @@ class OprojAllReduce:
     ``budget_ns``; after an error call ``reset()``. ``hints(rank)`` counts the consumer's
     release increments (4 per CTA and step when ``xmoe_reps`` > 0). ``groups`` and
     ``twoshot`` default to ``choose``'s plan; ``fence`` (a sys fence before each publish)
-    defaults to on unless every rank shares one GPU. ``producer`` picks the o-projection
-    kernel of ``produce`` and ``run_ranks(w_os=...)``: ``"tiled"`` (``OprojProducer``) or
-    ``"deep"`` (``OprojProducerDeep``: the weights staged in shared memory by bulk copies,
-    all requested at once; bitwise the same partials); the fused kernel keeps the tiled one.
-    ``one_launch``: built for ``run_ranks(one_launch=True)`` / ``consume_all`` only (every
-    rank of a one-GPU backend in one consumer launch that starts after every partial is
-    published), so the ranks' consumers need not be resident together (no
-    ``check_coresident``); per-rank ``run_ranks`` is then refused.
+    defaults to on unless every rank shares one GPU. ``one_launch``: built for the
+    ``*_all`` launches only (every partial published before one consumer launch starts),
+    so the ranks' consumers need not be resident together; per-rank runs are refused.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
-                 xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=C.DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None, producer="tiled", one_launch=False):  # fmt: skip
-        from tpcomm.oproj.producer import VARIANTS
-
-        if producer not in VARIANTS:
-            raise ValueError(f"producer must be one of {VARIANTS}; got {producer!r}")
+                 xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
+                 fence=None, twoshot=None, one_launch=False):  # fmt: skip
         plan = choose(backend.world, tokens, hid)
         twoshot = plan.twoshot if twoshot is None else bool(twoshot)
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
-        C.check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
+        check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not isinstance(budget_ns, int) or budget_ns <= 0:
             raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")
         for name, v in (("eps", eps), ("out_eps", out_eps)):
@@ -110,7 +61,7 @@ class OprojAllReduce:
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot, self.producer = twoshot, producer
+        self.twoshot = twoshot
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
             self.mailbox, self.rows = None, TwoshotRows(backend, tokens, hid)
@@ -130,7 +81,7 @@ class OprojAllReduce:
         # what check_consume sees of the mailbox (shape and dtype only)
         self._probe = torch.empty((self.tp, tokens, hid), dtype=torch.bfloat16, device="meta")
         n = max(backend.ranks) + 1
-        words = C.WORD_ROW_BYTES // 4  # a rank's row (the one-launch kernels' stride)
+        words = WORD_ROW_BYTES // 4  # a rank's row (the one-launch kernels' stride)
         self.errors = torch.zeros((n, words), dtype=torch.int32, device=self.device)
         self.hint_words = torch.zeros((n, words), dtype=torch.int32, device=self.device)
         bf = dict(dtype=torch.bfloat16, device=self.device)
@@ -144,13 +95,16 @@ class OprojAllReduce:
             self._check_one_launch()
         else:
             backend.check_coresident(
-                (hid // C.SLICE) * tokens, C.GROUP_THREADS * groups, C.min_blocks_per_sm(groups)
+                (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
             )
 
     # --- compiled kernels -------------------------------------------------------------
     def functions(self):
+        """(publisher, consumer) compiled for this all-reduce's per-rank launches."""
         if self._fns is None:
-            consumer = C.compiled(
+            from tpcomm.oproj.consumer import compiled
+
+            consumer = compiled(
                 self.tp, self.hid, self.nb, self.has_delta, self.groups, self.xmoe_reps,
                 twoshot=self.twoshot, fence=self.fence,
             )  # fmt: skip
@@ -188,64 +142,26 @@ class OprojAllReduce:
             )
         shape = (self.tokens, self.hid)
         for name, t in (("prefix", prefix), ("output", output)):
-            _check_device_tensor(name, t, shape, torch.bfloat16, self.device)
+            check_device_tensor(name, t, shape, torch.bfloat16, self.device)
         for name, t in (("norm", norm), ("query", query), ("out_norm", out_norm)):
-            _check_device_tensor(name, t, (self.hid,), torch.bfloat16, self.device)
+            check_device_tensor(name, t, (self.hid,), torch.bfloat16, self.device)
         if blocks is not None:
-            _check_device_tensor("blocks", blocks, blocks.shape, torch.bfloat16, self.device)
+            check_device_tensor("blocks", blocks, blocks.shape, torch.bfloat16, self.device)
         if self.xmoe_reps:
             want = (self.xmoe_reps, self.tokens, self.hid)
-            _check_device_tensor("xmoe", xmoe, want, torch.bfloat16, self.device)
+            check_device_tensor("xmoe", xmoe, want, torch.bfloat16, self.device)
         elif xmoe is not None:
             raise ValueError("xmoe given, but this all-reduce was built with xmoe_reps = 0")
         if self.device.type != "cuda":
             raise ValueError(f"the mailbox must be on a CUDA device to launch; got {self.device}")
 
-    # --- launches ---------------------------------------------------------------------
+    # --- per-rank launches --------------------------------------------------------------
     def publish(self, partial, step, rank=None, stream=None):
         """Rank ``rank``'s partial [tokens, HID] into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
         shape = (self.tokens, self.hid)
-        _check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
+        check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
         self._launch(self._publisher(), (partial,), rank, step, stream)
-
-    # the compiled launches, one key each: ``ranks`` = TP launches every rank at once
-    def _publisher(self, pdl=False, ranks=1):
-        from tpcomm.oproj.producer import compiled_publisher
-
-        return compiled_publisher(self.tp, self.hid, self.multicast_base != 0, self.fence, pdl,
-                                  twoshot=self.twoshot, ranks=ranks)  # fmt: skip
-
-    def _producer(self, d_local, pdl=False, ranks=1):
-        from tpcomm.oproj.producer import compiled_producer
-
-        return compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0,
-                                 self.fence, pdl, twoshot=self.twoshot, variant=self.producer,
-                                 ranks=ranks)  # fmt: skip
-
-    def _launch(self, fn, tensors, rank, step, stream):
-        """A publisher or producer launch: ``tensors`` (partial, or attn_out and w_o) of
-        ``rank``, its peer table, then rank and parity, on ``stream`` (None: current)."""
-        import cuda.bindings.driver as cuda
-        from cutlass import Int32, Int64
-
-        stream = torch.cuda.current_stream(self.device) if stream is None else stream
-        fn(*(_dl(t) for t in tensors), _dl(self.peers[rank], 8), Int64(self.multicast_base),
-           Int32(rank), Int32(step & 1), cuda.CUstream(stream.cuda_stream))  # fmt: skip
-
-    def _check_projection(self, attn_out, w_o):
-        """ValueError naming the argument unless ``attn_out`` [tokens, D_local] and ``w_o``
-        [HID, D_local] fit; returns D_local."""
-        if not isinstance(attn_out, torch.Tensor) or attn_out.dim() != 2:
-            raise ValueError("attn_out must be a 2-D [tokens, D_local] torch.Tensor")
-        d_local = attn_out.shape[1]
-        if d_local <= 0 or d_local % 128:
-            raise ValueError(f"attn_out width D_local must be a multiple of 128; got {d_local}")
-        _check_device_tensor(
-            "attn_out", attn_out, (self.tokens, d_local), torch.bfloat16, self.device
-        )
-        _check_device_tensor("w_o", w_o, (self.hid, d_local), torch.bfloat16, self.device)
-        return d_local
 
     def produce(self, attn_out, w_o, step, rank=None, stream=None):
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
@@ -265,9 +181,51 @@ class OprojAllReduce:
         args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
         self.functions()[1](*args, cuda.CUstream(stream.cuda_stream))
 
+    # the compiled launches, one key each: ``ranks`` = TP launches every rank at once
+    def _publisher(self, pdl=False, ranks=1):
+        from tpcomm.oproj.producer import compiled_publisher
+
+        return compiled_publisher(self.tp, self.hid, self.multicast_base != 0, self.fence, pdl,
+                                  twoshot=self.twoshot, ranks=ranks)  # fmt: skip
+
+    def _producer(self, d_local, pdl=False, ranks=1):
+        from tpcomm.oproj.producer import compiled_producer
+
+        return compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0,
+                                 self.fence, pdl, twoshot=self.twoshot, ranks=ranks)  # fmt: skip
+
+    def _launch(self, fn, tensors, rank, step, stream):
+        """A publisher or producer launch: ``tensors`` (partial, or attn_out and w_o) of
+        ``rank``, its peer table, then rank and parity, on ``stream`` (None: current)."""
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64
+
+        from tpcomm.cuteutil import to_cute
+
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        fn(*(to_cute(t) for t in tensors), to_cute(self.peers[rank], 8),
+           Int64(self.multicast_base), Int32(rank), Int32(step & 1),
+           cuda.CUstream(stream.cuda_stream))  # fmt: skip
+
+    def _check_projection(self, attn_out, w_o):
+        """ValueError naming the argument unless ``attn_out`` [tokens, D_local] and ``w_o``
+        [HID, D_local] fit; returns D_local."""
+        if not isinstance(attn_out, torch.Tensor) or attn_out.dim() != 2:
+            raise ValueError("attn_out must be a 2-D [tokens, D_local] torch.Tensor")
+        d_local = attn_out.shape[1]
+        if d_local <= 0 or d_local % 128:
+            raise ValueError(f"attn_out width D_local must be a multiple of 128; got {d_local}")
+        check_device_tensor(
+            "attn_out", attn_out, (self.tokens, d_local), torch.bfloat16, self.device
+        )
+        check_device_tensor("w_o", w_o, (self.hid, d_local), torch.bfloat16, self.device)
+        return d_local
+
     def _consumer_args(self, rank, prefix, blocks, norm, query, out_norm, output, step, xmoe):
         """The consumer's launch arguments (``OprojConsumerKernel.__call__`` less the stream)."""
         from cutlass import Float32, Int32, Int64
+
+        from tpcomm.cuteutil import to_cute
 
         if self.twoshot:
             box = self.rows.gather_row(rank).view(2, 1, self.tokens, self.hid)
@@ -275,18 +233,18 @@ class OprojAllReduce:
         else:
             box, recv = self.mailbox.local(rank), self._no_recv
         return (
-            _dl(box), _dl(prefix),
-            _dl(self._no_blocks if blocks is None else blocks),
-            _dl(norm), _dl(query), _dl(out_norm), _dl(output),
-            _dl(self._no_xmoe if xmoe is None else xmoe), _dl(self.hints(rank), 4),
-            Float32(self.eps), Float32(self.out_eps), _dl(self.error(rank), 4),
-            Int32(step & 1), Int64(self.budget_ns), _dl(recv), _dl(self.gather_peers[rank], 8),
-            Int32(rank),
+            to_cute(box), to_cute(prefix),
+            to_cute(self._no_blocks if blocks is None else blocks),
+            to_cute(norm), to_cute(query), to_cute(out_norm), to_cute(output),
+            to_cute(self._no_xmoe if xmoe is None else xmoe), to_cute(self.hints(rank), 4),
+            Float32(self.eps), Float32(self.out_eps), to_cute(self.error(rank), 4),
+            Int32(step & 1), Int64(self.budget_ns), to_cute(recv),
+            to_cute(self.gather_peers[rank], 8), Int32(rank),
         )  # fmt: skip
 
     # --- fused producer + consumer ------------------------------------------------------
     def fused_plan(self, tiles=None, limits=None, launches=None):
-        """The fused launch on this GPU (``tpcomm.oproj.fused.plan_fused``): ValueError when
+        """The fused launch on this GPU (``tpcomm.oproj.plan.plan_fused``): ValueError when
         its CTAs cannot all be resident. ``launches``: launches sharing the GPU at once;
         default every rank's on a one-GPU backend (loopback), else 1 (a benchmark of one
         loopback rank alone passes 1). ``limits`` (``DeviceLimits``) overrides the
@@ -296,9 +254,9 @@ class OprojAllReduce:
             if limits is None:
                 if self.device.type != "cuda":
                     raise ValueError(f"the fused plan needs a CUDA device; got {self.device}")
-                limits = F.DeviceLimits.of(self.device)
+                limits = DeviceLimits.of(self.device)
             shared = self.backend.world if self.backend.single_device else 1
-            plan = F.plan_fused(
+            plan = plan_fused(
                 self.tp, self.tokens, self.hid, self.nb, self.groups, limits,
                 launches=shared if launches is None else launches, tiles=tiles,
                 xmoe_reps=self.xmoe_reps,
@@ -310,8 +268,10 @@ class OprojAllReduce:
 
     def fused_function(self, d_local, tiles=None, pdl=False, launches=None):
         """The compiled ``OprojFused`` for this all-reduce (plans first: may refuse)."""
+        from tpcomm.oproj.fused import compiled_fused
+
         plan = self.fused_plan(tiles, launches=launches)
-        return F.compiled_fused(
+        return compiled_fused(
             self.tp, self.hid, self.nb, d_local, plan.tiles, self.has_delta, self.groups,
             self.xmoe_reps, self.multicast_base != 0, self.fence, bool(pdl), self.twoshot,
         )  # fmt: skip
@@ -333,85 +293,92 @@ class OprojAllReduce:
         import cuda.bindings.driver as cuda
         from cutlass import Int64
 
+        from tpcomm.cuteutil import to_cute
+
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
         args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
         fn(
-            _dl(attn_out), _dl(w_o), _dl(self.peers[rank], 8), Int64(self.multicast_base),
-            *args, cuda.CUstream(stream.cuda_stream),
+            to_cute(attn_out), to_cute(w_o), to_cute(self.peers[rank], 8),
+            Int64(self.multicast_base), *args, cuda.CUstream(stream.cuda_stream),
         )  # fmt: skip
 
-    def run_ranks(self, partials, prefixes, blocks, norm, query, out_norm, outputs, step,
-                  *, xmoes=None, ranks=None, publishers=None, w_os=None, fused=False,
-                  pdl=False, one_launch=False):  # fmt: skip
-        """Loopback: each rank publishes ``partials[r]`` and consumes on its own stream.
+    # --- every loopback rank -----------------------------------------------------------
+    def run_ranks(self, inputs, prefixes, blocks, norm, query, out_norm, outputs, step, *,
+                  xmoes=None, w_os=None, ranks=None, publishers=None, mode="per-rank",
+                  pdl=False):  # fmt: skip
+        """Loopback: one step of every rank. ``inputs`` [TP, tokens, HID] are the ranks'
+        partials, or with ``w_os`` [TP, HID, D_local] their ``attn_out`` [TP, tokens,
+        D_local] (the producer projects them). ``prefixes``/``outputs`` [TP, tokens, HID],
+        ``xmoes`` [TP, reps, tokens, HID]. Graph-capturable; bitwise the same in every mode.
 
-        ``one_launch``: every rank in one publisher (or producer) launch and one consumer
-        launch on the current stream (``run_ranks_one_launch``); same results bitwise.
-
-        With ``w_os`` [TP, HID, D_local], ``partials`` are the ranks' ``attn_out``
-        [TP, tokens, D_local] and the producer (``producer`` of the constructor) computes
-        and publishes them; with
-        ``fused`` too, each rank does both in one ``OprojFused`` launch
-        (``produce_consume``; a rank publishes exactly when it consumes: ``ranks`` limits
-        both, ``publishers`` must be left out; ``pdl`` as in ``produce_consume``).
-
-        ``prefixes``/``outputs`` [TP, tokens, HID] (one per rank), ``xmoes``
-        [TP, reps, tokens, HID]; ``ranks`` limits the consumers, ``publishers`` the ranks
-        that publish (a rank left out never publishes). Graph-capturable.
+        ``mode``: ``"per-rank"`` (each rank publishes or produces, then consumes, on its own
+        stream; ``ranks`` limits the consumers, ``publishers`` the ranks that publish, a rank
+        left out never publishes), ``"fused"`` (each rank's ``produce_consume`` on its
+        stream; needs ``w_os``; ``ranks`` limits both), ``"one-launch"`` (``*_all``: every
+        rank in one producer or publisher launch, then one consumer launch, on the current
+        stream). ``pdl``: programmatic dependent launch (fused and one-launch).
         """
-        if one_launch:
-            if ranks is not None or publishers is not None or fused:
-                raise ValueError("run_ranks(one_launch=True) runs every rank, unfused: leave "
-                                 "ranks, publishers and fused out")  # fmt: skip
-            return self.run_ranks_one_launch(
-                partials, prefixes, blocks, norm, query, out_norm, outputs, step,
-                xmoes=xmoes, w_os=w_os, pdl=pdl,
-            )  # fmt: skip
+        if mode not in RUN_MODES:
+            raise ValueError(f"mode must be one of {RUN_MODES}; got {mode!r}")
+        if mode == "one-launch":
+            if ranks is not None or publishers is not None:
+                raise ValueError("run_ranks(mode='one-launch') runs every rank: leave ranks "
+                                 "and publishers out")  # fmt: skip
+            step = self._step(step)
+            self._check_all(prefixes, blocks, norm, query, out_norm, outputs, xmoes)
+            if w_os is not None:
+                self.produce_all(inputs, w_os, step, pdl=pdl)
+            else:
+                self.publish_all(inputs, step, pdl=pdl)
+            self.consume_all(prefixes, blocks, norm, query, out_norm, outputs, step,
+                             xmoes=xmoes, pdl=pdl, checked=True)  # fmt: skip
+            return
         if self.one_launch:
             raise ValueError(
                 "this all-reduce was built with one_launch=True (its ranks' consumers need "
-                "not fit the GPU together): run_ranks(..., one_launch=True)"
+                "not fit the GPU together): run_ranks(..., mode='one-launch')"
             )
         streams = getattr(self.backend, "streams", None)
         if not streams:
             raise ValueError("run_ranks needs a backend with one stream per rank (loopback)")
+        fused = mode == "fused"
         ranks = self.backend.ranks if ranks is None else tuple(ranks)
         publishers = ranks if publishers is None else tuple(publishers)
         if fused and w_os is None:
-            raise ValueError("run_ranks(fused=True) needs w_os: the fused kernel projects")
+            raise ValueError("run_ranks(mode='fused') needs w_os: the fused kernel projects")
         if fused and set(publishers) != set(ranks):
-            raise ValueError("run_ranks(fused=True): a rank publishes exactly when it consumes; "
-                             "limit both with ranks, not publishers")  # fmt: skip
+            raise ValueError("run_ranks(mode='fused'): a rank publishes exactly when it "
+                             "consumes; limit both with ranks, not publishers")  # fmt: skip
         for r in ranks:
             x = None if xmoes is None else xmoes[r]
             self.check(prefixes[r], blocks, norm, query, out_norm, outputs[r], x)
             if fused:
-                self._check_projection(partials[r], w_os[r])
+                self._check_projection(inputs[r], w_os[r])
         if fused:  # plan (may refuse) and compile before the first rank starts polling
-            self.fused_function(partials.shape[-1], pdl=pdl)
+            self.fused_function(inputs.shape[-1], pdl=pdl)
         current = torch.cuda.current_stream(self.device)
         fork = torch.cuda.Event()
         fork.record(current)
         for r in sorted(set(ranks) | set(publishers)):
             streams[r].wait_event(fork)
+            x = None if xmoes is None else xmoes[r]
             with torch.cuda.stream(streams[r]):
                 if fused:
-                    x = None if xmoes is None else xmoes[r]
-                    self.produce_consume(partials[r], w_os[r], prefixes[r], blocks, norm, query,
+                    self.produce_consume(inputs[r], w_os[r], prefixes[r], blocks, norm, query,
                                          out_norm, outputs[r], step, xmoe=x, rank=r,
                                          stream=streams[r], pdl=pdl, checked=True)  # fmt: skip
                     continue
                 if r in publishers and w_os is not None:
-                    self.produce(partials[r], w_os[r], step, rank=r, stream=streams[r])
+                    self.produce(inputs[r], w_os[r], step, rank=r, stream=streams[r])
                 elif r in publishers:
-                    self.publish(partials[r], step, rank=r, stream=streams[r])
+                    self.publish(inputs[r], step, rank=r, stream=streams[r])
                 if r in ranks:
-                    x = None if xmoes is None else xmoes[r]
                     self.consume(prefixes[r], blocks, norm, query, out_norm, outputs[r], step,
                                  xmoe=x, rank=r, stream=streams[r], checked=True)  # fmt: skip
         for r in sorted(set(ranks) | set(publishers)):
             current.wait_stream(streams[r])
 
+    # --- every rank of a one-GPU backend in one launch ----------------------------------
     def _check_one_launch(self):
         """ValueError unless one launch can serve every rank: a one-GPU backend hosting
         ranks 0..TP-1 whose mailboxes are consecutive slices of one allocation (checked once:
@@ -439,24 +406,6 @@ class OprojAllReduce:
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (one launch reads every rank's slice)")
 
-    def run_ranks_one_launch(self, partials, prefixes, blocks, norm, query, out_norm, outputs,
-                             step, *, xmoes=None, w_os=None, pdl=False):  # fmt: skip
-        """Every rank of a one-GPU backend in two launches on the current stream: the
-        publisher of ``partials`` [TP, tokens, HID] (or, with ``w_os`` [TP, HID, D_local],
-        the producer of ``partials`` = ``attn_out`` [TP, tokens, D_local]) for all ranks at
-        once, then the consumer of all ranks at once (grid z = rank). Bitwise what
-        ``run_ranks`` gives: the same per-rank kernels' code, only the launch differs.
-        No cluster ever waits on a non-resident one (every partial is published before the
-        consumers start, or, with ``pdl``, before the producer's last CTA has started)."""
-        step = self._step(step)
-        self._check_all(prefixes, blocks, norm, query, out_norm, outputs, xmoes)
-        if w_os is not None:
-            self.produce_all(partials, w_os, step, pdl=pdl)
-        else:
-            self.publish_all(partials, step, pdl=pdl)
-        self.consume_all(prefixes, blocks, norm, query, out_norm, outputs, step, xmoes=xmoes,
-                         pdl=pdl, checked=True)  # fmt: skip
-
     def produce_all(self, attn_outs, w_os, step, *, pdl=False):
         """Every rank's ``bf16(attn_out @ w_o^T)`` into every mailbox in one launch on the
         current stream (grid y = rank): ``attn_outs`` [TP, tokens, D_local], ``w_os``
@@ -480,7 +429,7 @@ class OprojAllReduce:
         step = self._step(step)
         self._check_one_launch()
         self._check_stacked("partials", partials, (self.tokens, self.hid))
-        _check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
+        check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
                              self.device)  # fmt: skip
         self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
 
@@ -505,8 +454,10 @@ class OprojAllReduce:
             self._check_all(prefixes, blocks, norm, query, out_norm, outputs, xmoes)
         import cuda.bindings.driver as cuda
 
-        consumer = C.compiled(self.tp, self.hid, self.nb, self.has_delta, self.groups,
-                              self.xmoe_reps, pdl, fence=self.fence, ranks=self.tp)  # fmt: skip
+        from tpcomm.oproj.consumer import compiled
+
+        consumer = compiled(self.tp, self.hid, self.nb, self.has_delta, self.groups,
+                            self.xmoe_reps, pdl, fence=self.fence, ranks=self.tp)  # fmt: skip
         args = self._consumer_args(0, prefixes[0], blocks, norm, query, out_norm, outputs[0],
                                    step, None if xmoes is None else xmoes[0])  # fmt: skip
         stream = torch.cuda.current_stream(self.device)
@@ -533,22 +484,3 @@ class OprojAllReduce:
         self.errors.zero_()
         self.hint_words.zero_()
         (self.rows if self.twoshot else self.mailbox).arm()
-
-
-def _dl(t, align=16):
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
-
-
-def allreduce_attnres(comm, partial, prefix, blocks, norm, query, out_norm, output, step, *,
-                      xmoe=None, rank=None, stream=None):  # fmt: skip
-    """One rank's step on ``comm`` (an ``OprojAllReduce``): publish ``partial`` into every
-    rank's mailbox, then consume: ``output`` and ``prefix`` (in place) as
-    ``tpcomm.oproj.reference.consume`` gives them."""
-    if not isinstance(comm, OprojAllReduce):
-        raise ValueError("comm must be a tpcomm.oproj.api.OprojAllReduce")
-    comm.check(prefix, blocks, norm, query, out_norm, output, xmoe)
-    comm.publish(partial, step, rank=rank, stream=stream)
-    comm.consume(prefix, blocks, norm, query, out_norm, output, step, xmoe=xmoe, rank=rank,
-                 stream=stream, checked=True)  # fmt: skip

@@ -1,672 +1,549 @@
 """OprojConsumer: mailbox all-reduce of the o-projection partials + residual + AttnRes + norm.
 
-Contract (SPEC "O-projection all-reduce", seed 004; ``tpcomm.oproj.reference.consume`` is
-the math it must match):
+Contract (``tpcomm.oproj.reference.consume`` is the math it must match). Grid
+``(C = HID / 1024, tokens)``, one C-CTA cluster per token; thread ``t`` of a 128-thread
+group owns 8 columns. Group g polls ranks ``g*S .. `` (``S = ceil(TP / groups)``) of the
+step's parity half of its own mailbox ``[2, TP, tokens, HID]`` and sums them in rank order
+in fp32; the lead group adds the other groups' sums in group order (an empty group adds
++0.0), rounds once to bf16 and, with ``has_delta``, rounds ``prefix + attn`` once more:
+``prefix_new``, bitwise the reference's, written back to ``prefix``. AttnRes dot products
+are reduced per warp, per CTA, then across the cluster (``st.async`` into every peer, added
+in CTA order), so all CTAs and ranks hold the same bits; ``output`` is within 1 bf16 ulp.
 
-Grid ``(C = HID / 1024, tokens)``, one C-CTA cluster per token; CTA ``c`` owns columns
-``[1024 c, 1024 (c + 1))``, thread ``t`` of each 128-thread group owns the 8 columns
-``1024 c + 8 t ..``. ``groups`` groups (1..4) poll disjoint rank slots: with
-``S = ceil(TP / groups)`` group g polls ranks ``g*S .. min((g+1)*S, TP) - 1`` of the step's
-parity half of its own mailbox ``[2, TP, tokens, HID]``, summing them in rank order in fp32
-from its first rank's value. Group 0 ("lead") then adds the other groups' sums in group
-order (an empty group adds +0.0, which turns a -0.0 into +0.0 exactly as the reference),
-rounds once to bf16 (``attn``) and, with ``has_delta``, rounds ``prefix + attn`` once more:
-that is ``prefix_new``, bitwise the reference's, written back to ``prefix``.
+Protocol: a poll that outlives ``budget_ns`` ORs the missing-rank mask (bit r: rank r;
+twoshot: bit r of a receive slot, bit 0 of the gather row) into the error word; its CTA
+still takes part in the cluster exchanges but writes nothing and re-arms nothing of the
+failed group. Otherwise every thread re-arms (sentinel) the groups it read. ``xmoe``:
+copies of the output, then one release increment of ``hints`` per lead warp.
 
-AttnRes (nb = 0..8 block snapshots, ``w = norm * query`` in fp32, not rounded) in the
-seed's unnormalised-exponential form: the dot products ``v_b . v_b``, ``v_b . w`` (before
-the mailbox is even polled) and ``mix . P``, ``mix . mix``, ``P . P``, ``P . w`` (after) are
-reduced per warp (a transposing butterfly: each lane ends with one of the K sums), then
-per CTA, then across the cluster: every CTA pushes its K CTA sums into every peer's shared
-memory with ``st.async`` completing a per-exchange mbarrier, and every CTA adds the C
-contributions in CTA order, so all CTAs (and all ranks) hold bitwise the same totals.
-``mix = sum_b fma(e_b, v_b, .)`` with ``e_b = exp(logit_b - max logit)``; the output is
-``bf16((cp * P + ca * mix) * out_norm)`` with the scale folded from the quadratic form as
-in the reference. Only the order of the fp32 reductions differs from the reference, so
-``output`` is within 1 bf16 ulp of it and identical on every rank.
-
-Protocol: polls are bounded (``globaltimer`` budget). A thread whose poll expires ORs the
-missing-rank mask (bit r: rank r) into the error word (``ptx.poll_groups``); its
-CTA still takes part in the cluster exchanges (no peer can hang on it) but writes nothing:
-no ``prefix``, ``output``, ``xmoe`` or hint, and it re-arms no slot of the failed group.
-Otherwise every thread re-arms (sentinel) the mailbox groups it read. Optional ``xmoe``
-[reps, tokens, HID]: copies of the output (bf16 bits), then one release increment of
-``hints`` per warp of the lead group (``4 * C * tokens`` per step).
-
-Twoshot (``twoshot=True``, layouts in ``tpcomm.mailbox``): producers stored shard s of
-their partial into rank s's receive view ``[2, TP, tokens, HID / TP]``. The lead threads
-owning this rank's columns first poll their receive slots, sum them in rank order (fp32,
-from rank 0's value), round once to bf16, publish the result into every rank's one-slot
-gather row ``[2, tokens, HID]`` (one relaxed sys store per peer, sys fence first with
-``fence``) and re-arm the receive slots; then every CTA reads the gather row as a one-slot
-mailbox (``S = 1``: group 0 polls it, other groups are empty and add +0.0), exactly as
-``reference.consume(..., twoshot=True)``. In the error word, bit r of a failed reduce is
-rank r's receive slot; bit 0 of a failed gather poll is the gather row.
-
-PDL (``pdl=True``): dependents are triggered at once; the wait for the previous kernel
-comes at the end (the producer, launched before, writes nothing this kernel reads but the
-mailbox). With ``early_wait`` (the fused kernel, ``tpcomm.oproj.fused``, whose previous
-kernel writes ``attn_out``) the wait comes after the AttnRes pre-phase instead, before
-``prefix`` is read and before any mailbox poll. ``body`` is one CTA's work, shared by
-this kernel and the fused one; ``smem_bytes`` is its shared memory (plain Python, for
-the co-residency rules).
-
-One launch for every rank (``ranks`` = TP, one-shot; the loopback backend, where every
-rank's mailbox is one slice of one allocation): grid ``(C, tokens, TP)``, and grid z = r
-runs rank r on its mailbox, ``prefix``, ``output`` and ``xmoe`` at r times one rank's size
-past rank 0's (``[TP, ...]`` contiguous), its row of the error and hint words. Every
-rank's partial is published before this launch (stream order, or PDL after a producer
-launch that covers every rank), so no cluster waits on one that is not resident.
-
-The CuTe DSL is imported lazily: this module imports on a CPU-only machine.
+PDL: dependents are triggered at once; the wait comes at the end, or with ``early_wait``
+(the fused kernel) before ``prefix`` is read and before any poll. ``ranks`` = TP: grid z
+= rank r, its tensors at r times one rank's size past rank 0's (``[TP, ...]`` contiguous).
 """
 
 import functools
 
-from tpcomm.oproj.reference import MAX_BLOCKS, MAX_TP, SLICE
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
-GROUP_THREADS = 128
-POLL_CHUNK = 4  # mailbox slots polled together (registers: 16 words)
-MAX_GROUPS = 4
-MAX_CLUSTER = 8
-DEFAULT_BUDGET_NS = 50_000_000
+from tpcomm import protocol
+from tpcomm.cuteutil import (
+    arm_exchanges,
+    bf16x2_to_f32,
+    cp_async_16,
+    fake_tensor,
+    launch,
+    ld_shared_b32x4,
+    pack_bf16x2,
+    push_float,
+    saddr,
+    smem_tensor,
+    unpack_bf16x2,
+    wait_exchange,
+)
+from tpcomm.oproj.plan import (
+    GROUP_THREADS,
+    POLL_CHUNK,
+    SLICE,
+    WORD_ROW_BYTES,
+    check_config,
+    check_ranks,
+    group_ranks,
+    min_blocks_per_sm,
+    pow2_at_least,
+)
 
-
-WORD_ROW_BYTES = 16  # a rank's row of error words / hint counters: int32 [4]
-
-
-def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
-    """``ranks``: consecutive ranks one launch serves (1; or all ``tp`` on one GPU)."""
-    if not isinstance(ranks, int) or ranks not in (1, tp):
-        raise ValueError(f"ranks must be 1 or tp = {tp} (every rank in one launch); got {ranks!r}")
-    if ranks > 1 and twoshot:
-        raise ValueError("ranks > 1 (every rank in one launch) is one-shot only: twoshot=False")
-
-
-def per_group(tp: int, groups: int) -> int:
-    """``S``: rank slots each group polls."""
-    return -(-tp // groups)
-
-
-def group_ranks(tp: int, groups: int, g: int) -> tuple[int, int]:
-    """(first rank, count) polled by group ``g``; count 0 for an empty group."""
-    s = per_group(tp, groups)
-    first = g * s
-    return first, max(0, min(s, tp - first))
-
-
-def min_blocks_per_sm(groups: int) -> int:
-    """Launch bound: CTAs per SM the compiled kernel guarantees (64 registers a thread)."""
-    return max(1, 8 // groups)
-
-
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+# rows of the per-thread prefetch area (16 bytes per thread and row)
+ROW_NORM, ROW_QUERY, ROW_OUT_NORM, ROW_PREFIX, ROW_BLOCK = 0, 1, 2, 3, 4
 
 
-def smem_layout(hid: int, nb: int, groups: int) -> list[tuple[int, int]]:
-    """(bytes, alignment) of each shared allocation of ``allocate``, in its order."""
-    ctas = hid // SLICE
-    kpre, kpost = max(1, pow2_at_least(2 * nb) if nb else 0), 4 if nb else 1
-    return [
-        (2 * 8, 8),  # the two exchange mbarriers
-        ((4 + nb) * GROUP_THREADS * 16, 16),  # prefetch rows
-        (max(1, groups - 1) * GROUP_THREADS * 8 * 4, 16),  # the helper groups' sums
-        (4 * kpre * 4, 16),
-        (4 * kpost * 4, 16),
-        (ctas * kpre * 4, 16),
-        (ctas * kpost * 4, 16),
-        (kpre * 4, 16),
-        (kpost * 4, 16),
-        (4 * 4, 16),  # error flag
-    ]
+def transpose_sum(values, lane):
+    """Warp sum of K = len(values) fp32 (power of two <= 32): each step halves the list,
+    the lanes with the step's bit set keeping the upper half. Returns (index, sum): lane
+    ``l`` holds the full warp sum of value ``index``; lanes ``l`` with
+    ``l % (32 // K) == 0`` cover each index once. Same order in every warp."""
+    vals = list(values)
+    index = Int32(0)
+    offset = 16
+    while len(vals) > 1:
+        half = len(vals) // 2
+        upper = (lane & offset) != 0
+        merged = []
+        for j in range(half):
+            keep = Float32(cutlass.select_(upper, vals[j + half], vals[j]))
+            send = Float32(cutlass.select_(upper, vals[j], vals[j + half]))
+            merged.append(keep + cute.arch.shuffle_sync_bfly(send, offset))
+        index = index + Int32(cutlass.select_(upper, Int32(half), Int32(0)))
+        vals = merged
+        offset //= 2
+    value = vals[0]
+    while offset >= 1:
+        value = value + cute.arch.shuffle_sync_bfly(value, offset)
+        offset //= 2
+    return index, value
 
 
-def pack_smem(allocations) -> int:
-    """Bytes a sequence of (bytes, alignment) allocations takes (a bump allocator)."""
-    offset = 0
-    for size, align in allocations:
-        offset = -(-offset // align) * align + size
-    return offset
+def dot8(a, b):
+    acc = a[0] * b[0]
+    for j in range(1, 8):
+        acc = cute.math.fma(a[j], b[j], acc)
+    return acc
 
 
-def smem_bytes(hid: int, nb: int, groups: int) -> int:
-    """Dynamic shared memory of one consumer CTA (what the DSL passes at launch)."""
-    return pack_smem(smem_layout(hid, nb, groups))
+class OprojConsumerKernel:
+    """Compile-time configuration: TP, HID, nb, has_delta, groups, xmoe reps, PDL,
+    twoshot (and its sys fence before the gather publish)."""
 
+    def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
+                 twoshot=False, fence=False, early_wait=False, ranks=1):  # fmt: skip
+        check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
+        check_ranks(tp, ranks, twoshot)
+        self.ranks = ranks
+        self.tp, self.hid, self.nb = tp, hid, nb
+        self.twoshot, self.fence = bool(twoshot), bool(fence)
+        self.slots = 1 if twoshot else tp  # mailbox slots polled: the gather row alone
+        self.has_delta, self.groups = bool(has_delta), groups
+        self.xmoe_reps, self.pdl = xmoe_reps, bool(pdl)
+        # PDL wait before the polls and the prefix read (the fused kernel), else at the end
+        self.wait_before_poll = self.pdl and bool(early_wait)
+        self.ctas = hid // SLICE
+        self.kpre = pow2_at_least(2 * nb) if nb else 0
+        self.kpost = 4 if nb else 1
+        self.threads = GROUP_THREADS * groups
 
-def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
-        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
-        raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
-    if not isinstance(nb, int) or not 0 <= nb <= MAX_BLOCKS:
-        raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
-    if not isinstance(groups, int) or not 1 <= groups <= MAX_GROUPS:
-        raise ValueError(f"groups must be an int in 1..{MAX_GROUPS}; got {groups!r}")
-    if not isinstance(xmoe_reps, int) or not 0 <= xmoe_reps <= 8:
-        raise ValueError(f"xmoe_reps must be an int in 0..8; got {xmoe_reps!r}")
-    if twoshot and hid % (8 * tp):
-        raise ValueError(f"twoshot needs hid ({hid}) divisible by 8 * tp ({8 * tp})")
+    # --- launch ---------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mailbox: cute.Tensor,
+        prefix: cute.Tensor,
+        blocks: cute.Tensor,
+        norm: cute.Tensor,
+        query: cute.Tensor,
+        out_norm: cute.Tensor,
+        output: cute.Tensor,
+        xmoe: cute.Tensor,
+        hints: cute.Tensor,
+        eps: Float32,
+        out_eps: Float32,
+        error: cute.Tensor,
+        step: Int32,
+        budget_ns: Int64,
+        recv: cute.Tensor,
+        gather_peers: cute.Tensor,
+        rank: Int32,
+        stream: cuda.CUstream,
+    ):
+        args = self.kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output,
+                                xmoe, hints, eps, out_eps, error, step, budget_ns, recv,
+                                gather_peers, rank)  # fmt: skip
+        call = self.kernel(*args)
+        launch(
+            call,
+            (self.ctas, prefix.shape[0], self.ranks),
+            (self.threads, 1, 1),
+            stream,
+            cluster=(self.ctas, 1, 1),
+            use_pdl=self.pdl,
+            min_blocks_per_mp=min_blocks_per_sm(self.groups),
+            carveout=100,
+        )
 
+    @staticmethod
+    def kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe,
+                    hints, eps, out_eps, error, step, budget_ns, recv, gather_peers,
+                    rank):  # fmt: skip
+        """``kernel``'s arguments from ``__call__``'s (traced; the fused kernel appends
+        them to its producer's): tensors as addresses, tokens from ``prefix``."""
+        addresses = [
+            Int64(t.iterator.toint())
+            for t in (mailbox, prefix, blocks, norm, query, out_norm, output, xmoe)
+        ]
+        return (
+            *addresses,
+            Int64(hints.iterator.toint()),
+            Int64(error.iterator.toint()),
+            prefix.shape[0],
+            eps,
+            out_eps,
+            step,
+            budget_ns,
+            Int64(recv.iterator.toint()),
+            gather_peers,
+            rank,
+        )
 
-@functools.cache
-def _kernel_class():
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64, Uint32
+    # --- phases -----------------------------------------------------------------
+    @cute.jit
+    def allocate(self):
+        smem = cutlass.memory.SmemAllocator()
+        bars = smem.allocate_array(Int64, 2, byte_alignment=8)
+        rows = ROW_BLOCK + self.nb
+        pf = smem_tensor(smem, Uint32, (rows, GROUP_THREADS, 4))
+        parts = smem_tensor(smem, Float32, (max(1, self.groups - 1), GROUP_THREADS, 8))
+        kpre = max(1, self.kpre)
+        warp_pre = smem_tensor(smem, Float32, (4, kpre))
+        warp_post = smem_tensor(smem, Float32, (4, self.kpost))
+        ex_pre = smem_tensor(smem, Float32, (self.ctas * kpre,))
+        ex_post = smem_tensor(smem, Float32, (self.ctas * self.kpost,))
+        tot_pre = smem_tensor(smem, Float32, (kpre,))
+        tot_post = smem_tensor(smem, Float32, (self.kpost,))
+        flag = smem_tensor(smem, Int32, (4,))
+        return bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag
 
-    from tpcomm import ptx
-    from tpcomm.cuteutil import (
-        bf16x2_to_f32,
-        cp_async_16,
-        launch,
-        ld_shared_b32x4,
-        saddr,
-        smem_tensor,
-    )
+    def row(self, pf, r, tid):
+        """The 8 fp32 of this thread's 16 bytes in prefetch row ``r``."""
+        words = ld_shared_b32x4(saddr(pf, (r, tid, 0)))
+        values = []
+        for j in range(4):
+            lo, hi = bf16x2_to_f32(words[j])
+            values.append(Float32(lo))
+            values.append(Float32(hi))
+        return values
 
-    # rows of the per-thread prefetch area (16 bytes per thread and row)
-    ROW_NORM, ROW_QUERY, ROW_OUT_NORM, ROW_PREFIX, ROW_BLOCK = 0, 1, 2, 3, 4
+    def weight(self, pf, tid):
+        n, q = self.row(pf, ROW_NORM, tid), self.row(pf, ROW_QUERY, tid)
+        return [n[j] * q[j] for j in range(8)]
 
-    def transpose_sum(values, lane):
-        """Warp sum of K = len(values) fp32 (power of two <= 32): each step halves the list,
-        the lanes with the step's bit set keeping the upper half. Returns (index, sum): lane
-        ``l`` holds the full warp sum of value ``index``; lanes ``l`` with
-        ``l % (32 // K) == 0`` cover each index once. Same order in every warp."""
-        vals = list(values)
-        index = Int32(0)
-        offset = 16
-        while len(vals) > 1:
-            half = len(vals) // 2
-            upper = (lane & offset) != 0
-            merged = []
-            for j in range(half):
-                keep = Float32(cutlass.select_(upper, vals[j + half], vals[j]))
-                send = Float32(cutlass.select_(upper, vals[j], vals[j + half]))
-                merged.append(keep + cute.arch.shuffle_sync_bfly(send, offset))
-            index = index + Int32(cutlass.select_(upper, Int32(half), Int32(0)))
-            vals = merged
-            offset //= 2
-        value = vals[0]
-        while offset >= 1:
-            value = value + cute.arch.shuffle_sync_bfly(value, offset)
-            offset //= 2
-        return index, value
+    @cute.jit
+    def prefetch(self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query,
+                 a_out_norm):  # fmt: skip
+        """cp.async of this thread's rows; the prefix row waits for the PDL wait when
+        ``wait_before_poll`` (``prefetch_prefix`` then)."""
+        if cutlass.const_expr(self.nb > 0):
+            cp_async_16(saddr(pf, (ROW_NORM, tid, 0)), a_norm + col_bytes)
+            cp_async_16(saddr(pf, (ROW_QUERY, tid, 0)), a_query + col_bytes)
+        cp_async_16(saddr(pf, (ROW_OUT_NORM, tid, 0)), a_out_norm + col_bytes)
+        hid_bytes = Int64(self.hid * 2)
+        if cutlass.const_expr(self.has_delta and not self.wait_before_poll):
+            self.prefetch_prefix(pf, tid, col_bytes, token, a_prefix)
+        for b in cutlass.range_constexpr(self.nb):
+            src = a_blocks + (token * self.nb + b) * hid_bytes + col_bytes
+            cp_async_16(saddr(pf, (ROW_BLOCK + b, tid, 0)), src)
+        cute.arch.cp_async_commit_group()
 
-    def dot8(a, b):
-        acc = a[0] * b[0]
-        for j in range(1, 8):
-            acc = cute.math.fma(a[j], b[j], acc)
-        return acc
+    @cute.jit
+    def prefetch_prefix(self, pf, tid, col_bytes, token, a_prefix):
+        hid_bytes = Int64(self.hid * 2)
+        cp_async_16(saddr(pf, (ROW_PREFIX, tid, 0)), a_prefix + token * hid_bytes + col_bytes)
 
-    class OprojConsumerKernel:
-        """Compile-time configuration: TP, HID, nb, has_delta, groups, xmoe reps, PDL,
-        twoshot (and its sys fence before the gather publish)."""
+    @cute.jit
+    def exchange(self, values, k: cutlass.Constexpr[int], warp_sums, ex, total, bar, tid, cta):
+        """Cluster-wide sums of ``k`` per-thread values of the lead group, into ``total``
+        (identical bits in every CTA). Ends with a lead-group barrier."""
+        lane, warp = tid % 32, tid // 32
+        index, value = transpose_sum(values, lane)
+        if (lane & (32 // k - 1)) == 0:
+            warp_sums[warp, index] = value
+        cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
+        if tid < k * self.ctas:
+            i, peer = tid % k, tid // k
+            s = warp_sums[0, i] + warp_sums[1, i]
+            s = s + warp_sums[2, i]
+            s = s + warp_sums[3, i]
+            push_float(ex.iterator + cta * k + i, s, bar, peer)
+        wait_exchange(bar)
+        if tid < k:
+            acc = ex[tid]
+            for p in cutlass.range_constexpr(1, self.ctas):
+                acc = acc + ex[p * k + tid]
+            total[tid] = acc
+        cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
 
-        def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
-                     twoshot=False, fence=False, early_wait=False, ranks=1):  # fmt: skip
-            check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
-            check_ranks(tp, ranks, twoshot)
-            self.ranks = ranks
-            self.tp, self.hid, self.nb = tp, hid, nb
-            self.twoshot, self.fence = bool(twoshot), bool(fence)
-            self.slots = 1 if twoshot else tp  # mailbox slots polled: the gather row alone
-            self.has_delta, self.groups = bool(has_delta), groups
-            self.xmoe_reps, self.pdl = xmoe_reps, bool(pdl)
-            # PDL wait before the polls and the prefix read (the fused kernel), else at the end
-            self.wait_before_poll = self.pdl and bool(early_wait)
-            self.ctas = hid // SLICE
-            self.kpre = pow2_at_least(2 * nb) if nb else 0
-            self.kpost = 4 if nb else 1
-            self.threads = GROUP_THREADS * groups
-
-        # --- launch ---------------------------------------------------------------
-        @cute.jit
-        def __call__(
-            self,
-            mailbox: cute.Tensor,
-            prefix: cute.Tensor,
-            blocks: cute.Tensor,
-            norm: cute.Tensor,
-            query: cute.Tensor,
-            out_norm: cute.Tensor,
-            output: cute.Tensor,
-            xmoe: cute.Tensor,
-            hints: cute.Tensor,
-            eps: Float32,
-            out_eps: Float32,
-            error: cute.Tensor,
-            step: Int32,
-            budget_ns: Int64,
-            recv: cute.Tensor,
-            gather_peers: cute.Tensor,
-            rank: Int32,
-            stream: cuda.CUstream,
-        ):
-            args = self.kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output,
-                                    xmoe, hints, eps, out_eps, error, step, budget_ns, recv,
-                                    gather_peers, rank)  # fmt: skip
-            call = self.kernel(*args)
-            launch(
-                call,
-                (self.ctas, prefix.shape[0], self.ranks),
-                (self.threads, 1, 1),
-                stream,
-                cluster=(self.ctas, 1, 1),
-                use_pdl=self.pdl,
-                min_blocks_per_mp=min_blocks_per_sm(self.groups),
-                carveout=100,
-            )
-
-        @staticmethod
-        def kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe,
-                        hints, eps, out_eps, error, step, budget_ns, recv, gather_peers,
-                        rank):  # fmt: skip
-            """``kernel``'s arguments from ``__call__``'s (traced; the fused kernel appends
-            them to its producer's): tensors as addresses, tokens from ``prefix``."""
-            addresses = [
-                Int64(t.iterator.toint())
-                for t in (mailbox, prefix, blocks, norm, query, out_norm, output, xmoe)
-            ]
-            return (
-                *addresses,
-                Int64(hints.iterator.toint()),
-                Int64(error.iterator.toint()),
-                prefix.shape[0],
-                eps,
-                out_eps,
-                step,
-                budget_ns,
-                Int64(recv.iterator.toint()),
-                gather_peers,
-                rank,
-            )
-
-        # --- phases -----------------------------------------------------------------
-        @cute.jit
-        def allocate(self):
-            smem = cutlass.memory.SmemAllocator()
-            bars = smem.allocate_array(Int64, 2, byte_alignment=8)
-            rows = ROW_BLOCK + self.nb
-            pf = smem_tensor(smem, Uint32, (rows, GROUP_THREADS, 4))
-            parts = smem_tensor(smem, Float32, (max(1, self.groups - 1), GROUP_THREADS, 8))
-            kpre = max(1, self.kpre)
-            warp_pre = smem_tensor(smem, Float32, (4, kpre))
-            warp_post = smem_tensor(smem, Float32, (4, self.kpost))
-            ex_pre = smem_tensor(smem, Float32, (self.ctas * kpre,))
-            ex_post = smem_tensor(smem, Float32, (self.ctas * self.kpost,))
-            tot_pre = smem_tensor(smem, Float32, (kpre,))
-            tot_post = smem_tensor(smem, Float32, (self.kpost,))
-            flag = smem_tensor(smem, Int32, (4,))
-            return bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag
-
-        def row(self, pf, r, tid):
-            """The 8 fp32 of this thread's 16 bytes in prefetch row ``r``."""
-            words = ld_shared_b32x4(saddr(pf, (r, tid, 0)))
-            values = []
-            for j in range(4):
-                lo, hi = bf16x2_to_f32(words[j])
-                values.append(Float32(lo))
-                values.append(Float32(hi))
-            return values
-
-        def weight(self, pf, tid):
-            n, q = self.row(pf, ROW_NORM, tid), self.row(pf, ROW_QUERY, tid)
-            return [n[j] * q[j] for j in range(8)]
-
-        @cute.jit
-        def prefetch(self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query,
-                     a_out_norm):  # fmt: skip
-            """cp.async of this thread's rows; the prefix row waits for the PDL wait when
-            ``wait_before_poll`` (``prefetch_prefix`` then)."""
-            if cutlass.const_expr(self.nb > 0):
-                cp_async_16(saddr(pf, (ROW_NORM, tid, 0)), a_norm + col_bytes)
-                cp_async_16(saddr(pf, (ROW_QUERY, tid, 0)), a_query + col_bytes)
-            cp_async_16(saddr(pf, (ROW_OUT_NORM, tid, 0)), a_out_norm + col_bytes)
-            hid_bytes = Int64(self.hid * 2)
-            if cutlass.const_expr(self.has_delta and not self.wait_before_poll):
-                self.prefetch_prefix(pf, tid, col_bytes, token, a_prefix)
-            for b in cutlass.range_constexpr(self.nb):
-                src = a_blocks + (token * self.nb + b) * hid_bytes + col_bytes
-                cp_async_16(saddr(pf, (ROW_BLOCK + b, tid, 0)), src)
-            cute.arch.cp_async_commit_group()
-
-        @cute.jit
-        def prefetch_prefix(self, pf, tid, col_bytes, token, a_prefix):
-            hid_bytes = Int64(self.hid * 2)
-            cp_async_16(saddr(pf, (ROW_PREFIX, tid, 0)), a_prefix + token * hid_bytes + col_bytes)
-
-        @cute.jit
-        def exchange(self, values, k: cutlass.Constexpr[int], warp_sums, ex, total, bar, tid, cta):
-            """Cluster-wide sums of ``k`` per-thread values of the lead group, into ``total``
-            (identical bits in every CTA). Ends with a lead-group barrier."""
-            lane, warp = tid % 32, tid // 32
-            index, value = transpose_sum(values, lane)
-            if (lane & (32 // k - 1)) == 0:
-                warp_sums[warp, index] = value
-            cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
-            if tid < k * self.ctas:
-                i, peer = tid % k, tid // k
-                s = warp_sums[0, i] + warp_sums[1, i]
-                s = s + warp_sums[2, i]
-                s = s + warp_sums[3, i]
-                ptx.push_float(ex.iterator + cta * k + i, s, bar, peer)
-            ptx.wait_exchange(bar)
-            if tid < k:
-                acc = ex[tid]
-                for p in cutlass.range_constexpr(1, self.ctas):
-                    acc = acc + ex[p * k + tid]
-                total[tid] = acc
-            cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
-
-        @cute.jit
-        def poll(self, acc, raw, slot0, slot_bytes, budget_ns, a_error,
-                 first: cutlass.Constexpr[int], count: cutlass.Constexpr[int]):  # fmt: skip
-            """Rank-order fp32 sum of ranks first..first+count-1 into ``acc`` (from the first
-            rank's value); returns the missing-rank mask (0: all published)."""
-            failed = Int32(0)
-            for c in cutlass.range_constexpr((count + POLL_CHUNK - 1) // POLL_CHUNK):
-                lo: cutlass.Constexpr = c * POLL_CHUNK
-                n: cutlass.Constexpr = min(POLL_CHUNK, count - lo)
-                if failed == 0:
-                    addresses = [slot0 + (first + lo + i) * slot_bytes for i in range(n)]
-                    missing = ptx.poll_groups(
-                        raw, addresses, n, budget_ns, a_error, first + lo
-                    )  # ORs the rank-numbered mask into the error word on expiry
-                    failed = missing << (first + lo)
-                    for i in cutlass.range_constexpr(n):
-                        for j in cutlass.range_constexpr(4):
-                            x, y = ptx.unpack_bf16x2(raw[i * 4 + j])
-                            if cutlass.const_expr(lo + i == 0):
-                                acc[2 * j], acc[2 * j + 1] = x, y
-                            else:
-                                acc[2 * j] = acc[2 * j] + x
-                                acc[2 * j + 1] = acc[2 * j + 1] + y
-            return failed
-
-        @cute.jit
-        def rearm(self, slot0, slot_bytes, first: cutlass.Constexpr[int],
-                  count: cutlass.Constexpr[int]):  # fmt: skip
-            for i in cutlass.range_constexpr(count):
-                ptx.rearm(slot0 + (first + i) * slot_bytes)
-
-        @cute.jit
-        def helper(self, group, parts, flag, slot0, slot_bytes, budget_ns, a_error, tid):
-            """Groups 1..: poll their slots, park the fp32 sum for the lead, re-arm."""
-            if cutlass.const_expr(self.wait_before_poll):
-                cute.arch.griddepcontrol_wait()
-            acc = cute.make_rmem_tensor(8, Float32)
-            raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
-            for g in cutlass.range_constexpr(1, self.groups):
-                first, count = group_ranks(self.slots, self.groups, g)
-                if cutlass.const_expr(count > 0):
-                    if group == g:
-                        failed = self.poll(
-                            acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count
-                        )
-                        for j in cutlass.range_constexpr(8):
-                            parts[g - 1, tid, j] = acc[j]
-                        if failed != 0:
-                            flag[0] = Int32(1)
-                        cute.arch.barrier_arrive(barrier_id=2, number_of_threads=self.threads)
-                        if failed == 0:
-                            self.rearm(slot0, slot_bytes, first, count)
-                else:
-                    if group == g:
-                        cute.arch.barrier_arrive(barrier_id=2, number_of_threads=self.threads)
-
-        @cute.jit
-        def reduce_shard(self, a_recv, gather_peers, rank, parity, token, tokens, column,
-                         budget_ns, a_error, flag):  # fmt: skip
-            """Twoshot, threads owning this rank's columns: rank-order sum of the receive
-            slots, one bf16 rounding, published into every rank's gather row; re-arm."""
-            width: cutlass.Constexpr = self.hid // self.tp
-            if column // width == rank:
-                recv_bytes = tokens * (width * 2)
-                recv0 = a_recv + parity * self.tp * recv_bytes + token * (width * 2)
-                recv0 = recv0 + Int64(column - rank * width) * 2
-                acc = cute.make_rmem_tensor(8, Float32)
-                raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
-                failed = self.poll(acc, raw, recv0, recv_bytes, budget_ns, a_error, 0, self.tp)
-                if failed == 0:
-                    words = [ptx.pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
-                    offset = (parity * tokens + token) * (self.hid * 2) + Int64(column) * 2
-                    if cutlass.const_expr(self.fence):
-                        ptx.fence_sys()
-                    for p in cutlass.range_constexpr(self.tp):
-                        ptx.publish(gather_peers[p] + offset, words)
-                    self.rearm(recv0, recv_bytes, 0, self.tp)
-                else:
-                    flag[0] = Int32(1)
-
-        @cute.jit
-        def lead(self, smem, cta, token, tid, slot0, slot_bytes, col_bytes, a_prefix, a_output,
-                 a_xmoe, a_hints, a_error, tokens, eps, out_eps, budget_ns, a_recv,
-                 gather_peers, rank, parity):  # fmt: skip
-            bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag = smem
-            lane = tid % 32
-            # 1. AttnRes over the block snapshots: independent of the mailbox
-            mix = cute.make_rmem_tensor(8, Float32)
-            top, esum, qpart = Float32(0), Float32(0), Float32(0)
-            cute.arch.cp_async_wait_group(0)
-            if cutlass.const_expr(self.nb > 0):
-                w = self.weight(pf, tid)
-                vals = []
-                for b in cutlass.range_constexpr(self.nb):
-                    v = self.row(pf, ROW_BLOCK + b, tid)
-                    vals.append(dot8(v, v))
-                for b in cutlass.range_constexpr(self.nb):
-                    v = self.row(pf, ROW_BLOCK + b, tid)
-                    vals.append(dot8(v, w))
-                vals += [Float32(0)] * (self.kpre - len(vals))
-                self.exchange(vals, self.kpre, warp_pre, ex_pre, tot_pre, bars, tid, cta)
-                logits = []
-                for b in cutlass.range_constexpr(self.nb):
-                    ss = tot_pre[b] / Float32(self.hid)
-                    logits.append(tot_pre[self.nb + b] * cute.math.rsqrt(ss + eps))
-                top = logits[0]
-                for b in cutlass.range_constexpr(1, self.nb):
-                    top = cute.math.max(top, logits[b])
-                expo = [cute.math.exp(x - top) for x in logits]
-                esum = expo[0]
-                for b in cutlass.range_constexpr(1, self.nb):
-                    esum = esum + expo[b]
-                for b in cutlass.range_constexpr(self.nb):
-                    v = self.row(pf, ROW_BLOCK + b, tid)
-                    for j in cutlass.range_constexpr(8):
-                        if cutlass.const_expr(b == 0):
-                            mix[j] = expo[0] * v[j]
-                        else:
-                            mix[j] = cute.math.fma(expo[b], v[j], mix[j])
-                qpart = dot8(mix, mix)
-            if cutlass.const_expr(self.wait_before_poll):
-                # everything above reads only what no kernel of this step writes
-                cute.arch.griddepcontrol_wait()
-                if cutlass.const_expr(self.has_delta):
-                    self.prefetch_prefix(pf, tid, col_bytes, token, a_prefix)
-                    cute.arch.cp_async_commit_group()
-            # 2. (twoshot: reduce this rank's shard into every gather row first) this group's
-            # mailbox slots, then the other groups' sums in group order
-            if cutlass.const_expr(self.twoshot):
-                column = cta * SLICE + tid * 8
-                self.reduce_shard(a_recv, gather_peers, rank, parity, token, tokens, column,
-                                  budget_ns, a_error, flag)  # fmt: skip
-            acc = cute.make_rmem_tensor(8, Float32)
-            raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
-            first, count = group_ranks(self.slots, self.groups, 0)
-            failed = self.poll(acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count)
-            if cutlass.const_expr(self.groups > 1):
-                cute.arch.barrier(barrier_id=2, number_of_threads=self.threads)
-            for g in cutlass.range_constexpr(1, self.groups):
-                _, gcount = group_ranks(self.slots, self.groups, g)
-                for j in cutlass.range_constexpr(8):
-                    if cutlass.const_expr(gcount > 0):
-                        acc[j] = acc[j] + parts[g - 1, tid, j]
-                    else:
-                        acc[j] = acc[j] + Float32(0.0)
+    @cute.jit
+    def poll(self, acc, raw, slot0, slot_bytes, budget_ns, a_error,
+             first: cutlass.Constexpr[int], count: cutlass.Constexpr[int]):  # fmt: skip
+        """Rank-order fp32 sum of ranks first..first+count-1 into ``acc`` (from the first
+        rank's value); returns the missing-rank mask (0: all published)."""
+        failed = Int32(0)
+        for c in cutlass.range_constexpr((count + POLL_CHUNK - 1) // POLL_CHUNK):
+            lo: cutlass.Constexpr = c * POLL_CHUNK
+            n: cutlass.Constexpr = min(POLL_CHUNK, count - lo)
             if failed == 0:
-                self.rearm(slot0, slot_bytes, first, count)
+                addresses = [slot0 + (first + lo + i) * slot_bytes for i in range(n)]
+                missing = protocol.poll_groups(
+                    raw, addresses, n, budget_ns, a_error, first + lo
+                )  # ORs the rank-numbered mask into the error word on expiry
+                failed = missing << (first + lo)
+                for i in cutlass.range_constexpr(n):
+                    for j in cutlass.range_constexpr(4):
+                        x, y = unpack_bf16x2(raw[i * 4 + j])
+                        if cutlass.const_expr(lo + i == 0):
+                            acc[2 * j], acc[2 * j + 1] = x, y
+                        else:
+                            acc[2 * j] = acc[2 * j] + x
+                            acc[2 * j + 1] = acc[2 * j + 1] + y
+        return failed
+
+    @cute.jit
+    def rearm(self, slot0, slot_bytes, first: cutlass.Constexpr[int],
+              count: cutlass.Constexpr[int]):  # fmt: skip
+        for i in cutlass.range_constexpr(count):
+            protocol.rearm(slot0 + (first + i) * slot_bytes)
+
+    @cute.jit
+    def helper(self, group, parts, flag, slot0, slot_bytes, budget_ns, a_error, tid):
+        """Groups 1..: poll their slots, park the fp32 sum for the lead, re-arm."""
+        if cutlass.const_expr(self.wait_before_poll):
+            cute.arch.griddepcontrol_wait()
+        acc = cute.make_rmem_tensor(8, Float32)
+        raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
+        for g in cutlass.range_constexpr(1, self.groups):
+            first, count = group_ranks(self.slots, self.groups, g)
+            if cutlass.const_expr(count > 0):
+                if group == g:
+                    failed = self.poll(
+                        acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count
+                    )
+                    for j in cutlass.range_constexpr(8):
+                        parts[g - 1, tid, j] = acc[j]
+                    if failed != 0:
+                        flag[0] = Int32(1)
+                    cute.arch.barrier_arrive(barrier_id=2, number_of_threads=self.threads)
+                    if failed == 0:
+                        self.rearm(slot0, slot_bytes, first, count)
+            else:
+                if group == g:
+                    cute.arch.barrier_arrive(barrier_id=2, number_of_threads=self.threads)
+
+    @cute.jit
+    def reduce_shard(self, a_recv, gather_peers, rank, parity, token, tokens, column,
+                     budget_ns, a_error, flag):  # fmt: skip
+        """Twoshot, threads owning this rank's columns: rank-order sum of the receive
+        slots, one bf16 rounding, published into every rank's gather row; re-arm."""
+        width: cutlass.Constexpr = self.hid // self.tp
+        if column // width == rank:
+            recv_bytes = tokens * (width * 2)
+            recv0 = a_recv + parity * self.tp * recv_bytes + token * (width * 2)
+            recv0 = recv0 + Int64(column - rank * width) * 2
+            acc = cute.make_rmem_tensor(8, Float32)
+            raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
+            failed = self.poll(acc, raw, recv0, recv_bytes, budget_ns, a_error, 0, self.tp)
+            if failed == 0:
+                words = [pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+                offset = (parity * tokens + token) * (self.hid * 2) + Int64(column) * 2
+                if cutlass.const_expr(self.fence):
+                    protocol.fence_sys()
+                for p in cutlass.range_constexpr(self.tp):
+                    protocol.publish(gather_peers[p] + offset, words)
+                self.rearm(recv0, recv_bytes, 0, self.tp)
             else:
                 flag[0] = Int32(1)
-            # 3. prefix_new = bf16(prefix + bf16(attn)) (or bf16(attn))
-            words = [ptx.pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+
+    @cute.jit
+    def lead(self, smem, cta, token, tid, slot0, slot_bytes, col_bytes, a_prefix, a_output,
+             a_xmoe, a_hints, a_error, tokens, eps, out_eps, budget_ns, a_recv,
+             gather_peers, rank, parity):  # fmt: skip
+        bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag = smem
+        lane = tid % 32
+        # 1. AttnRes over the block snapshots: independent of the mailbox
+        mix = cute.make_rmem_tensor(8, Float32)
+        top, esum, qpart = Float32(0), Float32(0), Float32(0)
+        cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.nb > 0):
+            w = self.weight(pf, tid)
+            vals = []
+            for b in cutlass.range_constexpr(self.nb):
+                v = self.row(pf, ROW_BLOCK + b, tid)
+                vals.append(dot8(v, v))
+            for b in cutlass.range_constexpr(self.nb):
+                v = self.row(pf, ROW_BLOCK + b, tid)
+                vals.append(dot8(v, w))
+            vals += [Float32(0)] * (self.kpre - len(vals))
+            self.exchange(vals, self.kpre, warp_pre, ex_pre, tot_pre, bars, tid, cta)
+            logits = []
+            for b in cutlass.range_constexpr(self.nb):
+                ss = tot_pre[b] / Float32(self.hid)
+                logits.append(tot_pre[self.nb + b] * cute.math.rsqrt(ss + eps))
+            top = logits[0]
+            for b in cutlass.range_constexpr(1, self.nb):
+                top = cute.math.max(top, logits[b])
+            expo = [cute.math.exp(x - top) for x in logits]
+            esum = expo[0]
+            for b in cutlass.range_constexpr(1, self.nb):
+                esum = esum + expo[b]
+            for b in cutlass.range_constexpr(self.nb):
+                v = self.row(pf, ROW_BLOCK + b, tid)
+                for j in cutlass.range_constexpr(8):
+                    if cutlass.const_expr(b == 0):
+                        mix[j] = expo[0] * v[j]
+                    else:
+                        mix[j] = cute.math.fma(expo[b], v[j], mix[j])
+            qpart = dot8(mix, mix)
+        if cutlass.const_expr(self.wait_before_poll):
+            # everything above reads only what no kernel of this step writes
+            cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(self.has_delta):
-                if cutlass.const_expr(self.wait_before_poll):
-                    cute.arch.cp_async_wait_group(0)
-                old = self.row(pf, ROW_PREFIX, tid)
-                summed = []
-                for j in cutlass.range_constexpr(4):
-                    x, y = ptx.unpack_bf16x2(words[j])
-                    summed.append(ptx.pack_bf16x2(old[2 * j] + x, old[2 * j + 1] + y))
-                words = summed
-            p = []
+                self.prefetch_prefix(pf, tid, col_bytes, token, a_prefix)
+                cute.arch.cp_async_commit_group()
+        # 2. (twoshot: reduce this rank's shard into every gather row first) this group's
+        # mailbox slots, then the other groups' sums in group order
+        if cutlass.const_expr(self.twoshot):
+            column = cta * SLICE + tid * 8
+            self.reduce_shard(a_recv, gather_peers, rank, parity, token, tokens, column,
+                              budget_ns, a_error, flag)  # fmt: skip
+        acc = cute.make_rmem_tensor(8, Float32)
+        raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
+        first, count = group_ranks(self.slots, self.groups, 0)
+        failed = self.poll(acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count)
+        if cutlass.const_expr(self.groups > 1):
+            cute.arch.barrier(barrier_id=2, number_of_threads=self.threads)
+        for g in cutlass.range_constexpr(1, self.groups):
+            _, gcount = group_ranks(self.slots, self.groups, g)
+            for j in cutlass.range_constexpr(8):
+                if cutlass.const_expr(gcount > 0):
+                    acc[j] = acc[j] + parts[g - 1, tid, j]
+                else:
+                    acc[j] = acc[j] + Float32(0.0)
+        if failed == 0:
+            self.rearm(slot0, slot_bytes, first, count)
+        else:
+            flag[0] = Int32(1)
+        # 3. prefix_new = bf16(prefix + bf16(attn)) (or bf16(attn))
+        words = [pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+        if cutlass.const_expr(self.has_delta):
+            if cutlass.const_expr(self.wait_before_poll):
+                cute.arch.cp_async_wait_group(0)
+            old = self.row(pf, ROW_PREFIX, tid)
+            summed = []
             for j in cutlass.range_constexpr(4):
-                x, y = ptx.unpack_bf16x2(words[j])
-                p.append(x)
-                p.append(y)
-            # 4. the post-sum dot products across the cluster
-            if cutlass.const_expr(self.nb > 0):
-                w = self.weight(pf, tid)
-                mixed = [mix[j] for j in range(8)]
-                vals = [dot8(mixed, p), qpart, dot8(p, p), dot8(p, w)]
-            else:
-                vals = [dot8(p, p)]
-            self.exchange(vals, self.kpost, warp_post, ex_post, tot_post, bars + 1, tid, cta)
-            # 5. output norm
-            gamma = self.row(pf, ROW_OUT_NORM, tid)
-            final = cute.make_rmem_tensor(8, Float32)
-            if cutlass.const_expr(self.nb > 0):
-                t0, t1, t2, t3 = tot_post[0], tot_post[1], tot_post[2], tot_post[3]
-                lp = t3 * cute.math.rsqrt(t2 / Float32(self.hid) + eps)
-                mx = cute.math.max(top, lp)
-                alpha = cute.math.exp(top - mx)
-                ep = cute.math.exp(lp - mx)
-                den = cute.math.fma(alpha, esum, ep)
-                quad = cute.math.fma(
-                    alpha * alpha, t1, cute.math.fma(Float32(2.0) * alpha * ep, t0, ep * ep * t2)
-                )
-                scale = cute.math.rsqrt(quad / Float32(self.hid) + out_eps * den * den)
-                ca, cp = alpha * scale, ep * scale
-                for j in cutlass.range_constexpr(8):
-                    final[j] = cute.math.fma(ca, mix[j], cp * p[j]) * gamma[j]
-            else:
-                cp = cute.math.rsqrt(tot_post[0] / Float32(self.hid) + out_eps)
-                for j in cutlass.range_constexpr(8):
-                    final[j] = cp * p[j] * gamma[j]
-            # 6. results (nothing when any poll of this CTA expired)
-            if flag[0] == 0:
-                hid_bytes = Int64(self.hid * 2)
-                row_bytes = token * hid_bytes + col_bytes
-                ptx.store16(a_prefix + row_bytes, words)
-                out = [ptx.pack_bf16x2(final[2 * j], final[2 * j + 1]) for j in range(4)]
-                ptx.store16(a_output + row_bytes, out)
-                if cutlass.const_expr(self.xmoe_reps > 0):
-                    for r in cutlass.range_constexpr(self.xmoe_reps):
-                        ptx.store16(a_xmoe + r * tokens * hid_bytes + row_bytes, out)
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        ptx.release_increment(a_hints)
+                x, y = unpack_bf16x2(words[j])
+                summed.append(pack_bf16x2(old[2 * j] + x, old[2 * j + 1] + y))
+            words = summed
+        p = []
+        for j in cutlass.range_constexpr(4):
+            x, y = unpack_bf16x2(words[j])
+            p.append(x)
+            p.append(y)
+        # 4. the post-sum dot products across the cluster
+        if cutlass.const_expr(self.nb > 0):
+            w = self.weight(pf, tid)
+            mixed = [mix[j] for j in range(8)]
+            vals = [dot8(mixed, p), qpart, dot8(p, p), dot8(p, w)]
+        else:
+            vals = [dot8(p, p)]
+        self.exchange(vals, self.kpost, warp_post, ex_post, tot_post, bars + 1, tid, cta)
+        # 5. output norm
+        gamma = self.row(pf, ROW_OUT_NORM, tid)
+        final = cute.make_rmem_tensor(8, Float32)
+        if cutlass.const_expr(self.nb > 0):
+            t0, t1, t2, t3 = tot_post[0], tot_post[1], tot_post[2], tot_post[3]
+            lp = t3 * cute.math.rsqrt(t2 / Float32(self.hid) + eps)
+            mx = cute.math.max(top, lp)
+            alpha = cute.math.exp(top - mx)
+            ep = cute.math.exp(lp - mx)
+            den = cute.math.fma(alpha, esum, ep)
+            quad = cute.math.fma(
+                alpha * alpha, t1, cute.math.fma(Float32(2.0) * alpha * ep, t0, ep * ep * t2)
+            )
+            scale = cute.math.rsqrt(quad / Float32(self.hid) + out_eps * den * den)
+            ca, cp = alpha * scale, ep * scale
+            for j in cutlass.range_constexpr(8):
+                final[j] = cute.math.fma(ca, mix[j], cp * p[j]) * gamma[j]
+        else:
+            cp = cute.math.rsqrt(tot_post[0] / Float32(self.hid) + out_eps)
+            for j in cutlass.range_constexpr(8):
+                final[j] = cp * p[j] * gamma[j]
+        # 6. results (nothing when any poll of this CTA expired)
+        if flag[0] == 0:
+            hid_bytes = Int64(self.hid * 2)
+            row_bytes = token * hid_bytes + col_bytes
+            protocol.store16(a_prefix + row_bytes, words)
+            out = [pack_bf16x2(final[2 * j], final[2 * j + 1]) for j in range(4)]
+            protocol.store16(a_output + row_bytes, out)
+            if cutlass.const_expr(self.xmoe_reps > 0):
+                for r in cutlass.range_constexpr(self.xmoe_reps):
+                    protocol.store16(a_xmoe + r * tokens * hid_bytes + row_bytes, out)
+                cute.arch.sync_warp()
+                if lane == 0:
+                    protocol.release_increment(a_hints)
 
-        @cute.kernel
-        def kernel(self, a_mailbox: Int64, a_prefix: Int64, a_blocks: Int64, a_norm: Int64,
-                   a_query: Int64, a_out_norm: Int64, a_output: Int64, a_xmoe: Int64,
-                   a_hints: Int64, a_error: Int64, tokens: Int32, eps: Float32,
-                   out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
-                   gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
-            thread, _, _ = cute.arch.thread_idx()
-            cta, token, r = cute.arch.block_idx()
-            if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s tensors (one launch)
-                r64 = Int64(r)
-                per_rank = Int64(tokens) * (self.hid * 2)  # one [tokens, HID] bf16 tensor
-                a_mailbox = a_mailbox + r64 * (2 * self.slots) * per_rank
-                a_prefix = a_prefix + r64 * per_rank
-                a_output = a_output + r64 * per_rank
-                if cutlass.const_expr(self.xmoe_reps > 0):
-                    a_xmoe = a_xmoe + r64 * self.xmoe_reps * per_rank
-                a_hints = a_hints + r64 * WORD_ROW_BYTES
-                a_error = a_error + r64 * WORD_ROW_BYTES
-                rank = rank + r
-            smem = self.allocate()
-            self.body(smem, thread, cta, token, a_mailbox, a_prefix, a_blocks, a_norm, a_query,
-                      a_out_norm, a_output, a_xmoe, a_hints, a_error, tokens, eps, out_eps,
-                      step, budget_ns, a_recv, gather_peers, rank)  # fmt: skip
+    @cute.kernel
+    def kernel(self, a_mailbox: Int64, a_prefix: Int64, a_blocks: Int64, a_norm: Int64,
+               a_query: Int64, a_out_norm: Int64, a_output: Int64, a_xmoe: Int64,
+               a_hints: Int64, a_error: Int64, tokens: Int32, eps: Float32,
+               out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
+               gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
+        thread, _, _ = cute.arch.thread_idx()
+        cta, token, r = cute.arch.block_idx()
+        if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s tensors (one launch)
+            r64 = Int64(r)
+            per_rank = Int64(tokens) * (self.hid * 2)  # one [tokens, HID] bf16 tensor
+            a_mailbox = a_mailbox + r64 * (2 * self.slots) * per_rank
+            a_prefix = a_prefix + r64 * per_rank
+            a_output = a_output + r64 * per_rank
+            if cutlass.const_expr(self.xmoe_reps > 0):
+                a_xmoe = a_xmoe + r64 * self.xmoe_reps * per_rank
+            a_hints = a_hints + r64 * WORD_ROW_BYTES
+            a_error = a_error + r64 * WORD_ROW_BYTES
+            rank = rank + r
+        smem = self.allocate()
+        self.body(smem, thread, cta, token, a_mailbox, a_prefix, a_blocks, a_norm, a_query,
+                  a_out_norm, a_output, a_xmoe, a_hints, a_error, tokens, eps, out_eps,
+                  step, budget_ns, a_recv, gather_peers, rank)  # fmt: skip
 
-        @cute.jit
-        def body(self, smem, thread, cta, token, a_mailbox: Int64, a_prefix: Int64,
-                 a_blocks: Int64, a_norm: Int64, a_query: Int64, a_out_norm: Int64,
-                 a_output: Int64, a_xmoe: Int64, a_hints: Int64, a_error: Int64, tokens: Int32,
-                 eps: Float32, out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
-                 gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
-            """One CTA of token ``token``'s cluster (CTA ``cta`` of it), ``smem`` from
-            ``allocate``: what ``kernel`` runs, and the fused kernel's consumer CTAs."""
-            group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
-            bars, pf, flag = smem[0], smem[1], smem[9]
-            ptx.arm_exchanges(bars, (4 * self.ctas * max(1, self.kpre), 4 * self.ctas * self.kpost))
-            if thread == 0:
-                flag[0] = Int32(0)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            col_bytes = Int64(cta * SLICE + tid * 8) * 2
-            token64 = Int64(token)
-            tokens64 = Int64(tokens)
-            if group == 0:
-                self.prefetch(pf, tid, col_bytes, token64, tokens64, a_prefix, a_blocks, a_norm,
-                              a_query, a_out_norm)  # fmt: skip
-            # peers' barriers are armed and the flag is cleared before anyone touches them
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            slot_bytes = tokens64 * (self.hid * 2)
-            parity = Int64(step & 1)
-            slot0 = a_mailbox + parity * self.slots * slot_bytes + token64 * (self.hid * 2)
-            slot0 = slot0 + col_bytes
-            if group == 0:
-                self.lead(smem, cta, token64, tid, slot0, slot_bytes, col_bytes, a_prefix,
-                          a_output, a_xmoe, a_hints, a_error, tokens64, eps, out_eps,
-                          budget_ns, a_recv, gather_peers, rank, parity)  # fmt: skip
-            else:
-                self.helper(group, smem[2], flag, slot0, slot_bytes, budget_ns, a_error, tid)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()
-
-    return OprojConsumerKernel
-
-
-def kernel_class():
-    """The ``OprojConsumerKernel`` class (imports the CuTe DSL)."""
-    return _kernel_class()
+    @cute.jit
+    def body(self, smem, thread, cta, token, a_mailbox: Int64, a_prefix: Int64,
+             a_blocks: Int64, a_norm: Int64, a_query: Int64, a_out_norm: Int64,
+             a_output: Int64, a_xmoe: Int64, a_hints: Int64, a_error: Int64, tokens: Int32,
+             eps: Float32, out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
+             gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
+        """One CTA of token ``token``'s cluster (CTA ``cta`` of it), ``smem`` from
+        ``allocate``: what ``kernel`` runs, and the fused kernel's consumer CTAs."""
+        group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
+        bars, pf, flag = smem[0], smem[1], smem[9]
+        arm_exchanges(bars, (4 * self.ctas * max(1, self.kpre), 4 * self.ctas * self.kpost))
+        if thread == 0:
+            flag[0] = Int32(0)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        col_bytes = Int64(cta * SLICE + tid * 8) * 2
+        token64 = Int64(token)
+        tokens64 = Int64(tokens)
+        if group == 0:
+            self.prefetch(pf, tid, col_bytes, token64, tokens64, a_prefix, a_blocks, a_norm,
+                          a_query, a_out_norm)  # fmt: skip
+        # peers' barriers are armed and the flag is cleared before anyone touches them
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        slot_bytes = tokens64 * (self.hid * 2)
+        parity = Int64(step & 1)
+        slot0 = a_mailbox + parity * self.slots * slot_bytes + token64 * (self.hid * 2)
+        slot0 = slot0 + col_bytes
+        if group == 0:
+            self.lead(smem, cta, token64, tid, slot0, slot_bytes, col_bytes, a_prefix,
+                      a_output, a_xmoe, a_hints, a_error, tokens64, eps, out_eps,
+                      budget_ns, a_recv, gather_peers, rank, parity)  # fmt: skip
+        else:
+            self.helper(group, smem[2], flag, slot0, slot_bytes, budget_ns, a_error, tid)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
 
 
 def fake_arguments(tp: int, hid: int, nb: int, xmoe_reps: int = 0, twoshot: bool = False):
     """Compile-only arguments of ``OprojConsumerKernel.__call__`` (tokens dynamic); with
     ``twoshot`` the mailbox is the one-slot gather row ``[2, 1, tokens, HID]``. The receive
     view travels flattened (1-D, any length; a dummy without twoshot)."""
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64
-
     tokens = cute.sym_int()
-
-    def fake(dtype, shape, align=16):
-        return cute.runtime.make_fake_compact_tensor(dtype, shape, assumed_align=align)
-
     return (
-        fake(BFloat16, (2, 1 if twoshot else tp, tokens, hid)),
-        fake(BFloat16, (tokens, hid)),
-        fake(BFloat16, (tokens, max(1, nb), hid)),
-        fake(BFloat16, (hid,)),
-        fake(BFloat16, (hid,)),
-        fake(BFloat16, (hid,)),
-        fake(BFloat16, (tokens, hid)),
-        fake(BFloat16, (max(1, xmoe_reps), tokens, hid)),
-        fake(Int32, (1,), align=4),
+        fake_tensor(BFloat16, (2, 1 if twoshot else tp, tokens, hid)),
+        fake_tensor(BFloat16, (tokens, hid)),
+        fake_tensor(BFloat16, (tokens, max(1, nb), hid)),
+        fake_tensor(BFloat16, (hid,)),
+        fake_tensor(BFloat16, (hid,)),
+        fake_tensor(BFloat16, (hid,)),
+        fake_tensor(BFloat16, (tokens, hid)),
+        fake_tensor(BFloat16, (max(1, xmoe_reps), tokens, hid)),
+        fake_tensor(Int32, (1,), align=4),
         Float32(1e-6),
         Float32(1e-6),
-        fake(Int32, (1,), align=4),
+        fake_tensor(Int32, (1,), align=4),
         Int32(0),
         Int64(0),
-        fake(BFloat16, (cute.sym_int(divisibility=8),)),
-        fake(Int64, (tp,), align=8),
+        fake_tensor(BFloat16, (cute.sym_int(divisibility=8),)),
+        fake_tensor(Int64, (tp,), align=8),
         Int32(0),
         cute.runtime.make_fake_stream(),
     )
@@ -678,11 +555,9 @@ def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch
     """One compile per configuration and arch; tokens are dynamic. ``ranks`` = TP: one
     launch for every rank of a one-GPU backend (rank r's mailbox, prefix, output, xmoe,
     error and hint rows at r times their size past the first rank's)."""
-    import cutlass.cute as cute
-
-    kernel = kernel_class()(tp, hid, nb, has_delta=has_delta, groups=groups,
-                            xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot, fence=fence,
-                            ranks=ranks)  # fmt: skip
+    kernel = OprojConsumerKernel(tp, hid, nb, has_delta=has_delta, groups=groups,
+                                 xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot, fence=fence,
+                                 ranks=ranks)  # fmt: skip
     args = fake_arguments(tp, hid, nb, xmoe_reps, twoshot)
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *args, options=options)

@@ -21,22 +21,21 @@ from __future__ import annotations
 import torch
 
 from tpcomm.checks import check_tensor
+from tpcomm.mailbox import grouped_sum
+from tpcomm.oproj.plan import MAX_BLOCKS, MAX_TP, check_hidden
 
-MAX_TP = 16
-MAX_BLOCKS = 8
-MAX_HIDDEN = 8192
-SLICE = 1024  # hidden columns per consumer CTA
-
-__all__ = ["project", "rank_order_sum", "twoshot_gather", "consume", "check_consume"]
+__all__ = [
+    "project",
+    "rank_order_sum",
+    "twoshot_gather",
+    "consume",
+    "check_consume",
+    "check_hidden",
+]
 
 
 def _tensor(name, t, dtype, shape=None, ndim=None):
     check_tensor(name, t, dtype, shape=shape, ndim=ndim)
-
-
-def check_hidden(hidden, name="hidden"):
-    if hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"{name} ({hidden}) must be a multiple of 1024 in 1024..8192")
 
 
 def _dot(a, b):
@@ -67,20 +66,7 @@ def project(attn_out, w_o):
 
 def rank_order_sum(partials, groups=4):
     """The grouped rank-order sum of ``partials`` [TP, N, HID] bf16, fp32, not rounded."""
-    tp = partials.shape[0]
-    per = -(-tp // groups)
-    p = partials.float()
-    total = None
-    for g in range(groups):
-        first, count = g * per, min(per, tp - g * per)
-        if count <= 0:
-            part = torch.zeros_like(p[0])
-        else:
-            part = p[first]
-            for r in range(first + 1, first + count):
-                part = part + p[r]
-        total = part if total is None else total + part
-    return total
+    return grouped_sum(partials, groups)
 
 
 def twoshot_gather(partials):

@@ -1,24 +1,19 @@
-"""Device primitives of the mailbox protocol, in one module.
+"""Device primitives of the mailbox protocol: 16-byte global accesses by memory order,
+the sentinel test, publish, bounded poll, re-arm, error word, hint counter, sys fence.
 
-Every wrapper states its memory order and scope in its first docstring line. Addresses
-are plain 64-bit integers (``Int64``) or CuTe global pointers, so a peer's mailbox
-reached through a peer pointer table and this rank's own mailbox go through the same
-code. Words are 32-bit (``Int32``); a 16-byte group is four words.
-
-Protocol contract (see ``tpcomm.mailbox``): a group is *published* when none of its
-four words equals ``SENTINEL`` (0xFFFFFFFF). Producers canonicalise a data word equal
-to the sentinel (two bf16 0xFFFF NaNs) to ``CANONICAL_NAN_WORD`` (two quiet NaNs
-0x7FC0) before storing, so data never looks empty. Each 32-bit word is single-copy
-atomic on its own, so a torn 16-byte store is simply "not yet published".
-
-Importing this module needs the CuTe DSL (the ``cu13`` extra).
+Each wrapper states its memory order and scope in its first docstring line. Addresses are
+``Int64`` (or CuTe global pointers), so a peer's mailbox and this rank's own go through the
+same code. A 16-byte group is four 32-bit words, each single-copy atomic: a group is
+*published* when none of its words is ``SENTINEL``, so a torn store reads "not yet";
+producers canonicalise a data word equal to the sentinel to ``CANONICAL_NAN_WORD``.
+Needs the CuTe DSL.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -205,81 +200,6 @@ def poll_groups(
         if failed != 0:
             raise_error(error_address, failed << first)
     return failed
-
-
-# --- bf16 pairs --------------------------------------------------------------------
-
-
-@dsl_user_op
-def bits_float(word, *, loc=None, ip=None) -> Float32:
-    """No memory access: reinterpret a 32-bit word as fp32."""
-    return Float32(llvm.bitcast(T.f32(), Int32(word).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def float_bits(value, *, loc=None, ip=None) -> Int32:
-    """No memory access: reinterpret an fp32 as a 32-bit word."""
-    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@cute.jit
-def unpack_bf16x2(word: Int32):
-    """No memory access: a word holding (low, high) bf16 -> two exact fp32 values."""
-    return bits_float(word << 16), bits_float(word & Int32(-65536))
-
-
-@dsl_user_op
-def pack_bf16x2(low, high, *, loc=None, ip=None) -> Int32:
-    """No memory access: round two fp32 to bf16 (nearest even) into one word, low first."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-# --- cluster exchanges (DSMEM) and hints ---------------------------------------------
-
-
-@cute.jit
-def push_words(smem_ptr, words, mbar_ptr, peer: Int32):
-    """Release at cluster scope (complete_tx): st.async of 1, 2 or 4 words to a peer CTA."""
-    cute.arch.store_async_dsmem(smem_ptr, words, mbar_ptr, peer)
-
-
-@cute.jit
-def push_float(smem_ptr, value: Float32, mbar_ptr, peer: Int32):
-    """Release at cluster scope (complete_tx): st.async of one fp32 into a peer CTA's smem."""
-    cute.arch.store_async_dsmem(smem_ptr, float_bits(value), mbar_ptr, peer)
-
-
-@cute.jit
-def arm_exchanges(bars, sizes: cutlass.Constexpr):
-    """CTA scope: one thread arms mbarrier i for ``sizes[i]`` bytes of st.async traffic.
-
-    Call before ``cluster_arrive`` so no peer pushes into an unarmed barrier; the fence
-    makes the initialisation visible to the cluster.
-    """
-    tid, _, _ = cute.arch.thread_idx()
-    if tid == 0:
-        for i in cutlass.range_constexpr(len(sizes)):
-            cute.arch.mbarrier_init(bars + i, 1)
-        cute.arch.mbarrier_init_fence()
-        for i in cutlass.range_constexpr(len(sizes)):
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + i, sizes[i])
-
-
-@cute.jit
-def wait_exchange(bar):
-    """Acquire at cluster scope: wait for phase 0 of an armed exchange barrier."""
-    cute.arch.mbarrier_wait(bar, 0)
 
 
 @cute.jit

@@ -1,0 +1,323 @@
+"""Plain-Python plans and checks of the o-projection kernels (CPU-tested, no CuTe DSL).
+
+Geometry: a consumer CTA owns ``SLICE`` = 1024 hidden columns, 128 threads a group, one
+16-byte group (8 bf16) per thread; ``groups`` groups poll disjoint rank slots. A producer
+tile is 16 output features computed by four warps. ``choose`` picks the consumer plan,
+``plan_fused`` the fused launch (refused when its CTAs cannot all be resident).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
+from tpcomm.mailbox import CTA_THREADS, DEFAULT_BUDGET_NS, MAX_TOKENS, MAX_TP, POLL_CHUNK
+from tpcomm.mailbox import MAX_HID as MAX_HIDDEN
+
+__all__ = [
+    "SLICE",
+    "MAX_HIDDEN",
+    "MAX_TOKENS",
+    "MAX_TP",
+    "POLL_CHUNK",
+    "DEFAULT_BUDGET_NS",
+    "choose",
+    "plan_fused",
+]
+
+MAX_BLOCKS = 8  # AttnRes block snapshots
+GROUP_THREADS = CTA_THREADS  # one 16-byte group of each slot a thread
+MAX_GROUPS = 4
+MAX_CLUSTER = 8
+WORD_ROW_BYTES = 16  # a rank's row of error words / hint counters: int32 [4]
+
+THREADS = CTA_THREADS  # a publisher CTA, a producer tile
+FEATURES = 16  # output features per producer tile (the MMA's M)
+K_CHUNK = 32  # k per warp iteration (two m16n8k16)
+WARPS = 4
+TILE_SMEM_BYTES = WARPS * 32 * 4 * 4  # fp32 fragments of one tile, summed in warp order
+
+RESERVED_SMEM = 1024  # bytes the hardware reserves per CTA (sm_80+)
+SMS_PER_GPC_AT_LEAST = 16  # assumed: Hopper / Blackwell data-center GPCs hold 16+ SMs
+
+TWOSHOT_MIN_TP = 8
+TWOSHOT_MIN_TOKENS = 4
+
+
+# --- checks -----------------------------------------------------------------------------
+
+
+def check_hidden(hidden, name="hidden"):
+    if hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"{name} ({hidden}) must be a multiple of 1024 in 1024..8192")
+
+
+def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
+    """``ranks``: consecutive ranks one launch serves (1; or all ``tp`` on one GPU)."""
+    if not isinstance(ranks, int) or ranks not in (1, tp):
+        raise ValueError(f"ranks must be 1 or tp = {tp} (every rank in one launch); got {ranks!r}")
+    if ranks > 1 and twoshot:
+        raise ValueError("ranks > 1 (every rank in one launch) is one-shot only: twoshot=False")
+
+
+def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
+    """The consumer's compile-time configuration."""
+    _check_tp_hid(tp, hid)
+    if not isinstance(nb, int) or not 0 <= nb <= MAX_BLOCKS:
+        raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
+    if not isinstance(groups, int) or not 1 <= groups <= MAX_GROUPS:
+        raise ValueError(f"groups must be an int in 1..{MAX_GROUPS}; got {groups!r}")
+    if not isinstance(xmoe_reps, int) or not 0 <= xmoe_reps <= 8:
+        raise ValueError(f"xmoe_reps must be an int in 0..8; got {xmoe_reps!r}")
+    _check_twoshot(tp, hid, twoshot)
+
+
+def check_producer(tp, hid, d_local=None, *, twoshot=False, ranks=1):
+    """The publisher's (``d_local`` None) or the producer's compile-time configuration."""
+    check_ranks(tp, ranks, twoshot)
+    _check_tp_hid(tp, hid)
+    if d_local is not None and (
+        not isinstance(d_local, int) or d_local <= 0 or d_local % (K_CHUNK * WARPS)
+    ):
+        raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
+    _check_twoshot(tp, hid, twoshot)
+
+
+def _check_tp_hid(tp, hid):
+    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
+        raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
+
+
+def _check_twoshot(tp, hid, twoshot):
+    if twoshot and hid % (8 * tp):
+        raise ValueError(f"twoshot needs hid ({hid}) divisible by 8 * tp ({8 * tp})")
+
+
+# --- the consumer plan ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: int
+    twoshot: bool
+    reason: str
+
+
+def choose(tp: int, tokens: int, hid: int, *, twoshot_available: bool = False):
+    """The consumer plan for a TP group size, token count and hidden width.
+
+    Every group polls at most ``POLL_CHUNK`` slots (one round of four 16-byte loads per
+    thread in flight): ``groups = ceil(TP / 4)``. Twoshot moves about ``2 / TP`` of
+    one-shot's bytes into each rank plus a second hop; it is GPU-tested but chosen only
+    with ``twoshot_available`` until an 8-GPU run measures the crossover.
+    """
+    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+    if not isinstance(tokens, int) or not 1 <= tokens <= 8:
+        raise ValueError(f"tokens must be an int in 1..8; got {tokens!r}")
+    check_config(tp, hid, 0, 1, 0)
+    groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK))
+    reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}"
+    wants = tp >= TWOSHOT_MIN_TP and tokens >= TWOSHOT_MIN_TOKENS and hid % (8 * tp) == 0
+    if wants and twoshot_available:
+        return Plan(1, True, f"twoshot: TP {tp} x {tokens} tokens; one gather slot")
+    if wants:
+        reason += "; twoshot would pay off but is not available: one-shot"
+    return Plan(groups, False, reason)
+
+
+def per_group(tp: int, groups: int) -> int:
+    """``S``: rank slots each group polls."""
+    return -(-tp // groups)
+
+
+def group_ranks(tp: int, groups: int, g: int) -> tuple[int, int]:
+    """(first rank, count) polled by group ``g``; count 0 for an empty group."""
+    s = per_group(tp, groups)
+    first = g * s
+    return first, max(0, min(s, tp - first))
+
+
+def min_blocks_per_sm(groups: int) -> int:
+    """Launch bound: CTAs per SM the compiled kernel guarantees (64 registers a thread)."""
+    return max(1, 8 // groups)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def smem_layout(hid: int, nb: int, groups: int) -> list[tuple[int, int]]:
+    """(bytes, alignment) of each shared allocation of the consumer, in its order."""
+    ctas = hid // SLICE
+    kpre, kpost = max(1, pow2_at_least(2 * nb) if nb else 0), 4 if nb else 1
+    return [
+        (2 * 8, 8),  # the two exchange mbarriers
+        ((4 + nb) * GROUP_THREADS * 16, 16),  # prefetch rows
+        (max(1, groups - 1) * GROUP_THREADS * 8 * 4, 16),  # the helper groups' sums
+        (4 * kpre * 4, 16),
+        (4 * kpost * 4, 16),
+        (ctas * kpre * 4, 16),
+        (ctas * kpost * 4, 16),
+        (kpre * 4, 16),
+        (kpost * 4, 16),
+        (4 * 4, 16),  # error flag
+    ]
+
+
+def pack_smem(allocations) -> int:
+    """Bytes a sequence of (bytes, alignment) allocations takes (a bump allocator)."""
+    offset = 0
+    for size, align in allocations:
+        offset = -(-offset // align) * align + size
+    return offset
+
+
+def smem_bytes(hid: int, nb: int, groups: int) -> int:
+    """Dynamic shared memory of one consumer CTA (what the DSL passes at launch)."""
+    return pack_smem(smem_layout(hid, nb, groups))
+
+
+# --- the fused plan ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What bounds residency on one GPU (defaults: sm_90 / sm_100)."""
+
+    sms: int
+    max_threads_per_sm: int = 2048
+    smem_per_sm: int = 233472  # 228 KiB
+    max_ctas_per_sm: int = 32
+    gpcs: int | None = None  # None: at most ceil(sms / SMS_PER_GPC_AT_LEAST)
+
+    @property
+    def gpc_bound(self) -> int:
+        return self.gpcs if self.gpcs is not None else -(-self.sms // SMS_PER_GPC_AT_LEAST)
+
+    @classmethod
+    def of(cls, device) -> DeviceLimits:
+        """The limits of a CUDA device (torch's properties)."""
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        return cls(
+            sms=props.multi_processor_count,
+            max_threads_per_sm=props.max_threads_per_multi_processor,
+            smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 233472),
+            max_ctas_per_sm=32 if props.major >= 9 else 16,
+        )
+
+
+def tile_count(hid: int) -> int:
+    """16-feature producer tiles: ``HID / 16``."""
+    return hid // FEATURES
+
+
+def producer_rows(hid: int, groups: int, tiles: int) -> int:
+    """``P``: cluster rows of producer CTAs (``groups * tiles`` tiles per CTA)."""
+    ctas = hid // SLICE
+    return -(-tile_count(hid) // (ctas * groups * tiles))
+
+
+def tile_index(row, cta, group, t, ctas: int, groups: int, tiles: int):
+    """Tile of group ``group``'s ``t``-th turn in producer CTA (``row``, ``cta``): plain
+    arithmetic, also traced in the kernel. Tiles ``>= HID / 16`` are idle turns."""
+    return ((row * ctas + cta) * groups + group) * tiles + t
+
+
+def fused_smem_bytes(hid: int, nb: int, groups: int) -> int:
+    """Dynamic shared memory of one fused CTA: the consumer's, then the producer groups'
+    fragment areas (what the DSL passes at launch)."""
+    return pack_smem(smem_layout(hid, nb, groups) + [(groups * TILE_SMEM_BYTES, 16)])
+
+
+def ctas_per_sm(threads: int, smem: int, launch_bound: int, limits: DeviceLimits):
+    """(CTAs per SM guaranteed, the resource that limits it)."""
+    bounds = {
+        "launch bound (registers)": launch_bound,
+        "threads": limits.max_threads_per_sm // threads,
+        "shared memory": limits.smem_per_sm // (smem + RESERVED_SMEM),
+        "CTA slots": limits.max_ctas_per_sm,
+    }
+    name = min(bounds, key=bounds.get)
+    return bounds[name], name
+
+
+def resident_ctas(per_sm: int, cluster: int, limits: DeviceLimits) -> int:
+    """CTAs of ``cluster``-CTA clusters that can all be resident. A cluster never spans
+    GPCs, so a GPC of ``s`` SMs holds ``floor(s * per_sm / cluster)`` clusters, at least
+    ``(s * per_sm - (cluster - 1)) / cluster``; summed over at most ``gpc_bound`` GPCs."""
+    slots = limits.sms * per_sm - limits.gpc_bound * (cluster - 1)
+    return max(0, -(-slots // cluster)) * cluster
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    tiles: int  # T: tiles per producer group
+    rows: int  # P: producer cluster rows
+    grid: tuple[int, int, int]
+    ctas: int  # CTAs of one launch
+    threads: int
+    smem: int  # dynamic shared memory per CTA
+    launch_bound: int
+    per_sm: int
+    limit: str  # the resource that bounds per_sm
+    launches: int  # launches sharing the GPU (loopback: every rank)
+    capacity: int  # CTAs that can be resident together
+    reason: str
+
+
+def tiles_candidates(groups: int) -> list[int]:
+    """T = 1, 2, 4, ... up to one producer row (``HID / 16 = 64 C``)."""
+    out, t = [], 1
+    while True:
+        out.append(t)
+        if groups * t >= 64:
+            return out
+        t *= 2
+
+
+def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1, tiles=None,
+               xmoe_reps=0):  # fmt: skip
+    """The fused launch for this shape on ``limits`` with ``launches`` launches sharing
+    the GPU: the smallest T (most producer CTAs) whose CTAs can all be resident; a
+    ``ValueError`` saying why when none can (a consumer CTA spinning in the slot a
+    producer CTA needs would wait until its poll budget ran out)."""
+    check_config(tp, hid, nb, groups, xmoe_reps)
+    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
+    if not isinstance(launches, int) or launches < 1:
+        raise ValueError(f"launches must be a positive int; got {launches!r}")
+    if tiles is not None and (not isinstance(tiles, int) or tiles < 1):
+        raise ValueError(f"tiles must be a positive int; got {tiles!r}")
+    ctas_x = hid // SLICE
+    threads = GROUP_THREADS * groups
+    smem = fused_smem_bytes(hid, nb, groups)
+    bound = min_blocks_per_sm(groups)
+    per_sm, limit = ctas_per_sm(threads, smem, bound, limits)
+    capacity = resident_ctas(per_sm, ctas_x, limits)
+    need = None
+    for t in [tiles] if tiles is not None else tiles_candidates(groups):
+        rows = producer_rows(hid, groups, t)
+        ctas = ctas_x * (rows + tokens)
+        need = ctas * launches
+        if need <= capacity:
+            reason = (
+                f"T={t}: {rows} producer + {tokens} consumer cluster rows of {ctas_x} CTAs; "
+                f"{launches} x {ctas} CTAs <= {capacity} resident ({limits.sms} SMs x {per_sm} "
+                f"CTAs/SM, limited by {limit})"
+            )
+            return FusedPlan(t, rows, (ctas_x, rows + tokens, 1), ctas, threads, smem, bound,
+                             per_sm, limit, launches, capacity, reason)  # fmt: skip
+    fewest = ctas_x * (producer_rows(hid, groups, t) + tokens)
+    raise ValueError(
+        f"fused o-projection cannot be co-resident: {launches} launch(es) x {fewest} CTAs "
+        f"(at least {ctas_x} x ({producer_rows(hid, groups, t)} producer + {tokens} consumer "
+        f"rows), {threads} threads, {smem} B shared each) = {need} CTAs > {capacity} that fit "
+        f"({limits.sms} SMs x {per_sm} CTAs/SM, limited by {limit}, less cluster packing); "
+        "consumer CTAs could starve the producers. Use fewer tokens, ranks or groups, or the "
+        "unfused producer + consumer"
+    )
