@@ -148,13 +148,8 @@ class Model:
     def shard(self, rank: int) -> Rank:
         first, count = self.rank_heads(rank)
         cols = slice(first * HEAD_DIM, (first + count) * HEAD_DIM)
-        return Rank(
-            rank=rank,
-            first=first,
-            kda=kt.shard_layer(self.kda, first, count),
-            w_o=self.w_o[:, cols].contiguous(),
-            model=self,
-        )
+        layer = kt.shard_layer(self.kda, first, count)
+        return Rank(rank, first, layer, self.w_o[:, cols].contiguous(), self)
 
     def step_inputs(self, plan: StepPlan):
         """The full-model activations of a step, the residual prefix and the blocks."""

@@ -119,22 +119,14 @@ def step_bytes(cfg, kind: str, tokens: int) -> dict:
     w_o = cfg.hidden * cfg.heads * HEAD_DIM * 2
     rows = cfg.requests * tokens
     mailbox = cfg.tp * cfg.tp * rows * cfg.hidden * 2
-    return {
-        "state": state,
-        "w_o": w_o,
-        "mailbox_stores": mailbox,
-        "floor_us": (state + w_o) / (COPY_TBPS * 1e6),
-    }
+    floor_us = (state + w_o) / (COPY_TBPS * 1e6)
+    return {"state": state, "w_o": w_o, "mailbox_stores": mailbox, "floor_us": floor_us}
 
 
 def stats(values):
     """Median, p99 (nearest rank), max and count of GPU latencies (us)."""
-    return {
-        "median_us": statistics.median(values),
-        "p99_us": percentile(values, 0.99),
-        "max_us": max(values),
-        "n": len(values),
-    }
+    median, p99 = statistics.median(values), percentile(values, 0.99)
+    return {"median_us": median, "p99_us": p99, "max_us": max(values), "n": len(values)}
 
 
 def slowest_per_step(per_process):
@@ -234,12 +226,9 @@ def print_gpu(r):
 
 def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok):
     """The host job's report (rank 0): ``slowest`` [stage, step] seconds, slowest rank."""
-    ms = slowest * 1e3
+    ms = (slowest * 1e3).tolist()
     lat = {
-        name: {
-            "median_ms": percentile(ms[i].tolist(), 0.5),
-            "p99_ms": percentile(ms[i].tolist(), 0.99),
-        }
+        name: {"median_ms": percentile(ms[i], 0.5), "p99_ms": percentile(ms[i], 0.99)}
         for i, name in enumerate((*stages, "step"))
     }
     return {

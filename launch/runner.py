@@ -259,12 +259,9 @@ class Runner:
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
-        every rank (phase by phase, so all producers are enqueued before any consumer),
-        join them back. With ``join`` every rank's next phase also waits for every rank's
-        previous one: on one GPU a consumer that spins while another rank's KDA or
-        producer CTAs still wait for registers could starve them (its bounded poll would
-        then report an error), so loopback steps start consumers once all partials are
-        on their way. (One rank per process: the join is the rank's own stream order.)"""
+        every rank (phase by phase: all producers enqueued before any consumer), join them
+        back. ``join``: every rank's next phase also waits for every rank's previous one,
+        so on one GPU no spinning consumer starves another rank's KDA or producer CTAs."""
         current = torch.cuda.current_stream(self.device)
         fork = torch.cuda.Event()
         fork.record(current)
