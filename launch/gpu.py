@@ -54,7 +54,7 @@ def main(args, backend_name: str, processes: int, launcher: str) -> int:
             )
     except ValueError as e:
         return refuse(str(e))
-    from tpcomm.symm import make_backend
+    from tpcomm.backends import make_backend
 
     if backend_name == "nvshmem":
         with nvshmem_job(launcher, getattr(args, "multicast", False)) as (backend, procs):

@@ -19,7 +19,7 @@ STAGES = ("kda", "oproj", "exchange", "consume")
 
 def main(args) -> int:
     """The host job in this process (joins torchrun / mpirun / a single process)."""
-    from tpcomm.symm import make_backend
+    from tpcomm.backends import make_backend
 
     backend = make_backend("host")
     info = host.ProcessInfo(backend.rank, backend.world, backend.rank, host.launcher())

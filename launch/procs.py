@@ -85,7 +85,7 @@ def nvshmem_job(launcher: str, multicast: bool = False):
     """One rank in this process: the gloo group (checks, the uid broadcast) first, then
     the nvshmem PE on the process's GPU; yields (backend, Procs). On exit the backend's
     teardown frees and finalizes nvshmem, then the group is destroyed."""
-    from tpcomm.symm import make_backend
+    from tpcomm.backends import make_backend
 
     if not multicast:  # no NVLS (cuMulticastCreate) unless asked
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
