@@ -1,10 +1,10 @@
-"""One KDA layer's decode step on a TP rank, and the unsharded check of it (host backend).
+"""The decode job's layer: the model from the seed, the step schedule, a rank's shard and
+the unsharded reference (plain torch).
 
 A ``Model`` is the whole layer (all heads, the full ``w_o``), rebuilt identically from the
-seed on every rank; a rank keeps its head shard and its own state and conv pools. A
-``Schedule`` draws the steps: a first single-token decode step, then verify steps with the
-accepted counts of the previous step, every other one in record mode followed by recover,
-and some padding requests in each step.
+seed on every rank; a rank keeps its head shard and its own pools. A ``Schedule`` draws a
+single-token decode step, then verify steps with the previous step's accepted counts,
+every other one recorded and then recovered, some requests padding in each step.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from kda import reference as kref
 from kda import synthetic as kt
 from kda.validate import HEAD_DIM
+from launch.checks import oproj_bound_ratios
 from tpcomm.oproj import reference as oref
 
 EPS = 1e-6
@@ -51,6 +52,16 @@ class Config:
         if self.groups is not None and not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in 1..4; got {self.groups}")
 
+    @classmethod
+    def from_args(cls, args, tp: int) -> Config:
+        """The configuration of ``launch/decode.py``'s options with ``tp`` ranks."""
+        return cls(
+            tp=tp, heads=args.heads, hidden=args.hidden, requests=args.requests,
+            tokens=args.tokens, blocks=args.blocks, steps=args.steps, seed=args.seed,
+            groups=args.groups, conv_dim_first=args.conv_layout == "dim-first",
+            padding=args.padding,
+        )  # fmt: skip
+
     @property
     def heads_per_rank(self) -> int:
         return self.heads // self.tp
@@ -71,9 +82,14 @@ class StepPlan:
 
     @property
     def kind(self) -> str:
-        if self.tokens == 1:
-            return "decode"
-        return "verify+record+recover" if self.record else "verify"
+        return step_kind(self.tokens, self.record)
+
+
+def step_kind(tokens: int, record: bool) -> str:
+    """The name of a step shape in the checks and the report."""
+    if tokens == 1:
+        return "decode"
+    return "verify+record+recover" if record else "verify"
 
 
 class Schedule:
@@ -109,13 +125,8 @@ class Model:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.kda = kt.make_layer(
-            cfg.heads,
-            cfg.pages,
-            window=max(cfg.tokens + 2, 4),
-            conv_dim_first=cfg.conv_dim_first,
-            seed=cfg.seed,
-        )
+        self.kda = kt.make_layer(cfg.heads, cfg.pages, window=max(cfg.tokens + 2, 4),
+                                 conv_dim_first=cfg.conv_dim_first, seed=cfg.seed)  # fmt: skip
         g = torch.Generator().manual_seed(cfg.seed * 31 + 7)
         D = cfg.heads * HEAD_DIM
         self.w_o = (torch.randn(cfg.hidden, D, generator=g) * D**-0.5).to(torch.bfloat16)
@@ -137,13 +148,8 @@ class Model:
     def shard(self, rank: int) -> Rank:
         first, count = self.rank_heads(rank)
         cols = slice(first * HEAD_DIM, (first + count) * HEAD_DIM)
-        return Rank(
-            rank=rank,
-            first=first,
-            kda=kt.shard_layer(self.kda, first, count),
-            w_o=self.w_o[:, cols].contiguous(),
-            model=self,
-        )
+        layer = kt.shard_layer(self.kda, first, count)
+        return Rank(rank, first, layer, self.w_o[:, cols].contiguous(), self)
 
     def step_inputs(self, plan: StepPlan):
         """The full-model activations of a step, the residual prefix and the blocks."""
@@ -152,16 +158,8 @@ class Model:
         table = 1 + torch.arange(cfg.requests * cfg.tokens, dtype=torch.int32)
         table = table.view(cfg.requests, cfg.tokens)[:, :T]
         seed = cfg.seed * 1_000_003 + plan.index
-        step = kt.make_step(
-            cfg.requests,
-            T,
-            cfg.heads,
-            pages=cfg.pages,
-            slot_table=table,
-            accepted=plan.accepted,
-            padding=plan.padding,
-            seed=seed,
-        )
+        step = kt.make_step(cfg.requests, T, cfg.heads, pages=cfg.pages, slot_table=table,
+                            accepted=plan.accepted, padding=plan.padding, seed=seed)  # fmt: skip
         g = torch.Generator().manual_seed(seed + 17)
         n = cfg.requests * T
         prefix = torch.randn(n, cfg.hidden, generator=g).to(torch.bfloat16)
@@ -197,17 +195,8 @@ def run_kda(layer: kt.Layer, plan: StepPlan, step: kt.Step) -> torch.Tensor:
     v_rec = torch.zeros(B, H, T, HEAD_DIM)
     kg_rec = torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16)
     out = kt.run_reference(layer, step, records=(v_rec, kg_rec))
-    kref.recover(
-        layer.state,
-        step.slots,
-        v_rec,
-        kg_rec,
-        layer.a_log,
-        layer.dt_bias,
-        plan.committed,
-        plan.accepted,
-        lower_bound=kt.LOWER_BOUND,
-    )
+    kref.recover(layer.state, step.slots, v_rec, kg_rec, layer.a_log, layer.dt_bias,
+                 plan.committed, plan.accepted, lower_bound=kt.LOWER_BOUND)  # fmt: skip
     return out
 
 
@@ -223,54 +212,18 @@ class Unsharded:
         m, cfg = self.model, self.model.cfg
         attn = run_kda(self.kda, plan, step)  # [N, D]
         per = cfg.heads_per_rank * HEAD_DIM
+        cols = [slice(r * per, (r + 1) * per) for r in range(cfg.tp)]
         partials = torch.stack(
-            [
-                oref.project(
-                    attn[:, r * per : (r + 1) * per].contiguous(),
-                    m.w_o[:, r * per : (r + 1) * per].contiguous(),
-                )
-                for r in range(cfg.tp)
-            ]
+            [oref.project(attn[:, c].contiguous(), m.w_o[:, c].contiguous()) for c in cols]
         )
         tp_out, tp_prefix = m.consume(partials, prefix, blocks, groups=groups)
         # The same layer with one fp32 GEMM over all heads (no per-rank bf16 partials).
         whole = oref.project(attn, m.w_o)[None]
-        u_out, u_prefix = m.consume(whole, prefix, blocks, groups=1)
+        _, u_prefix = m.consume(whole, prefix, blocks, groups=1)
         epi_out = epilogue_f64(tp_prefix, blocks, m.norm, m.query, m.out_norm)
         prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out)
-        return dict(
-            attn=attn,
-            tp_out=tp_out,
-            tp_prefix=tp_prefix,
-            u_out=u_out,
-            u_prefix=u_prefix,
-            epi_out=epi_out,
-            prefix_ratio=prefix_ratio,
-            out_ratio=out_ratio,
-        )
-
-
-def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out) -> tuple[float, float]:
-    """Worst error / bound of a TP prefix against the unsharded fp32 o-proj, and of a TP
-    output against the fp64 epilogue of that same prefix (``epilogue_f64``).
-
-    Prefix: each per-rank bf16 partial and each later bf16 rounding moves a value by at
-    most 2^-8 of its magnitude, against one fp32 GEMM over all heads. Output: the
-    epilogue (AttnRes + RMSNorm) evaluated in fp64 on the TP ``prefix_new``; the fp32
-    evaluation rounded to bf16 is within 2^-6 of each value plus 2^-8 of the row's rms:
-    room for the reference's bf16 rounding plus the kernels' 1 ulp (a bf16 ulp is 2^-8
-    to 2^-7 of the value) and fp32 logits of magnitude L (about L x 2^-24 each); a wrong
-    formula, eps or weight is off by far more.
-    (Not the output against the unsharded layer: AttnRes logits of magnitude L amplify a
-    prefix ulp by about L, so that comparison has no bound worth checking.)
-    """
-    prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
-    prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
-    want = epi_out.double()
-    rms = want.pow(2).mean(-1, keepdim=True).sqrt()
-    out_bound = 2.0**-6 * want.abs() + 2.0**-8 * rms
-    out_ratio = (tp_out.double() - want).abs() / (out_bound + 2.0**-30)
-    return float(prefix_ratio.max()), float(out_ratio.max())
+        return dict(attn=attn, tp_out=tp_out, tp_prefix=tp_prefix, u_prefix=u_prefix,
+                    epi_out=epi_out, prefix_ratio=prefix_ratio, out_ratio=out_ratio)  # fmt: skip
 
 
 def epilogue_f64(prefix_new, blocks, norm, query, out_norm, *, eps=EPS, out_eps=OUT_EPS):

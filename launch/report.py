@@ -1,16 +1,30 @@
-"""The decode job's report, shared by the host and GPU runners: checks, latency, a table.
+"""The decode job's report: checks, latency (a step's is its slowest rank's), a table.
 
 A report is one JSON-able dict: ``config``, ``steps`` (total and per kind), ``latency``,
 ``checks`` (passed / of per check), ``worst`` (error / bound figures) and ``ok``; the
-GPU runner adds ``breakdown`` and ``bytes``. ``finish`` writes the JSON, prints the table
-and the last line, ``DECODE OK`` or ``DECODE FAILED: ...``.
+GPU job adds ``breakdown``, ``bytes`` and (one process per rank) ``per_rank``. ``finish``
+writes the JSON, prints the table and the last line, ``DECODE OK`` or ``DECODE FAILED: ...``.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+
+import torch
+
+from kda.validate import HEAD_DIM
 
 MAX_SHOWN = 8  # failures spelled out on the last line
+COPY_TBPS = 4.16  # H200 device-to-device copy, bytes read + written (../shared/H200.md)
+PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
+
+
+def refuse(message: str, speak: bool = True) -> int:
+    """A job that cannot run: the last line (from the speaking process); exit status 2."""
+    if speak:
+        print(f"DECODE FAILED: {message}", flush=True)
+    return 2
 
 
 def percentile(values, q):
@@ -95,3 +109,146 @@ def finish(report, failures, json_path, printer) -> int:
     more = f"; ... ({len(failures) - MAX_SHOWN} more)" if len(failures) > MAX_SHOWN else ""
     print("DECODE FAILED: " + "; ".join(shown) + more, flush=True)
     return 1
+
+
+def step_bytes(cfg, kind: str, tokens: int) -> dict:
+    """Bytes a step moves with every request live (state pages read + written, w_o read)
+    and the HBM floor they give at the H200's copy bandwidth."""
+    pages = {"decode": 2, "verify": 1 + tokens, "verify+record+recover": 2 + tokens}[kind]
+    state = cfg.requests * cfg.heads * pages * PAGE_BYTES
+    w_o = cfg.hidden * cfg.heads * HEAD_DIM * 2
+    rows = cfg.requests * tokens
+    mailbox = cfg.tp * cfg.tp * rows * cfg.hidden * 2
+    floor_us = (state + w_o) / (COPY_TBPS * 1e6)
+    return {"state": state, "w_o": w_o, "mailbox_stores": mailbox, "floor_us": floor_us}
+
+
+def stats(values):
+    """Median, p99 (nearest rank), max and count of GPU latencies (us)."""
+    median, p99 = statistics.median(values), percentile(values, 0.99)
+    return {"median_us": median, "p99_us": p99, "max_us": max(values), "n": len(values)}
+
+
+def slowest_per_step(per_process):
+    """Per step, the slowest process's replay: ``per_process`` is every process's list of
+    (kind, us); returns {kind: [us per step]} (a step's latency is its slowest rank's)."""
+    latency: dict[str, list[float]] = {}
+    for entries in zip(*per_process, strict=True):
+        latency.setdefault(entries[0][0], []).append(max(us for _, us in entries))
+    return latency
+
+
+def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok):
+    """The GPU job's report (process 0): ``per_process`` latencies, ``stages`` breakdowns."""
+    buckets = sorted(runner.buckets.values(), key=lambda b: (b.tokens, b.record))
+    latency = slowest_per_step(per_process)
+    everything = [v for vs in latency.values() for v in vs]
+    lat = {k: stats(v) for k, v in latency.items()}
+    if everything:
+        lat["step"] = stats(everything)
+    per_rank = None
+    if len(per_process) > 1 and everything:  # nvshmem: one process per rank
+        per_rank = [stats([us for _, us in entries]) for entries in per_process]
+    breakdown = {}
+    for kind in {k for d in stages for k in d}:
+        names = next(d[kind] for d in stages if kind in d)
+        breakdown[kind] = {n: max(d[kind][n] for d in stages if kind in d) for n in names}
+    props = torch.cuda.get_device_properties(runner.device)
+    multicast = any(c.multicast_base for c in runner.comms.values())
+    extra = {
+        "device": props.name,
+        "processes": runner.procs.count,
+        "kernel": {b.kind: b.kda_choice.kernel for b in buckets if b.kda_choice},
+        "kernel_reason": {b.kind: b.kda_choice.reason for b in buckets if b.kda_choice},
+        "gate_mode": args.gate_mode,
+        "pdl": bool(args.pdl),
+        "groups_chosen": {str(n): c.groups for n, c in sorted(runner.comms.items())},
+        "publish": "multicast" if multicast else "per peer",
+        "oproj_launch": runner.oproj_launch,
+        "exact_gate_grids": True,
+    }
+    report = {
+        "config": config(cfg, runner.backend.name, launcher, **extra),
+        "steps": {"total": sum(kinds.values()), **kinds},
+        "latency": lat,
+        "breakdown": {b.kind: breakdown[b.kind] for b in buckets if b.kind in breakdown},
+        "bytes": {b.kind: step_bytes(cfg, b.kind, b.tokens) for b in buckets},
+        "checks": check.as_dict(),
+        "worst": worst,
+        "ok": ok,
+    }
+    if per_rank is not None:
+        report["per_rank"] = per_rank
+    return report
+
+
+def print_gpu(r):
+    print_config(r)
+    c = r["config"]
+    kernels = ", ".join(f"{k}: {v}" for k, v in c["kernel"].items())
+    groups = ", ".join(f"{v} at {k} rows" for k, v in c["groups_chosen"].items())
+    print(
+        f"gpu      {c['device']} x {c['processes']} process(es); KDA {kernels}; gate mode "
+        f"{c['gate_mode']}, pdl {c['pdl']}; consumer groups {groups}; publish {c['publish']}; "
+        f"o-projection launches {c['oproj_launch']}"
+    )
+    title = "latency (graph replay, all ranks)"
+    if c["processes"] > 1:
+        title = "latency (graph replay, max over ranks)"
+    print(f"{title:<40}{'median us':>11}{'p99 us':>10}{'max us':>10}{'steps':>7}"
+          f"{'floor us':>10}")  # fmt: skip
+    for name, v in r["latency"].items():
+        floor = r["bytes"].get(name, {}).get("floor_us")
+        f = f"{floor:>10.2f}" if floor is not None else f"{'':>10}"
+        print(f"  {name:<38}{v['median_us']:>11.2f}{v['p99_us']:>10.2f}{v['max_us']:>10.2f}"
+              f"{v['n']:>7}{f}")  # fmt: skip
+    for rank, v in enumerate(r.get("per_rank", [])):
+        print(f"  {'rank ' + str(rank) + ' alone':<38}{v['median_us']:>11.2f}"
+              f"{v['p99_us']:>10.2f}{v['max_us']:>10.2f}{v['n']:>7}")  # fmt: skip
+    where = "each stage of all ranks" if c["processes"] == 1 else "each stage, max over ranks"
+    print(f"breakdown ({where} as its own graph, events, us)")
+    for kind, stages in r["breakdown"].items():
+        cells = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+        print(f"  {kind:<38}{cells}; sum {sum(stages.values()):.2f}")
+    print("bytes per step (every request live; floor = (state + w_o) / 4.16 TB/s)")
+    for kind, b in r["bytes"].items():
+        print(f"  {kind:<38}state {b['state'] / 1e6:.2f} MB, w_o {b['w_o'] / 1e6:.2f} MB, "
+              f"mailbox stores {b['mailbox_stores'] / 1e6:.2f} MB")  # fmt: skip
+    print_checks(r)
+    w = r["worst"]
+    print(
+        f"  worst: kda {w['kda_ulp']:.2f} ulp (exact >= {w['kda_exact']:.4f}), state "
+        f"{w['state']:.2e} of page max, partials {w['partial_ulp']:.2f} ulp, output "
+        f"{w['output_ulp']:.2f} ulp; error / bound: prefix vs unsharded o-proj "
+        f"{w['prefix']:.3f}, output vs fp64 epilogue {w['output']:.3f}"
+    )
+
+
+def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok):
+    """The host job's report (rank 0): ``slowest`` [stage, step] seconds, slowest rank."""
+    ms = (slowest * 1e3).tolist()
+    lat = {
+        name: {"median_ms": percentile(ms[i], 0.5), "p99_ms": percentile(ms[i], 0.99)}
+        for i, name in enumerate((*stages, "step"))
+    }
+    return {
+        "config": config(cfg, backend, info.launcher),
+        "steps": {"total": cfg.steps, **kinds},
+        "latency": lat,
+        "checks": checks.as_dict(),
+        "worst": worst,
+        "ok": ok,
+    }
+
+
+def print_host(r):
+    print_config(r)
+    print(f"{'latency (slowest rank)':<26}{'median ms':>12}{'p99 ms':>12}")
+    for name, v in r["latency"].items():
+        print(f"  {name:<24}{v['median_ms']:>12.3f}{v['p99_ms']:>12.3f}")
+    print_checks(r)
+    w = r["worst"]
+    print(
+        f"  worst error / bound: prefix vs unsharded o-proj {w['prefix']:.3f}, "
+        f"output vs fp64 epilogue {w['output']:.3f}"
+    )

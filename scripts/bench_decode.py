@@ -1,30 +1,16 @@
 """Benchmark the whole decode step of one KDA layer on one GPU: ours on loopback beside
-the same step composed from peers.
+the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
 
-Per TP in ``--tp`` (8, 16) and requests in ``--requests`` (1, 2, 4, 8), T = 1, Kimi-K3
-shapes (96 heads, HID 7168, nb 8), every request live:
-
-- ``ours``: ``launch.gpu.LoopbackRunner``, all TP ranks on the GPU (KDA per rank on its
-  stream, then one producer and one consumer launch for all ranks), the step's CUDA graph
-  replayed; per-replay events, median. Its per-stage breakdown comes from the
-  runner's stage pass.
-- the other o-projection launch modes of the runner (``launch.gpu.OPROJ_LAUNCHES``) beside
-  ``ours`` (its loopback default, ``DEFAULT_OPROJ_LAUNCH``): JSON ``per_rank_us``,
-  ``consumer_us``, ``both_us``, printed below the table.
-- ``alone``: rank 0's chain only (KDA -> producer -> consumer), the other ranks' partials
-  published just before by a separate graph (not timed): what one rank of a multi-GPU
-  run spends, less the link latency (the issue's <= 12 us target).
-- ``peer``: the same step in one stream from peers: fla ``causal_conv1d_update`` (SiLU),
-  the gate projection as a torch matmul, fla ``fused_recurrent_kda`` (all heads at once),
-  fla ``rms_norm_gated`` (sigmoid), the TP o-projection partials as one torch ``bmm``,
-  their fp32 sum, then residual, AttnRes and the output RMSNorm in torch for every rank.
-  Captured in one CUDA graph; skipped (with the reason) without fla.
+- ``ours``: ``launch.runner.Runner``, all TP ranks on the GPU, the step's CUDA graph
+  replayed (median of per-replay events) and its stage breakdown; the runner's other
+  o-projection launch modes (``OPROJ_LAUNCHES``) as ``per_rank_us`` / ``consumer_us``.
+- ``alone``: rank 0's chain only, the other ranks' partials published just before by an
+  untimed graph: one rank of a multi-GPU run less the link latency. It reads one rank's
+  ``w_o`` (11 MB at TP 16), which L2 may hold between replays; the others need no rotation.
+- ``peer``: fla conv / ``fused_recurrent_kda`` / ``rms_norm_gated``, torch ``bmm``
+  partials, their sum and the epilogue in torch, one stream, one graph (skipped without fla).
 - ``floor``: (state pages read + written + every rank's ``w_o``) / the device-to-device
-  copy bandwidth measured in this run (bytes read + written).
-
-Weights and state are far beyond L2 at these shapes (w_o alone is 176 MB), so no
-rotation is needed for ``ours`` / ``peer``; ``alone`` reads one rank's 11 MB ``w_o``,
-which L2 may hold between replays (say so when quoting it).
+  copy bandwidth measured in this run.
 
     python scripts/bench_decode.py [--tp 8 16] [--requests 1 2 4 8] [--replays 50]
                                    [--json PATH] [--quick]
@@ -46,8 +32,10 @@ import torch  # noqa: E402
 
 from kda import synthetic as kt  # noqa: E402
 from kda.ops import plan as plan_kda  # noqa: E402
-from launch import gpu  # noqa: E402
+from launch.checks import exact_gate_inputs, exact_gate_weights  # noqa: E402
 from launch.layer import EPS, OUT_EPS, Config, Model, Schedule  # noqa: E402
+from launch.report import step_bytes  # noqa: E402
+from launch.runner import DEFAULT_OPROJ_LAUNCH, OPROJ_LAUNCHES, Runner  # noqa: E402
 
 BUDGET_NS = 5_000_000  # a rank that cannot be resident errors quickly instead of 50 ms
 
@@ -63,15 +51,18 @@ def _config(tp, requests, args):
 def _step(cfg, model):
     plan = Schedule(cfg).next()
     step, prefix, blocks = model.step_inputs(plan)
-    gpu.exact_gate_inputs(step)
+    exact_gate_inputs(step)
     return plan, step, prefix, blocks
 
 
-def _replays(fn, replays):
-    """Median GPU time (us) of ``fn()`` (one graph launch) over ``replays`` calls."""
+def _replays(fn, replays, before=None):
+    """Median GPU time (us) of ``fn()`` (one graph launch) over ``replays`` calls, each
+    after an untimed ``before()``."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()
@@ -82,14 +73,12 @@ def _replays(fn, replays):
 
 def ours(cfg, model, replays, oproj_launch=None):
     """All ranks on loopback: (median us, stage breakdown, KDA kernel, consumer groups).
-    ``oproj_launch``: the runner's o-projection launches (``launch.gpu.OPROJ_LAUNCHES``;
-    None: its loopback default)."""
+    ``oproj_launch``: one of ``OPROJ_LAUNCHES`` (None: the runner's loopback default)."""
     from tpcomm.backends.loopback import LoopbackBackend
 
     backend = LoopbackBackend(cfg.tp)
     try:
-        runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS,
-                                    oproj_launch=oproj_launch)  # fmt: skip
+        runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS, oproj_launch=oproj_launch)
         plan, step, prefix, blocks = _step(cfg, model)
         bk = runner.bucket(1, False)
         runner.fill(bk, plan, step, prefix, blocks)
@@ -110,7 +99,7 @@ def alone(cfg, model, replays):
     backend = LoopbackBackend(cfg.tp)
     backend.check_coresident = lambda *args: None  # one rank's consumer runs at a time
     try:
-        runner = gpu.LoopbackRunner(cfg, model, backend, budget_ns=BUDGET_NS)
+        runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
         plan, step, prefix, blocks = _step(cfg, model)
         bk = runner.bucket(1, False)
         # one rank of a multi-GPU run has the whole GPU: the kernel a lone rank gets
@@ -135,18 +124,10 @@ def alone(cfg, model, replays):
             publish_others()
         with torch.cuda.graph(g_one, stream=side):
             rank0()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            g_pub.replay()
-            start.record()
-            g_one.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+        us = _replays(g_one.replay, replays, before=g_pub.replay)
         if int(bk.comm.errors[0, 0]):
             raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
-        return statistics.median(times)
+        return us
     finally:
         backend.teardown()
 
@@ -228,14 +209,14 @@ def main(argv=None) -> int:
         for requests in args.requests:
             cfg = _config(tp, requests, args)
             model = Model(cfg)
-            gpu.exact_gate_weights(model.kda)
-            b = gpu.step_bytes(cfg, "decode", 1)
+            exact_gate_weights(model.kda)
+            b = step_bytes(cfg, "decode", 1)
             row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden,
                        blocks=cfg.blocks, state_bytes=b["state"], w_o_bytes=b["w_o"],
                        floor_us=(b["state"] + b["w_o"]) / (tbps * 1e6))  # fmt: skip
             variants = [(f"{mode.replace('-', '_')}", lambda c, m, n, mode=mode: ours(
-                c, m, n, oproj_launch=mode)[0]) for mode in gpu.OPROJ_LAUNCHES
-                if mode != gpu.DEFAULT_OPROJ_LAUNCH]  # fmt: skip
+                c, m, n, oproj_launch=mode)[0]) for mode in OPROJ_LAUNCHES
+                if mode != DEFAULT_OPROJ_LAUNCH]  # fmt: skip
             for name, fn in [("ours", ours), *variants, ("alone", alone), ("peer", peer)]:
                 try:
                     result = fn(cfg, model, args.replays)
@@ -263,8 +244,7 @@ def _cell(v, digits=2, width=9):
 
 def _print_row(row):
     for key in [k for k in row if k.endswith("_skipped")]:
-        if key in row:
-            print(f"  TP {row['tp']} B {row['requests']}: {key[:-8]} skipped: {row[key]}")
+        print(f"  TP {row['tp']} B {row['requests']}: {key[:-8]} skipped: {row[key]}")
 
 
 def _print_table(rows, tbps):
@@ -280,11 +260,11 @@ def _print_table(rows, tbps):
               f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
               f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}")  # fmt: skip
     for r in rows:
-        modes = ", ".join(f"{m} {r[k]:.2f} us" for m in gpu.OPROJ_LAUNCHES
+        modes = ", ".join(f"{m} {r[k]:.2f} us" for m in OPROJ_LAUNCHES
                           if r.get(k := f"{m.replace('-', '_')}_us") is not None)  # fmt: skip
         print(
             f"  TP {r['tp']} B {r['requests']}: ours = o-projection launches "
-            f"{gpu.DEFAULT_OPROJ_LAUNCH}; other modes: {modes or '-'}"
+            f"{DEFAULT_OPROJ_LAUNCH}; other modes: {modes or '-'}"
         )
     print("targets (issue 7, B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kda import synthetic as kt
-from launch import decode, gpu
+from launch import checks, decode, report, runner
+from launch.layer import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "decode.py")
@@ -57,7 +58,7 @@ def test_loopback_tp2(tmp_path):
     assert "TP 2, heads 4 (2/rank)" in p.stdout
     assert report["steps"]["decode"] == 1 and report["steps"]["verify+record+recover"] == 3
     assert report["checks"]["kda outputs vs unsharded (1 ulp + o's flip)"]["of"] == 7
-    assert set(report["breakdown"]["verify+record+recover"]) == set(gpu.STAGES)
+    assert set(report["breakdown"]["verify+record+recover"]) == set(runner.STAGES)
     print(p.stdout)
 
 
@@ -128,16 +129,16 @@ def test_loopback_refuses_too_many_rows():
 
 
 def test_check_rows():
-    gpu.check_rows(8, 1)
-    gpu.check_rows(2, 4)
+    runner.check_rows(8, 1)
+    runner.check_rows(2, 4)
     with pytest.raises(ValueError, match=r"--requests x --tokens = 3 x 3 = 9 .* at most 8"):
-        gpu.check_rows(3, 3)
+        runner.check_rows(3, 3)
 
 
 def test_shard_inputs_matches_shard_step():
     heads, tp, B, T = 8, 4, 2, 3
     step = kt.make_step(B, T, heads, pages=1 + B * T, seed=3)
-    x, gate, beta = gpu.shard_inputs(step, tp)
+    x, gate, beta = runner.shard_inputs(step, tp)
     per = heads // tp
     for r in range(tp):
         want = kt.shard_step(step, heads, r * per, per)
@@ -149,13 +150,13 @@ def test_shard_inputs_matches_shard_step():
 def test_ulp_check():
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(4, 256, generator=g).to(torch.bfloat16)
-    ok, exact, worst, _ = gpu.ulp_check(ref.clone(), ref)
+    ok, exact, worst, _ = checks.ulp_check(ref.clone(), ref)
     assert ok and exact == 1.0 and worst == 0.0
     one_ulp = (ref.view(torch.int16) + 1).view(torch.bfloat16)
-    assert gpu.ulp_check(one_ulp, ref)[0]
+    assert checks.ulp_check(one_ulp, ref)[0]
     two_ulp = (ref.view(torch.int16) + 2).view(torch.bfloat16)
-    assert not gpu.ulp_check(two_ulp, ref)[0]
-    assert not gpu.ulp_check(torch.full_like(ref, float("nan")), ref)[0]
+    assert not checks.ulp_check(two_ulp, ref)[0]
+    assert not checks.ulp_check(torch.full_like(ref, float("nan")), ref)[0]
 
 
 def test_state_check():
@@ -165,17 +166,17 @@ def test_state_check():
     ref[1] *= 0.5  # the step wrote page 1
     got = ref.clone()
     got[1, 0, 0, 0] += 1e-7
-    assert gpu.state_check(got, ref, before)[:2] == (True, True)
+    assert checks.state_check(got, ref, before)[:2] == (True, True)
     got[1, 0, 0, 0] += 1e-3
-    assert gpu.state_check(got, ref, before)[0] is False
+    assert checks.state_check(got, ref, before)[0] is False
     got = ref.clone()
     got.view(torch.int32)[2, 1, 5, 5] ^= 1  # a page the step leaves alone, changed
-    assert gpu.state_check(got, ref, before)[1] is False
+    assert checks.state_check(got, ref, before)[1] is False
 
 
 def test_step_bytes():
-    cfg = decode.Config(16, 96, 7168, 8, 1, 8, 1)
-    b = gpu.step_bytes(cfg, "decode", 1)
+    cfg = Config(16, 96, 7168, 8, 1, 8, 1)
+    b = report.step_bytes(cfg, "decode", 1)
     assert b["state"] == 8 * 96 * 2 * 65536 and b["w_o"] == 7168 * 96 * 128 * 2
     assert b["floor_us"] == pytest.approx((b["state"] + b["w_o"]) / 4.16e6)
 

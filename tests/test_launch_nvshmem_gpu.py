@@ -20,7 +20,8 @@ import sys
 import pytest
 import torch
 
-from launch import decode, gpu
+from launch import decode, report
+from launch.procs import Procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "decode.py")
@@ -211,12 +212,12 @@ def test_auto_picks_nvshmem_with_a_gpu_per_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(decode, "_nvshmem_installed", lambda: True)
+    monkeypatch.setattr(decode, "nvshmem_installed", lambda: True)
     assert decode.resolve_backend("auto") == "nvshmem"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # two PEs per GPU: no
     assert decode.resolve_backend("auto") == "host"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(decode, "_nvshmem_installed", lambda: False)
+    monkeypatch.setattr(decode, "nvshmem_installed", lambda: False)
     assert decode.resolve_backend("auto") == "host"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert decode.resolve_backend("auto") == "loopback"
@@ -230,12 +231,12 @@ def test_slowest_rank_per_step():
         [("decode", 5.0), ("verify", 9.0), ("verify", 7.0)],
         [("decode", 6.0), ("verify", 8.0), ("verify", 7.5)],
     ]
-    assert gpu.slowest_per_step(per_process) == {"decode": [6.0], "verify": [9.0, 7.5]}
-    assert gpu.slowest_per_step([[]]) == {}
+    assert report.slowest_per_step(per_process) == {"decode": [6.0], "verify": [9.0, 7.5]}
+    assert report.slowest_per_step([[]]) == {}
 
 
 def test_one_process_gathers_itself():
-    procs = gpu.Procs()
+    procs = Procs()
     x = torch.arange(6, dtype=torch.float32).view(2, 3).to(torch.bfloat16)
     assert procs.root and procs.objects(3) == [3] and procs.all_true(True)
     assert torch.equal(procs.gather(x), x)

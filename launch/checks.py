@@ -1,0 +1,147 @@
+"""The decode job's check math (SPEC tolerances) and the checks of one GPU step.
+
+KDA outputs within 1 bf16 ulp allowing o's own bf16 flip; state pages within 1e-5 of the
+page's max |ref|, pages the step leaves alone bitwise; the o-projection prefix and output
+within the bounds of ``oproj_bound_ratios``. The gate inputs sit on grids where every fp32
+order of the gate dot is exact (``exact_gate_*``), so every ``--gate-mode`` rounds like the
+reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda import synthetic as kt
+from kda.validate import HEAD_DIM
+
+
+def exact_gate_weights(layer: kt.Layer) -> None:
+    """``f_b`` on a 1/64 grid (with ``exact_gate_inputs``: every partial sum of the gate
+    dot is a multiple of 2^-9 below 2^8, exact in fp32, whatever the order)."""
+    layer.f_b = ((layer.f_b.float() * 64).round() / 64).to(torch.bfloat16)
+
+
+def exact_gate_inputs(step: kt.Step) -> None:
+    """``f_a`` on a 1/8 grid in [-4, 4]."""
+    step.f_a = ((step.f_a.float() * 8).round().clamp(-32, 32) / 8).to(torch.bfloat16)
+
+
+def bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp of each element of ``ref`` (fp32)."""
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2.0**-126))) - 7)
+
+
+def ulp_check(got, ref, row=None, o_flip=False):
+    """SPEC's 1-ulp rule over rows of ``row`` elements (default: the last dim): elements
+    with |ref| >= 2^-10 rms(row) within 1 ulp, the others within 2^-17 rms(row). With
+    ``o_flip`` (KDA outputs, rows = a head's 128 channels) every element may also move by
+    one ulp of ``o`` (2^-7 of itself; o is an fp32 reduction rounded to bf16 whose order
+    the SPEC leaves open), and 99.9% must be strictly within 1 ulp.
+    Returns (ok, exact fraction, worst ulps, detail)."""
+    row = ref.shape[-1] if row is None else row
+    g, r = got.float().reshape(-1, row), ref.float().reshape(-1, row)
+    if torch.isnan(g).any():
+        return False, 0.0, float("inf"), "NaN in the result"
+    rms = r.pow(2).mean(-1, keepdim=True).sqrt()
+    err, ulp = (g - r).abs(), bf16_ulp(r)
+    big = r.abs() >= rms * 2.0**-10
+    strict = torch.where(big, err <= ulp, err <= rms * 2.0**-17)
+    worst = float((err / ulp)[big].max()) if big.any() else 0.0
+    exact = float((err == 0).float().mean())
+    if o_flip:
+        loose = torch.where(big, err <= ulp + r.abs() * 2.0**-7 * 1.01, err <= rms * 2.0**-16)
+        within = float(strict.float().mean())
+        ok = bool(loose.all()) and within >= 0.999
+        detail = f"{within:.5f} within 1 ulp, max {worst:.2f} ulp"
+    else:
+        ok = bool(strict.all())
+        detail = f"{int((~strict).sum())} elements beyond 1 ulp, max {worst:.2f} ulp"
+    return ok, exact, worst, detail
+
+
+def state_check(got, ref, before):
+    """Pages the reference changed: within 1e-5 of the page's max |ref|; (page, head)
+    blocks it left alone: bitwise ``before``. Returns (within, untouched, worst err/max)."""
+    changed = (ref != before).flatten(2).any(-1)  # [S, H]
+    page_changed = changed.any(-1)
+    scale = ref.abs().flatten(1).amax(-1)
+    err = (got - ref).abs().flatten(1).amax(-1)
+    ratio = torch.where(page_changed, err / scale.clamp_min(1e-30), torch.zeros_like(err))
+    untouched = (got == before).flatten(2).all(-1) | changed
+    return bool((ratio <= 1e-5).all()), bool(untouched.all()), float(ratio.max())
+
+
+def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out) -> tuple[float, float]:
+    """Worst error / bound of a TP prefix against the unsharded fp32 o-proj, and of a TP
+    output against the fp64 epilogue of that same prefix (``launch.layer.epilogue_f64``).
+
+    Prefix: each per-rank bf16 partial and each later bf16 rounding moves a value by at
+    most 2^-8 of its magnitude. Output: within 2^-6 of each value plus 2^-8 of the row's
+    rms (the reference's bf16 rounding, the kernels' 1 ulp, fp32 logits); a wrong formula,
+    eps or weight is off by far more. (Not the output against the unsharded layer: AttnRes
+    logits of magnitude L amplify a prefix ulp by about L.)
+    """
+    prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
+    prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
+    want = epi_out.double()
+    rms = want.pow(2).mean(-1, keepdim=True).sqrt()
+    out_bound = 2.0**-6 * want.abs() + 2.0**-8 * rms
+    out_ratio = (tp_out.double() - want).abs() / (out_bound + 2.0**-30)
+    return float(prefix_ratio.max()), float(out_ratio.max())
+
+
+def inject(fault: str, output: torch.Tensor, state: torch.Tensor, state_bit: int = 0) -> None:
+    """``--fault``: flip one bit of ``output``'s first value or of an element of ``state``'s
+    last page (the checks must catch it)."""
+    if fault == "output":
+        output.view(torch.int16)[0, 0] ^= 1
+    elif fault == "state":
+        state.view(torch.int32)[-1, 0, 0, 0] ^= 1 << state_bit
+
+
+def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, check, worst):
+    """One GPU step against the unsharded layer and the o-projection reference. Every
+    process takes part (gathers, the mailbox read-back); process 0 compares."""
+    cfg, model = runner.cfg, runner.model
+    i = plan.index
+    attn_all = runner.all_ranks(bk.attn)  # [TP, N, D_local]
+    state, conv = runner.gather_pools()
+    armed = runner.procs.all_true(bk.comm.armed())
+    partials, same = runner.partials(bk, plan.index & 1)
+    if unsharded is None:
+        return
+    ref = unsharded.step(plan, step, prefix, blocks, groups=bk.comm.groups)
+    attn = torch.cat(list(attn_all), dim=1)
+    ok, exact, ulps, detail = ulp_check(attn, ref["attn"], row=HEAD_DIM, o_flip=True)
+    check("kda outputs vs unsharded (1 ulp + o's flip)", ok, i, detail)
+    worst["kda_ulp"] = max(worst["kda_ulp"], ulps)
+    worst["kda_exact"] = min(worst["kda_exact"], exact)
+    within, untouched, ratio = state_check(state, unsharded.kda.state, before_state)
+    check("state pages vs unsharded (1e-5 of page max)", within, i, f"worst {ratio:.2e}")
+    check("state pages the step leaves alone unchanged (bitwise)", untouched, i)
+    worst["state"] = max(worst["state"], ratio)
+    check("conv pages == unsharded (bitwise)", torch.equal(conv, unsharded.kda.conv_state), i)
+
+    check("mailboxes re-armed", armed, i)
+    check("partials identical in every rank's mailbox", same, i)
+    from tpcomm.oproj import reference as oref
+
+    bad = []
+    for r in range(cfg.tp):
+        want = oref.project(attn_all[r], runner.w_o_cpu(r))
+        ok, _, ulps, detail = ulp_check(partials[r], want)
+        bad += [] if ok else [f"rank {r}: {detail}"]
+        worst["partial_ulp"] = max(worst["partial_ulp"], ulps)
+    check("partials vs reference projection (1 ulp)", not bad, i, "; ".join(bad[:2]))
+    want_out, want_prefix = model.consume(partials, prefix, blocks, groups=bk.comm.groups)
+    got_prefix, got_out = bk.prefix[0].cpu(), bk.output[0].cpu()  # rank 0: row 0 here
+    check("prefix == TP reference math (bitwise)",
+          torch.equal(got_prefix.view(torch.int16), want_prefix.view(torch.int16)), i)  # fmt: skip
+    ok, _, ulps, detail = ulp_check(got_out, want_out)
+    check("output vs TP reference math (1 ulp)", ok, i, detail)
+    worst["output_ulp"] = max(worst["output_ulp"], ulps)
+    # the epilogue of the TP prefix (bitwise got_prefix, checked above), in fp64
+    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], ref["epi_out"])
+    check("prefix vs unsharded o-proj (within bound)", p <= 1, i, f"worst {p:.3f}")
+    check("output vs fp64 epilogue of the prefix (within bound)", o <= 1, i, f"worst {o:.3f}")
+    worst["prefix"], worst["output"] = max(worst["prefix"], p), max(worst["output"], o)

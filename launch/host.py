@@ -1,0 +1,109 @@
+"""The decode job on the host backend (CPU, one rank per process, gloo): the reference math
+per rank, timed by stage; rank 0 checks each ``--check-every``-th step bitwise against the
+unsharded layer, every rank that its output and prefix are bitwise rank 0's."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from launch import report as rep
+from launch.checks import inject
+from launch.layer import Config, Model, Schedule, Unsharded, conv_cat
+from tpcomm import host
+from tpcomm.oproj import reference as oref
+
+STAGES = ("kda", "oproj", "exchange", "consume")
+
+
+def main(args) -> int:
+    """The host job in this process (joins torchrun / mpirun / a single process)."""
+    from tpcomm.backends import make_backend
+
+    backend = make_backend("host")
+    info = host.ProcessInfo(backend.rank, backend.world, backend.rank, host.launcher())
+    try:
+        return run(args, info, backend)
+    finally:
+        backend.teardown()
+
+
+def run(args, info, symm) -> int:
+    """The steps of rank ``info.rank`` on the host backend ``symm``; the exit status."""
+    if args.tp is not None and args.tp != info.world:
+        return rep.refuse(
+            f"--tp {args.tp} is for the loopback backend; the host backend runs one rank per "
+            f"process ({info.world} here)",
+            info.rank == 0,
+        )
+    torch.set_num_threads(1 if info.world > 1 else torch.get_num_threads())
+    cfg = Config.from_args(args, info.world)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        return rep.refuse(str(e), info.rank == 0)
+
+    model = Model(cfg)
+    me = model.shard(info.rank)
+    schedule = Schedule(cfg)
+    unsharded = Unsharded(model) if info.rank == 0 and args.check_every else None
+    times = {k: [] for k in (*STAGES, "step")}
+    check, kinds = rep.Checks(), {}
+
+    worst = {"prefix": 0.0, "output": 0.0}  # error / bound (launch.checks.oproj_bound_ratios)
+    for _ in range(cfg.steps):
+        plan = schedule.next()
+        i = plan.index
+        kinds[plan.kind] = kinds.get(plan.kind, 0) + 1
+        step, prefix, blocks = model.step_inputs(plan)
+        host.barrier()
+        t0 = time.perf_counter()
+        attn = me.attention(plan, step)
+        t1 = time.perf_counter()
+        partial = oref.project(attn, me.w_o)
+        t2 = time.perf_counter()
+        partials = symm.all_gather(partial)
+        t3 = time.perf_counter()
+        output, prefix_new = me.consume(partials, prefix, blocks)
+        t4 = time.perf_counter()
+        if i == 1 and info.rank == info.world - 1:
+            inject(args.fault, output, me.kda.state)
+        laps = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
+        for k, v in zip((*STAGES, "step"), laps, strict=True):
+            times[k].append(v)
+
+        # Every rank: output and prefix bitwise equal to rank 0's.
+        root_output, root_prefix = host.broadcast(output), host.broadcast(prefix_new)
+        same = torch.equal(root_output, output) and torch.equal(root_prefix, prefix_new)
+        check("outputs identical on all ranks", host.all_true(same), i)
+        if not (args.check_every and i % args.check_every == 0):
+            continue
+        attn_all = host.all_gather(attn)
+        state_all = host.all_gather(me.kda.state)
+        conv_all = host.all_gather(me.kda.conv_state)
+        if unsharded is None:
+            continue
+        ref, u = unsharded.step(plan, step, prefix, blocks), unsharded.kda
+        attn_cat, state_cat = torch.cat(list(attn_all), dim=1), torch.cat(list(state_all), dim=1)
+        check("kda outputs == unsharded (bitwise)", torch.equal(attn_cat, ref["attn"]), i)
+        check("state pages == unsharded (bitwise)", torch.equal(state_cat, u.state), i)
+        conv_same = torch.equal(conv_cat(conv_all, cfg.conv_dim_first), u.conv_state)
+        check("conv pages == unsharded (bitwise)", conv_same, i)
+        tp_same = torch.equal(output, ref["tp_out"]) and torch.equal(prefix_new, ref["tp_prefix"])
+        check("output, prefix == TP reference (bitwise)", tp_same, i)
+        check("prefix vs unsharded o-proj (within bound)", ref["prefix_ratio"] <= 1, i)
+        check("output vs fp64 epilogue of the prefix (within bound)", ref["out_ratio"] <= 1, i)
+        for key, name in (("prefix_ratio", "prefix"), ("out_ratio", "output")):
+            worst[name] = max(worst[name], ref[key])
+
+    # Latency: per step, the slowest rank.
+    per_rank = host.all_gather(
+        torch.tensor([times[k] for k in (*STAGES, "step")], dtype=torch.float64)
+    )
+    slowest = per_rank.max(dim=0).values  # [stage, steps]
+    ok = host.all_true(not check.failures)
+    if info.rank == 0:
+        report = rep.host_report(cfg, "host", info, kinds, slowest, STAGES, check, worst, ok)
+        rep.finish(report, check.failures, args.json, rep.print_host)
+    return 0 if ok else 1

@@ -1,0 +1,505 @@
+"""The GPU runner: the TP ranks a backend hosts, their buffers and CUDA graphs.
+
+Per step and rank, on the rank's own stream, in stream order: ``kda.decode`` (record mode
+on a recorded verify step), ``kda.recover`` (after a recorded step), ``produce``
+(bf16(attn_out @ w_o^T) into every rank's mailbox), ``consume`` (rank-order sum, residual,
+AttnRes, output RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
+o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch),
+``consumer`` (producers per rank, one ``consume_all``) or ``per-rank``; bitwise the same.
+
+A bucket is a step shape (tokens, record): buffers allocated once, one CUDA graph per
+mailbox parity (``step & 1``) captured once and replayed. Its first use also runs it
+eagerly (compiles; the reference for "graph replay == eager") and stage by stage (the
+per-kernel breakdown), restoring the pools and prefixes after each. Several processes
+(nvshmem): eager run, stage pass and capture are separated by barriers, the consumer is
+compiled before anyone polls, and timed replays start behind an on-stream barrier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda import synthetic as kt
+from kda.validate import GATE_RANK, HEAD_DIM
+from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
+from launch.procs import Procs
+
+MAX_PRODUCER_ROWS = 8
+GATE_CYCLES = 40_000_000  # ~20 ms sleep: the stage pass is enqueued behind it
+STAGES = ("kda", "recover", "produce", "consume")
+# o-projection launches with every rank on one GPU (loopback): "per-rank" (producer and
+# consumer per rank on its stream), "consumer" (producers per rank, PDL behind their KDA;
+# one consumer launch for all ranks), "both" (one producer and one consumer launch)
+OPROJ_LAUNCHES = ("per-rank", "consumer", "both")
+DEFAULT_OPROJ_LAUNCH = "both"  # fastest of the three (docs/decode.md)
+
+
+def check_rows(requests: int, tokens: int) -> None:
+    """The producer's limit: rows per consumer (requests x tokens) <= 8."""
+    rows = requests * tokens
+    if rows > MAX_PRODUCER_ROWS:
+        raise ValueError(
+            f"--requests x --tokens = {requests} x {tokens} = {rows} rows per step; the "
+            f"o-projection producer takes at most {MAX_PRODUCER_ROWS}: lower --requests or "
+            "--tokens"
+        )
+
+
+def shard_inputs(step: kt.Step, tp: int):
+    """A full-layer step's per-head inputs split by rank, each stacked ``[TP, ...]``: ``x``
+    [TP, N, 3 D] (rank r's q | k | v columns, as ``kt.shard_step``), ``gate`` [TP, N, D],
+    ``beta`` [TP, N, H]."""
+    N, heads = step.beta.shape
+    per = heads // tp
+    D = per * HEAD_DIM
+    x = step.x.view(N, 3, tp, D).permute(2, 0, 1, 3).reshape(tp, N, 3 * D)
+    return x, step.gate.view(N, tp, D).transpose(0, 1), step.beta.view(N, tp, per).transpose(0, 1)
+
+
+class Bucket:
+    """The captured buffers of one (tokens, record) step shape; graphs per parity. Per-rank
+    buffers have one row per rank hosted here (``runner.ranks``)."""
+
+    def __init__(self, runner: Runner, tokens: int, record: bool):
+        cfg, dev = runner.cfg, runner.device
+        B, T, n = cfg.requests, tokens, len(runner.ranks)
+        H = cfg.heads_per_rank
+        D, N = H * HEAD_DIM, B * T
+        self.tokens, self.record, self.rows = T, record, N
+        self.comm = runner.comm_for(N)
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.x = torch.zeros(n, N, 3 * D, **bf)
+        self.f_a = torch.zeros(N, GATE_RANK, **bf)
+        self.beta = torch.zeros(n, N, H, **bf)
+        self.gate = torch.zeros(n, N, D, **bf)
+        self.slots = torch.zeros((B,) if T == 1 else (B, T), **i32)
+        self.accepted = torch.ones(B, **i32) if T > 1 else None
+        self.committed = torch.ones(B, **i32) if record else None
+        self.attn = torch.zeros(n, N, D, **bf)
+        self.v_records = self.kg_records = None
+        if record:
+            self.v_records = torch.zeros(n, B, H, T, HEAD_DIM, dtype=torch.float32, device=dev)
+            self.kg_records = torch.zeros(n, B, H, T, 2 * HEAD_DIM, **bf)
+        self.prefix = torch.zeros(n, N, cfg.hidden, **bf)
+        self.output = torch.zeros(n, N, cfg.hidden, **bf)
+        self.blocks = torch.zeros(N, cfg.blocks, cfg.hidden, **bf) if cfg.blocks else None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stage_us: dict[str, float] | None = None
+        self.kda_choice = None
+
+    @property
+    def kind(self) -> str:
+        return step_kind(self.tokens, self.record)
+
+
+class Runner:
+    """The TP ranks hosted by ``backend`` (all of them on loopback, one on nvshmem); steps
+    as CUDA-graph replays. ``procs``: the job's processes (default: this one alone)."""
+
+    def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=0,
+                 pdl=True, budget_ns=None, procs: Procs | None = None,
+                 oproj_launch: str | None = None):  # fmt: skip
+        check_rows(cfg.requests, cfg.tokens)
+        if backend.world != cfg.tp:
+            raise ValueError(f"the backend has {backend.world} ranks; the layer is TP {cfg.tp}")
+        self.cfg, self.model, self.backend = cfg, model, backend
+        self.procs = Procs() if procs is None else procs
+        self.ranks = tuple(backend.ranks)
+        self.local = {r: i for i, r in enumerate(self.ranks)}
+        # several processes: peers are reached only through symmetric memory
+        self.multiprocess = len(self.ranks) < cfg.tp
+        self.device = backend.device
+        shared = getattr(backend, "streams", None)
+        if shared:  # loopback: the backend's own stream per rank
+            self.streams = {r: shared[r] for r in self.ranks}
+        else:
+            self.streams = {r: torch.cuda.Stream(self.device) for r in self.ranks}
+        self.kernel, self.gate_mode, self.pdl = kernel, gate_mode, bool(pdl)
+        self.budget = {} if budget_ns is None else {"budget_ns": budget_ns}
+        shards = [model.shard(r) for r in self.ranks]
+        self.layers = [s.kda.to(self.device) for s in shards]
+        self.w_o = [s.w_o.to(self.device) for s in shards]
+        # every rank on this GPU: the consumers of all ranks (and with "both" the
+        # producers) as one launch each (tpcomm.oproj.api consume_all / produce_all)
+        whole = not self.multiprocess and backend.single_device and cfg.tp > 1
+        mode = oproj_launch
+        if mode is None:
+            mode = DEFAULT_OPROJ_LAUNCH if whole else "per-rank"
+        if mode not in OPROJ_LAUNCHES:
+            raise ValueError(f"oproj_launch must be one of {OPROJ_LAUNCHES}; got {mode!r}")
+        if mode != "per-rank" and not whole:
+            raise ValueError(f"oproj_launch={mode!r} needs every rank on one GPU in this "
+                             "process (loopback)")  # fmt: skip
+        self.oproj_launch = mode
+        self.w_os = None
+        if mode == "both":  # stacked [TP, HID, D_local]; the per-rank list views it
+            self.w_os = torch.stack(self.w_o)
+            self.w_o = list(self.w_os.unbind(0))
+        self.norm = model.norm.to(self.device)
+        self.query = model.query.to(self.device)
+        self.out_norm = model.out_norm.to(self.device)
+        self.comms: dict = {}
+        self.buckets: dict = {}
+        self._stream_barrier = None
+
+    # --- buffers ---------------------------------------------------------------------------
+    def comm_for(self, rows: int):
+        """The all-reduce for ``rows`` tokens: the plan's groups (or ``--groups``); with
+        per-rank consumers lowered until every rank's consumer can be resident (loopback;
+        one rank per GPU always is; one consumer launch for all ranks needs no such rule).
+        Collective on nvshmem: every process builds the same ones in the same order."""
+        if rows in self.comms:
+            return self.comms[rows]
+        from tpcomm.oproj.api import OprojAllReduce, choose
+
+        cfg = self.cfg
+        if cfg.groups is not None:
+            options = [cfg.groups]
+        elif self.oproj_launch != "per-rank":  # one consumer launch: no co-residency rule
+            options = [choose(cfg.tp, rows, cfg.hidden).groups]
+        else:
+            options = range(choose(cfg.tp, rows, cfg.hidden).groups, 0, -1)
+        one = {"one_launch": True} if self.oproj_launch != "per-rank" else {}
+        error = None
+        for groups in options:
+            try:
+                comm = OprojAllReduce(self.backend, rows, cfg.hidden, cfg.blocks, groups=groups,
+                                      eps=EPS, out_eps=OUT_EPS, **self.budget, **one)  # fmt: skip
+            except ValueError as e:
+                if "resident" not in str(e):
+                    raise
+                error = e
+                continue
+            self.comms[rows] = comm
+            return comm
+        raise ValueError(f"{error} (tried groups {list(options)})")
+
+    def bucket(self, tokens: int, record: bool) -> Bucket:
+        key = (tokens, record)
+        if key not in self.buckets:
+            self.buckets[key] = Bucket(self, tokens, record)
+        return self.buckets[key]
+
+    def fill(self, bk: Bucket, plan, step: kt.Step, prefix, blocks) -> None:
+        """Copy a step's full-layer inputs (CPU) into the bucket's buffers: the hosted
+        ranks' shards."""
+        x, gate, beta = shard_inputs(step, self.cfg.tp)
+        mine = list(self.ranks)
+        bk.x.copy_(x[mine])
+        bk.gate.copy_(gate[mine])
+        bk.beta.copy_(beta[mine])
+        bk.f_a.copy_(step.f_a)
+        bk.slots.copy_(step.slots)
+        if bk.accepted is not None:
+            bk.accepted.copy_(step.accepted)
+        if bk.committed is not None:
+            bk.committed.copy_(plan.committed)
+        bk.prefix.copy_(prefix.to(self.device)[None].expand_as(bk.prefix))
+        if bk.blocks is not None:
+            bk.blocks.copy_(blocks)
+
+    # --- launches --------------------------------------------------------------------------
+    def kda_choice(self, bk: Bucket):
+        """The bucket's KDA kernel (``kda.dispatch.choose``), chosen once. Every rank this
+        process hosts shares the GPU (loopback: all TP ranks), so the dispatcher sees a
+        rank's share of the SMs: KdaSplit spreading one rank's few items over the whole
+        GPU would only crowd out the other ranks."""
+        if bk.kda_choice is None:
+            from kda import dispatch
+
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            bk.kda_choice = dispatch.choose(
+                self.cfg.requests, self.cfg.heads_per_rank, bk.tokens,
+                sms=max(1, sms // len(self.local)), kernel=self.kernel,
+            )  # fmt: skip
+        return bk.kda_choice
+
+    def _kda(self, bk: Bucket, r: int) -> None:
+        import kda
+
+        choice = self.kda_choice(bk)
+        i = self.local[r]
+        L = self.layers[i]
+        kda.decode(
+            bk.x[i], L.conv_weight, L.conv_bias, L.conv_state, bk.f_a, bk.beta[i], L.a_log,
+            L.dt_bias, bk.slots, L.state, bk.gate[i], L.norm_weight, L.f_b,
+            lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, accepted=bk.accepted,
+            conv_dim_first=L.conv_dim_first,
+            records=(bk.v_records[i], bk.kg_records[i]) if bk.record else None,
+            kernel=choice.kernel, gate_mode=self.gate_mode, pdl=self.pdl, out=bk.attn[i],
+            cluster=choice.cluster if choice.kernel == "split" else None,
+        )  # fmt: skip
+
+    def _recover(self, bk: Bucket, r: int) -> None:
+        import kda
+
+        i = self.local[r]
+        L = self.layers[i]
+        kda.recover(
+            L.state, bk.slots, bk.v_records[i], bk.kg_records[i], L.a_log, L.dt_bias,
+            bk.committed, bk.accepted, lower_bound=kt.LOWER_BOUND, pdl=self.pdl,
+        )  # fmt: skip
+
+    def _produce(self, bk: Bucket, r: int, parity: int) -> None:
+        i = self.local[r]
+        bk.comm.produce(bk.attn[i], self.w_o[i], parity, rank=r, stream=self.streams[r])
+
+    def _consume(self, bk: Bucket, r: int, parity: int) -> None:
+        i = self.local[r]
+        bk.comm.consume(bk.prefix[i], bk.blocks, self.norm, self.query, self.out_norm,
+                        bk.output[i], parity, rank=r, stream=self.streams[r])  # fmt: skip
+
+    def _produce_all(self, bk: Bucket, parity: int) -> None:
+        bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)
+
+    def _consume_all(self, bk: Bucket, parity: int) -> None:
+        bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
+                            bk.output, parity, pdl=self.pdl)  # fmt: skip
+
+    def _on_ranks(self, ranks, *phases, join=False) -> None:
+        """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
+        every rank (phase by phase: all producers enqueued before any consumer), join them
+        back. ``join``: every rank's next phase also waits for every rank's previous one,
+        so on one GPU no spinning consumer starves another rank's KDA or producer CTAs."""
+        current = torch.cuda.current_stream(self.device)
+        fork = torch.cuda.Event()
+        fork.record(current)
+        for r in ranks:
+            self.streams[r].wait_event(fork)
+        for i, phase in enumerate(phases):
+            if join and i > 0 and len(ranks) > 1:
+                done = []
+                for r in ranks:
+                    event = torch.cuda.Event()
+                    event.record(self.streams[r])
+                    done.append(event)
+                for r in ranks:
+                    for event in done:
+                        self.streams[r].wait_event(event)
+            for r in ranks:
+                with torch.cuda.stream(self.streams[r]):
+                    phase(r)
+        for r in ranks:
+            current.wait_stream(self.streams[r])
+
+    def enqueue(self, bk: Bucket, parity: int, ranks=None, *, eager=False) -> None:
+        """One step of ``ranks`` (default: all hosted) on their streams, in stream order.
+        ``eager`` with several processes: KDA -> producer, synchronise, meet the other
+        processes, then the consumer (compiled beforehand), so no poll budget covers a
+        peer's compile or host skew."""
+        ranks = self.ranks if ranks is None else tuple(ranks)
+        all_at_once = self.oproj_launch != "per-rank" and ranks == self.ranks
+        produce_all = all_at_once and self.oproj_launch == "both"
+
+        def chain(r):
+            self._kda(bk, r)
+            if bk.record:
+                self._recover(bk, r)
+            if not produce_all:
+                self._produce(bk, r, parity)
+
+        def consume(r):
+            self._consume(bk, r, parity)
+
+        if eager and self.multiprocess:
+            bk.comm.functions()  # the consumer compiled before anyone polls
+            self._on_ranks(ranks, chain)
+            self.sync_all()
+            self._on_ranks(ranks, consume)
+            return
+        if all_at_once:  # per rank stream, joined; then (one producer and) one consumer
+            self._on_ranks(ranks, chain)
+            if produce_all:
+                self._produce_all(bk, parity)
+            self._consume_all(bk, parity)
+            return
+        self._on_ranks(ranks, chain, consume, join=True)
+
+    def _stage(self, bk: Bucket, name: str, parity: int):
+        fns = {
+            "kda": lambda r: self._kda(bk, r),
+            "recover": lambda r: self._recover(bk, r),
+            "produce": lambda r: self._produce(bk, r, parity),
+            "consume": lambda r: self._consume(bk, r, parity),
+        }
+        if self.oproj_launch == "both" and name == "produce":
+            return lambda: self._produce_all(bk, parity)
+        if self.oproj_launch != "per-rank" and name == "consume":
+            return lambda: self._consume_all(bk, parity)
+        return lambda: self._on_ranks(self.ranks, fns[name])
+
+    # --- synchronisation across processes ------------------------------------------------
+    def sync_all(self) -> None:
+        """This GPU idle, then every process here (nvshmem barrier); loopback: synchronise."""
+        torch.cuda.synchronize(self.device)
+        if self.multiprocess:
+            self.backend.barrier()
+
+    def stream_barrier(self) -> None:
+        """Several processes: every GPU's current stream meets the others' (an nvshmem
+        on-stream barrier) before what follows; the host does not wait. If the backend has
+        no on-stream barrier, a host barrier (synchronising) instead, said once."""
+        if not self.multiprocess:
+            return
+        if self._stream_barrier is None:
+            self._stream_barrier = _stream_barrier_fn(self.backend)
+        self._stream_barrier(torch.cuda.current_stream(self.device))
+
+    # --- first use of a bucket: eager, stage pass, capture -----------------------------
+    def pools(self):
+        return [(L.state, L.conv_state) for L in self.layers]
+
+    def snapshot(self, bk: Bucket):
+        return [(s.clone(), c.clone()) for s, c in self.pools()], bk.prefix.clone()
+
+    def restore(self, bk: Bucket, saved) -> None:
+        pools, prefix = saved
+        for (s, c), (s0, c0) in zip(self.pools(), pools, strict=True):
+            s.copy_(s0)
+            c.copy_(c0)
+        bk.prefix.copy_(prefix)
+
+    def results(self, bk: Bucket):
+        """What a step leaves behind (clones): outputs, prefixes, attn, pools."""
+        out = [bk.output.clone(), bk.prefix.clone(), bk.attn.clone()]
+        return out + [t.clone() for pair in self.pools() for t in pair]
+
+    def graph(self, bk: Bucket, parity: int):
+        """The bucket's graph for ``parity``; on first use also the eager run and, once per
+        bucket, the stage pass. Returns (graph, eager results or None, stage results or None);
+        the pools and prefixes are as before the call. Collective with several processes."""
+        if parity in bk.graphs:
+            return bk.graphs[parity], None, None
+        self.kda_choice(bk)
+        saved = self.snapshot(bk)
+        self.enqueue(bk, parity, eager=True)  # eager: compiles and loads every kernel
+        torch.cuda.synchronize(self.device)
+        self.raise_on_timeout(bk, "eager run")
+        eager = self.results(bk)
+        self.restore(bk, saved)
+        self.sync_all()  # every consumer re-armed before this parity is published again
+        staged = None
+        if bk.stage_us is None:
+            bk.stage_us = self.stage_pass(bk, parity)
+            staged = self.results(bk)
+            self.restore(bk, saved)
+            self.sync_all()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            self.enqueue(bk, parity)
+        torch.cuda.synchronize(self.device)
+        bk.graphs[parity] = g
+        return g, eager, staged
+
+    def stage_pass(self, bk: Bucket, parity: int) -> dict[str, float]:
+        """Each stage of the hosted ranks as its own graph, events between them (us per
+        stage). Several processes: the stages start behind an on-stream barrier, so
+        ``consume`` includes the wait for the slowest peer's producer."""
+        stages = [s for s in STAGES if s != "recover" or bk.record]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        graphs = []
+        for name in stages:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side):
+                self._stage(bk, name, parity)()
+            graphs.append(g)
+        self.sync_all()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(GATE_CYCLES)  # the host enqueues everything while this runs
+        self.stream_barrier()
+        events[0].record()
+        for g, e in zip(graphs, events[1:], strict=True):
+            g.replay()
+            e.record()
+        torch.cuda.synchronize(self.device)
+        self.raise_on_timeout(bk, "stage pass")
+        return {n: events[i].elapsed_time(events[i + 1]) * 1e3 for i, n in enumerate(stages)}
+
+    def timeout_masks(self, bk: Bucket) -> list[int]:
+        """Every rank's consumer error word (missing-rank mask; 0: none), in rank order."""
+        mine = bk.comm.errors[list(self.ranks), 0].tolist()
+        return [m for masks in self.procs.objects(mine) for m in masks]
+
+    def raise_on_timeout(self, bk: Bucket, what: str) -> None:
+        """Collective: every process raises when any rank's consumer timed out."""
+        masks = self.timeout_masks(bk)
+        if any(masks):
+            bk.comm.reset()
+            raise RuntimeError(f"{what}: consumer poll timed out (missing-rank masks {masks})")
+
+    def replay(self, bk: Bucket, parity: int) -> float:
+        """One step: the bucket's graph replayed; its GPU time in us (behind an on-stream
+        barrier of all processes when there are several)."""
+        g = bk.graphs[parity]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream_barrier()
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    # --- reading back (collective; the whole layer on process 0, None elsewhere) ---------
+    def all_ranks(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A per-hosted-rank buffer ``[n, ...]`` of every rank, ``[TP, ...]`` on the CPU."""
+        return self.procs.gather(t)
+
+    def gather_pools(self):
+        """The whole layer's state and conv pools on the CPU, from the ranks' shards
+        (process 0; None, None elsewhere)."""
+        state = torch.cat([L.state.cpu() for L in self.layers], dim=1)
+        state = self.procs.gather(state.movedim(1, 0))  # heads first: ranks concatenate
+        convs = [L.conv_state.cpu()[None] for L in self.layers]
+        conv = self.procs.gather(torch.cat(convs, dim=0))
+        if state is None:
+            return None, None
+        return state.movedim(0, 1).contiguous(), conv_cat(list(conv), self.cfg.conv_dim_first)
+
+    def w_o_cpu(self, r: int) -> torch.Tensor:
+        """Rank ``r``'s ``w_o`` columns (CPU, from the model: any rank, hosted or not)."""
+        first, count = self.model.rank_heads(r)
+        return self.model.w_o[:, first * HEAD_DIM : (first + count) * HEAD_DIM].contiguous()
+
+    def partials(self, bk: Bucket, parity: int):
+        """The producers' partials of the step just run [TP, N, HID] (CPU, process 0):
+        produced again from the step's attn_out (deterministic), read back from rank 0's
+        mailbox, then everything re-armed. Also whether every rank's mailbox held the same
+        (process 0; None elsewhere)."""
+        self.sync_all()  # every consumer of the step re-armed before the re-publish
+        for r in self.ranks:
+            i = self.local[r]
+            bk.comm.produce(bk.attn[i], self.w_o[i], parity, rank=r)
+        self.sync_all()  # every peer's partial landed
+        boxes = torch.stack([bk.comm.mailbox.local(r)[parity] for r in self.ranks])
+        every = self.procs.gather(boxes)  # [TP, TP, N, HID]
+        bk.comm.reset()  # re-arm (and barrier)
+        if every is None:
+            return None, None
+        bits = every.view(torch.int16)
+        same = all(torch.equal(bits[r], bits[0]) for r in range(self.cfg.tp))
+        return every[0].clone(), same
+
+
+def _stream_barrier_fn(backend):
+    """An on-stream barrier of every process of ``backend`` (nvshmem ``barrier_all`` on the
+    stream), or a host barrier when it has none."""
+    if backend.name == "nvshmem":
+        try:
+            import nvshmem.core as nv
+
+            from tpcomm.backends.nvshmem import TorchStream
+
+            def barrier(stream):
+                nv.barrier_all(TorchStream(stream))
+
+            return barrier
+        except ImportError:
+            pass
+    print("note: no on-stream barrier on this backend; replays start behind a host barrier",
+          flush=True)  # fmt: skip
+    return lambda stream: backend.barrier()
