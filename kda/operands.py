@@ -98,3 +98,31 @@ class RecoverKernelOperands(NamedTuple):
     accepted: cute.Tensor
     checkpoint: cute.Tensor
     lower_bound: Float32
+
+
+MIN_RING, MAX_RING = 2, 16
+
+
+class Ring(NamedTuple):
+    """Per state slot ``s``: ``v`` [S, R, H, 128] fp32 (v_new), ``kg`` [S, R, H, 256] bf16
+    (k, raw gate), ``length`` [S, 2] int32 (committed, pending entries)."""
+
+    v: torch.Tensor
+    kg: torch.Tensor
+    length: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.v.shape[1]
+
+
+def make_ring(state: torch.Tensor, size: int) -> Ring:
+    """An empty ring of ``size`` entries for every page of the state pool ``state``."""
+    if isinstance(size, bool) or not isinstance(size, int) or not MIN_RING <= size <= MAX_RING:
+        raise ValueError(f"size must be an int in {MIN_RING}..{MAX_RING}; got {size!r}")
+    pages, heads, _, dim = state.shape  # [S, H, 128, 128]
+    return Ring(
+        torch.zeros(pages, size, heads, dim, dtype=torch.float32, device=state.device),
+        torch.zeros(pages, size, heads, 2 * dim, dtype=torch.bfloat16, device=state.device),
+        torch.zeros(pages, 2, dtype=torch.int32, device=state.device),
+    )

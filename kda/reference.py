@@ -16,16 +16,24 @@ Kernels differ from this only in the order of their fp32 reductions.
 
 A request whose state slot is <= 0 is a padding row: its output rows are zero and no
 state page, conv page or record is touched.
+
+``replay_decode`` / ``materialize``: the same step with the state kept as a checkpoint page
+plus a ring of the steps' records (read the page, write a record; write the page back only
+when the ring is full).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .operands import DecodeOperands, RecoverOperands
-from .validate import HEAD_DIM, check_decode, check_recover, step_slots
+from tpcomm.checks import check_tensor
 
-__all__ = ["decode", "recover"]
+from .operands import DecodeOperands, RecoverOperands, Ring
+from .validate import HEAD_DIM, check_decode, check_recover, check_ring, step_slots
+
+__all__ = ["decode", "recover", "replay_decode", "materialize", "apply_record"]
 
 
 def _fma(a, b, c):
@@ -74,34 +82,29 @@ def _l2(v):
     return _rsqrt(_dot(v, v) + 1e-6)[..., None]
 
 
-def decode(*args, **kwargs):
-    """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
+class _Prologue(NamedTuple):
+    """A step's per-token vectors of the live requests (fp32; ``[T, L, H, 128]``)."""
 
-    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
-    Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
-    record mode: the state is read from the checkpoint slot but not written.
-    """
-    op = DecodeOperands(*args, **kwargs)
-    shape = check_decode(op)
+    q_hat: torch.Tensor
+    k_hat: torch.Tensor
+    v: torch.Tensor
+    k: torch.Tensor  # post-SiLU, pre-norm (bf16 values): the record's k
+    raw_g: torch.Tensor  # [L, T, H, 128] bf16 values
+    decay: torch.Tensor
+    beta_t: torch.Tensor  # [T, L, H]
+    taps: torch.Tensor  # [L, 3D, 3] the conv window's taps
+    inputs: torch.Tensor  # [L, 3D, T] bf16: the step's x
+
+
+def _prologue(op, shape, lv, conv_l, off_l) -> _Prologue:
+    """Steps 1-5 of the SPEC for the live requests ``lv``: conv + SiLU, gate, decay, beta,
+    normalised q and k."""
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
-    f_a, beta, a_log, dt_bias, slots = op.f_a, op.beta, op.a_log, op.dt_bias, op.slots
-    state, gate, norm_weight, f_b = op.state, op.gate, op.norm_weight, op.f_b
-    lower_bound, scale, eps = op.lower_bound, op.scale, op.eps
-    accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
-    B, T, H = shape.requests, shape.tokens, shape.heads
-    D, device = shape.dim, state.device
-    output = torch.zeros(B * T, D, dtype=torch.bfloat16, device=device)
-    slot, conv_slot, offset = step_slots(slots, accepted, T)
-    live = (slot > 0).nonzero()[:, 0]
-    if live.numel() == 0:
-        return output
-    L = live.numel()
-    lv = live.to(device)
-    slot_l, conv_l, off_l = (v[live].to(device) for v in (slot, conv_slot, offset))
-
+    B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
+    L, device = lv.numel(), op.state.device
     # 1. Convolution window [tap0, tap1, tap2, x_0 .. x_{T-1}] per channel, fp32.
     page = conv_state[conv_l]
-    if not conv_dim_first:
+    if not op.conv_dim_first:
         page = page.transpose(1, 2)  # [L, 3D, W]
     positions = off_l[:, None] + torch.arange(3, device=device)
     taps = page.gather(2, positions[:, None, :].expand(L, 3 * D, 3))  # [L, 3D, 3]
@@ -118,12 +121,57 @@ def decode(*args, **kwargs):
     q, k, v = act[0], act[1], act[2]
 
     # 2. Gate, beta, normalised q and k.
-    fa = f_a.view(B, T, -1)[lv]  # [L, T, 128]
-    raw_g = _bf16((fa.double() @ f_b.double().T).float()).view(L, T, H, HEAD_DIM)
-    decay = _decay(raw_g, a_log, dt_bias, lower_bound).transpose(0, 1)  # [T, L, H, 128]
-    beta_t = _sigmoid(beta.float().view(B, T, H)[lv]).transpose(0, 1)  # [T, L, H]
-    q_hat = q * _l2(q) * scale
+    fa = op.f_a.view(B, T, -1)[lv]  # [L, T, 128]
+    raw_g = _bf16((fa.double() @ op.f_b.double().T).float()).view(L, T, H, HEAD_DIM)
+    decay = _decay(raw_g, op.a_log, op.dt_bias, op.lower_bound).transpose(0, 1)
+    beta_t = _sigmoid(op.beta.float().view(B, T, H)[lv]).transpose(0, 1)  # [T, L, H]
+    q_hat = q * _l2(q) * op.scale
     k_hat = k * _l2(k)
+    return _Prologue(q_hat, k_hat, v, k, raw_g, decay, beta_t, taps, inputs)
+
+
+def _finish(op, shape, lv, conv_l, o, pre: _Prologue, output) -> None:
+    """Steps 8-9 of the SPEC: the gated RMSNorm of ``o`` [T, L, H, 128] into ``output``,
+    the conv page of each live request."""
+    B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
+    L, conv_state = lv.numel(), op.conv_state
+    # 4. Gated RMSNorm over the head's 128 value rows.
+    rstd = _rsqrt(_dot(o, o) * (1.0 / HEAD_DIM) + op.eps)[..., None]
+    sig = _sigmoid(op.gate.float().view(B, T, H, HEAD_DIM)[lv].transpose(0, 1))
+    result = ((o * rstd) * op.norm_weight.float()) * sig  # [T, L, H, 128]
+    out = output.view(B, T, D)
+    out[lv] = result.transpose(0, 1).reshape(L, T, D).to(torch.bfloat16)
+
+    # 5. Conv page: [tap1, tap2, x_0 .. x_{T-1}] into window positions 0..T+1.
+    new = torch.cat([pre.taps[:, :, 1:], pre.inputs.to(conv_state.dtype)], dim=2)
+    if op.conv_dim_first:
+        conv_state[conv_l, :, : T + 2] = new.to(conv_state.dtype)
+    else:
+        conv_state[conv_l, : T + 2, :] = new.transpose(1, 2).to(conv_state.dtype)
+
+
+def decode(*args, **kwargs):
+    """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
+
+    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
+    Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
+    record mode: the state is read from the checkpoint slot but not written.
+    """
+    op = DecodeOperands(*args, **kwargs)
+    shape = check_decode(op)
+    state, slots, accepted, records = op.state, op.slots, op.accepted, op.records
+    B, T, H = shape.requests, shape.tokens, shape.heads
+    D, device = shape.dim, state.device
+    output = torch.zeros(B * T, D, dtype=torch.bfloat16, device=device)
+    slot, conv_slot, offset = step_slots(slots, accepted, T)
+    live = (slot > 0).nonzero()[:, 0]
+    if live.numel() == 0:
+        return output
+    L = live.numel()
+    lv = live.to(device)
+    slot_l, conv_l, off_l = (v[live].to(device) for v in (slot, conv_slot, offset))
+    pre = _prologue(op, shape, lv, conv_l, off_l)
+    q_hat, k_hat, v, k, raw_g, decay, beta_t = pre[:7]
 
     # 3. The recurrence, token by token.
     S = state[slot_l].clone()  # [L, H, 128 rows, 128 keys]
@@ -146,20 +194,18 @@ def decode(*args, **kwargs):
             kg_rec[lv, :, t, :HEAD_DIM] = k[t].to(torch.bfloat16)
             kg_rec[lv, :, t, HEAD_DIM:] = raw_g[:, t].to(torch.bfloat16)
 
-    # 4. Gated RMSNorm over the head's 128 value rows.
-    rstd = _rsqrt(_dot(o, o) * (1.0 / HEAD_DIM) + eps)[..., None]
-    sig = _sigmoid(gate.float().view(B, T, H, HEAD_DIM)[lv].transpose(0, 1))
-    result = ((o * rstd) * norm_weight.float()) * sig  # [T, L, H, 128]
-    out = output.view(B, T, D)
-    out[lv] = result.transpose(0, 1).reshape(L, T, D).to(torch.bfloat16)
-
-    # 5. Conv page: [tap1, tap2, x_0 .. x_{T-1}] into window positions 0..T+1.
-    new = torch.cat([taps[:, :, 1:], inputs.to(conv_state.dtype)], dim=2)  # [L, 3D, T+2]
-    if conv_dim_first:
-        conv_state[conv_l, :, : T + 2] = new.to(conv_state.dtype)
-    else:
-        conv_state[conv_l, : T + 2, :] = new.transpose(1, 2).to(conv_state.dtype)
+    _finish(op, shape, lv, conv_l, o, pre, output)
     return output
+
+
+def apply_record(S, kg, v_new, a_log, dt_bias, lower_bound):
+    """One recorded token applied to states ``S`` [..., H, 128, 128]: ``S * decay`` then
+    ``fma(k^, v_new, .)``, the decay from the recorded raw gate ``kg[..., 128:]`` and k^ from
+    the recorded k ``kg[..., :128]`` (``kg`` [..., H, 256] bf16, ``v_new`` [..., H, 128])."""
+    kg = kg.float()
+    k = kg[..., :HEAD_DIM]
+    decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, lower_bound)
+    return _fma((k * _l2(k))[..., None, :], v_new[..., None], S * decay[..., None, :])
 
 
 def recover(*args, **kwargs):
@@ -187,13 +233,133 @@ def recover(*args, **kwargs):
     n = accepted.to(torch.int64)[lv]
     targets = s[live].to(device)
     S = state[source[live].to(device)].clone()
-    kg = kg_records[lv].float()  # [L, H, T, 256]
     for t in range(T):
-        k = kg[:, :, t, :HEAD_DIM]
-        decay = _decay(kg[:, :, t, HEAD_DIM:], a_log, dt_bias, lower_bound)
-        k_hat = k * _l2(k)
-        nxt = _fma(k_hat[:, :, None, :], v_records[lv, :, t][..., None], S * decay[:, :, None, :])
+        kg, v_new = kg_records[lv, :, t], v_records[lv, :, t]
+        nxt = apply_record(S, kg, v_new, a_log, dt_bias, lower_bound)
         active = n > t
         S = torch.where(active[:, None, None, None], nxt, S)
         keep = active & (targets[:, t] > 0)
         state[targets[keep, t]] = S[keep]
+
+
+def replay_decode(*args, ring: Ring, o_out=None, **kwargs):
+    """One replay decode (T = 1) or verify (T = 2..8) step: ``decode``'s arguments
+    (``state`` is the checkpoint pool; ``records`` must be None) plus ``ring``; mutates
+    ``ring`` and ``conv_state``, and ``state`` only where a full ring is materialised.
+    A request's slot is ``slots[b]`` (T = 1) or ``slots[b, 0]``. Returns ``output``;
+    ``o_out`` ([B*T, H*128] fp32), if given, receives the fp32 ``o`` before its rounding.
+
+    A slot's state is its checkpoint ``C`` and ring entries ``j < n`` (records:
+    ``k_j``, ``raw_g_j`` bf16, ``v_new_j`` fp32). With the decays ``d_j`` (from ``raw_g_j``),
+    the token's decay ``d``, the suffix products ``P_j = d * d_{n-1} * ... * d_{j+1}``
+    (fp32, multiplied from the newest entry back, never divided) and ``D = P_0 * d_0``:
+    ``S_{n-1} diag(d) = C diag(D) + sum_j v_new_j (P_j * k^_j)^T``, so ``S k^`` and
+    ``S q^`` are ``C (D * k^)``, ``C (D * q^)`` plus ``n`` weighted ``v_new_j``: one read
+    of the page, no write.
+
+    Counters ``ring.length[s] = (committed, pending)``: the step first commits pending
+    entries (``accepted[b]`` of them; all at T = 1), folds the committed ones into the
+    checkpoint when ``committed + T > R``, then writes its T entries after them; a T = 1
+    entry is committed at once, a verify step's stay pending until the next step."""
+    op = DecodeOperands(*args, **kwargs)
+    if op.records is not None:
+        raise ValueError("records must be None in replay decode (the ring holds the records)")
+    shape = check_decode(op)
+    B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
+    _, slot, offset = step_slots(op.slots, op.accepted, T)
+    size = check_ring(ring, op.state, T, slot)
+    if o_out is not None:
+        check_tensor("o_out", o_out, (torch.float32,), shape=(B * T, D), device=op.state.device)
+    device = op.state.device
+    output = torch.zeros(B * T, D, dtype=torch.bfloat16, device=device)
+    live = (slot > 0).nonzero()[:, 0]
+    if live.numel() == 0:
+        return output
+    lv = live.to(device)
+    slot_l, off_l = slot[live].to(device), offset[live].to(device)
+    pre = _prologue(op, shape, lv, slot_l, off_l)
+
+    counts = ring.length[slot_l].long()
+    commit = counts[:, 1] if op.accepted is None else op.accepted[lv].long().clamp(0)
+    n = counts[:, 0] + torch.minimum(commit, counts[:, 1])
+    full = n + T > size
+    if full.any():
+        _fold(op.state, ring, slot_l[full], n[full], op.a_log, op.dt_bias, op.lower_bound)
+        n = torch.where(full, 0, n)
+
+    C = op.state[slot_l]  # [L, H, 128, 128]
+    o = torch.empty(T, live.numel(), H, HEAD_DIM, device=device)
+    for t in range(T):
+        o[t] = _replay_token(C, ring, slot_l, n + t, pre, t, op)
+    counters = (n + 1, n * 0) if T == 1 else (n, n * 0 + T)
+    ring.length[slot_l] = torch.stack(counters, 1).int()
+    if o_out is not None:
+        o_out.view(B, T, D)[lv] = o.transpose(0, 1).reshape(-1, T, D)
+    _finish(op, shape, lv, slot_l, _bf16(o), pre, output)
+    return output
+
+
+def _replay_token(C, ring, slot_l, entries, pre, t, op):
+    """Token ``t`` of the step for the live slots ``slot_l`` whose rings hold ``entries``
+    [L] entries before it: writes its ring entry, returns its fp32 ``o`` [L, H, 128]."""
+    L = slot_l.numel()
+    k_hat, q_hat, v, d = pre.k_hat[t], pre.q_hat[t], pre.v[t], pre.decay[t]
+    kg = ring.kg[slot_l].float()  # [L, R, H, 256]
+    k_j = kg[..., :HEAD_DIM]
+    d_j = _decay(kg[..., HEAD_DIM:], op.a_log, op.dt_bias, op.lower_bound)
+    k_hat_j = k_j * torch.rsqrt((k_j.double() ** 2).sum(-1, keepdim=True) + 1e-6).float()
+    # Suffix products P_j over the entries j < entries (newest first), D = P_0 * d_0.
+    prod = d.clone()
+    dk = torch.zeros(L, ring.size, *d.shape[1:], device=d.device)  # P_j * k^_j
+    rows = torch.arange(L, device=d.device)
+    for j in range(int(entries.max()) - 1, -1, -1):
+        has = entries > j
+        dk[rows[has], j] = prod[has] * k_hat_j[has, j]
+        prod = torch.where(has[:, None, None], prod * d_j[:, j], prod)
+    held = torch.arange(ring.size, device=d.device)[None, :] < entries[:, None]  # [L, R]
+    v_j = torch.where(held[..., None, None], ring.v[slot_l], 0.0).double()  # [L, R, H, 128]
+    alpha = _dot(dk, k_hat[:, None]).double()  # [L, R, H]
+    gamma = _dot(dk, q_hat[:, None]).double()
+    s_k = (_matvec(C, prod * k_hat).double() + (v_j * alpha[..., None]).sum(1)).float()
+    v_new = (v - s_k) * pre.beta_t[t][..., None]
+    s_q = _matvec(C, prod * q_hat).double() + (v_j * gamma[..., None]).sum(1)
+    o = (s_q + v_new.double() * _dot(k_hat, q_hat).double()[..., None]).float()
+    ring.v[slot_l, entries] = v_new
+    ring.kg[slot_l, entries, :, :HEAD_DIM] = pre.k[t].to(torch.bfloat16)
+    ring.kg[slot_l, entries, :, HEAD_DIM:] = pre.raw_g[:, t].to(torch.bfloat16)
+    return o
+
+
+def _fold(state, ring, slots, counts, a_log, dt_bias, lower_bound):
+    """Apply the first ``counts[i]`` ring entries of ``slots[i]`` to its checkpoint and
+    empty its ring."""
+    S = state[slots]
+    for j in range(int(counts.max()) if counts.numel() else 0):
+        nxt = apply_record(S, ring.kg[slots, j], ring.v[slots, j], a_log, dt_bias, lower_bound)
+        S = torch.where((counts > j)[:, None, None, None], nxt, S)
+    state[slots] = S
+    ring.length[slots] = 0
+
+
+def materialize(state, ring: Ring, a_log, dt_bias, *, lower_bound, slots=None, accepted=None):
+    """Fold the committed ring entries of ``slots`` (default: every page but 0) into their
+    checkpoint pages and empty those rings; ``accepted`` (per slot) first commits that many
+    pending entries, the rest are dropped. Afterwards ``state`` holds the plain per-step
+    state (for prefix caching, migration or ``recover``)."""
+    check_ring(ring, state)
+    pages = state.shape[0]
+    if slots is None:
+        slots = torch.arange(1, pages, device=state.device)
+    check_tensor("slots", slots, (torch.int32, torch.int64), ndim=1, device=state.device)
+    s = slots.long()
+    if s.numel() and (s.min() < 1 or s.max() >= pages):
+        raise ValueError(f"slots must be in 1..{pages - 1}; got {s.min()}..{s.max()}")
+    if s.unique().numel() != s.numel():
+        raise ValueError("slots must be unique")
+    counts = ring.length[s].long()
+    if accepted is not None:
+        check_tensor("accepted", accepted, (torch.int32,), shape=s.shape, device=state.device)
+        if (accepted < 0).any():
+            raise ValueError("accepted must be >= 0")
+        counts[:, 0] += torch.minimum(accepted.long(), counts[:, 1])
+    _fold(state, ring, s, counts[:, 0], a_log, dt_bias, lower_bound)

@@ -13,7 +13,7 @@ import torch
 
 from tpcomm.checks import check_tensor
 
-from .operands import DecodeOperands, RecoverOperands
+from .operands import MAX_RING, MIN_RING, DecodeOperands, RecoverOperands, Ring
 
 HEAD_DIM = 128
 MAX_TOKENS = 8
@@ -232,3 +232,35 @@ def check_recover(op: RecoverOperands, *, check_values=True) -> RecoverShape:
         if bool((s >= pages).any()):
             raise ValueError(f"slots values must be below the state pool ({pages})")
     return RecoverShape(requests=requests, tokens=tokens, heads=heads, state_pages=pages)
+
+
+def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
+    """Validate ``ring`` against the state pool (and, with ``slots``, the live slots'
+    counters: committed + pending <= R, slots unique); returns R."""
+    if not isinstance(ring, Ring):
+        raise ValueError(f"ring must be a kda.operands.Ring; got {type(ring).__name__}")
+    pages, heads = state.shape[:2]
+    check_tensor("ring.v", ring.v, (torch.float32,), ndim=4, device=state.device)
+    size = ring.v.shape[1]
+    if not MIN_RING <= size <= MAX_RING:
+        raise ValueError(f"ring.v must hold {MIN_RING}..{MAX_RING} entries; got {size}")
+    shape = (pages, size, heads, HEAD_DIM)
+    check_tensor("ring.v", ring.v, (torch.float32,), shape=shape, device=state.device)
+    shape = (pages, size, heads, 2 * HEAD_DIM)
+    check_tensor("ring.kg", ring.kg, (torch.bfloat16,), shape=shape, device=state.device)
+    check_tensor("ring.length", ring.length, (torch.int32,), shape=(pages, 2), device=state.device)
+    if tokens > size:
+        raise ValueError(f"ring size R = {size} must be >= the step's tokens T = {tokens}")
+    if slots is not None:
+        live = slots[slots > 0]
+        if live.unique().numel() != live.numel():
+            raise ValueError("slots: two live requests name the same state slot")
+        counts = ring.length.cpu()[live]
+        bad = (counts < 0).any(1) | (counts.sum(1) > size)
+        if bad.any():
+            s = int(live[bad.nonzero()[0, 0]])
+            raise ValueError(
+                f"ring.length[{s}] = {counts[bad][0].tolist()}: committed and pending must be "
+                f">= 0 with committed + pending <= R = {size}"
+            )
+    return size
