@@ -1,7 +1,8 @@
 """CPU tests of the registered ops (``kimi::kda_*``, ``kimi::oproj_*``) and ``DecodeLayer``:
 schemas and what they mutate, fake implementations under ``FakeTensorMode`` (shapes,
 dtypes, the entry points' ValueErrors), ``torch.library.opcheck`` on meta tensors (the fake
-implementation is the meta kernel) and a ``torch.compile(fullgraph=True)`` trace of a
+implementation is the meta kernel; of its checks only the aot_dispatch ones run on meta
+tensors, the others need the real kernels) and a ``torch.compile(fullgraph=True)`` trace of a
 decode-layer step on fake tensors with no graph break. The real kernels: test_engine_gpu.py.
 """
 
