@@ -6,9 +6,11 @@
 rounding now and then; 2 the exactly rounded dot, bitwise the reference's), ``pdl`` (the
 kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
 before must not write them) and ``out`` (a preallocated ``[B*T, D]`` bf16 output).
-Validation raises ``ValueError`` before any launch (slot values are not read while the
-stream captures a CUDA graph); compiled kernels are cached by (kernel, config, dtypes,
-layout, arch); launches go to ``torch.cuda.current_stream()`` (graph-capturable).
+``decode`` calls the torch op ``kimi::kda_decode`` (``kda.custom_ops``), whose
+implementation is ``launch``: validation raises ``ValueError`` before any launch (slot
+values are not read while the stream captures a CUDA graph); compiled kernels are cached by
+(kernel, config, dtypes, layout, arch); launches go to ``torch.cuda.current_stream()``
+(graph-capturable).
 """
 
 from __future__ import annotations
