@@ -200,16 +200,21 @@ def _layers(device="cpu", rows=(N,)):
     return out
 
 
-def test_decode_layer_compiles_without_graph_breaks():
-    """A two-rank decode-layer step (every rank's KDA and producer, then every consumer, one
-    stream: the loopback order) on fake tensors: one graph, no break, the ops in order."""
+@pytest.mark.parametrize("record", [False, True])
+def test_decode_layer_compiles_without_graph_breaks(record):
+    """A two-rank decode-layer step (every rank's KDA, recover after a recorded step, and
+    producer, then every consumer, one stream: the loopback order) on fake tensors: one
+    graph, no break, the ops in order; one rank's ``DecodeLayer.step`` likewise."""
     layers = _layers()
-    _, step, _ = _case(T)
+    _, step, records = _case(T, record)
     c = _consumer_tensors("cpu")
 
-    def layer_step(x, f_a, beta, gate, slots, accepted, prefixes, blocks, outputs, parity: int):
+    def layer_step(x, f_a, beta, gate, slots, accepted, records, prefixes, blocks, outputs,
+                   parity: int):  # fmt: skip
         for L in layers:
-            attn = L.attend(x, f_a, beta, gate, slots, accepted=accepted)
+            attn = L.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records)
+            if records is not None:
+                L.recover(slots, records, accepted, accepted)
             L.produce(attn, parity)
         for L, prefix, output in zip(layers, prefixes, outputs, strict=True):
             L.consume(prefix, blocks, output, parity)
@@ -217,23 +222,35 @@ def test_decode_layer_compiles_without_graph_breaks():
 
     torch._dynamo.reset()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        args = [mode.from_tensor(t) for t in (step.x, step.f_a, step.beta, step.gate, step.slots,
-                                              step.accepted)]  # fmt: skip
-        prefixes = [mode.from_tensor(c["prefix"].clone()) for _ in layers]
-        outputs = [mode.from_tensor(c["output"].clone()) for _ in layers]
-        blocks = mode.from_tensor(c["blocks"])
-        explained = torch._dynamo.explain(layer_step)(*args, prefixes, blocks, outputs, 0)
+        fake = mode.from_tensor
+        args = [fake(t) for t in (step.x, step.f_a, step.beta, step.gate, step.slots,
+                                  step.accepted)]  # fmt: skip
+        frec = None if records is None else tuple(fake(r) for r in records)
+        prefixes = [fake(c["prefix"].clone()) for _ in layers]
+        outputs = [fake(c["output"].clone()) for _ in layers]
+        blocks = fake(c["blocks"])
+        explained = torch._dynamo.explain(layer_step)(*args, frec, prefixes, blocks, outputs, 0)
         assert explained.graph_break_count == 0 and explained.graph_count == 1
         code = explained.graphs[0].code
-        order = [code.index(f"kimi.{name}(") for name in ("kda_decode", "oproj_produce")]
+        names = ("kda_decode", "kda_recover", "oproj_produce")
+        names = names if record else names[::2]
+        order = [code.index(f"kimi.{name}(") for name in names]
         assert order == sorted(order) and "oproj_consume" in code
         assert code.count("kimi.kda_decode(") == 2 and code.count("kimi.oproj_consume(") == 2
+        assert code.count("kimi.kda_recover(") == (2 if record else 0)
         for backend in ("eager", "aot_eager"):
             torch._dynamo.reset()
             compiled = torch.compile(layer_step, fullgraph=True, backend=backend)
             for parity in (0, 1):
-                out = compiled(*args, prefixes, blocks, outputs, parity)
+                out = compiled(*args, frec, prefixes, blocks, outputs, parity)
                 assert out.shape == (N, HID) and out.dtype == torch.bfloat16
+        torch._dynamo.reset()
+        x, f_a, beta, gate, slots, accepted = args
+        one = torch._dynamo.explain(layers[0].step)(
+            x, f_a, beta, gate, slots, prefixes[0], blocks, 1, accepted=accepted, records=frec,
+            committed=accepted if record else None,
+        )  # fmt: skip
+        assert one.graph_break_count == 0 and one.graph_count == 1
     torch._dynamo.reset()
 
 
