@@ -191,6 +191,7 @@ class OprojAllReduce:
             torch.ops.kimi.oproj_publish(self.handle, rank, step, partial)
 
     def launch_publish(self, partial, step, rank):
+        """``kimi::oproj_publish``'s implementation: check, launch on the current stream."""
         self.check_publish_args(partial, step, rank)
         self._launch(self._publisher(), (partial,), rank, step, None)
 
@@ -202,6 +203,7 @@ class OprojAllReduce:
             torch.ops.kimi.oproj_produce(self.handle, rank, step, attn_out, w_o)
 
     def launch_produce(self, attn_out, w_o, step, rank):
+        """``kimi::oproj_produce``'s implementation: check, launch on the current stream."""
         d_local = self.check_produce_args(attn_out, w_o, step, rank)
         self._launch(self._producer(d_local), (attn_out, w_o), rank, step, None)
 
@@ -217,11 +219,9 @@ class OprojAllReduce:
 
     def launch_consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe,
                        rank, checked):  # fmt: skip
-        if checked:
-            rank, step = self._rank(rank), self._step(step)
-        else:
-            self.check_consume_args(prefix, blocks, norm, query, out_norm, output, step, xmoe,
-                                    rank)  # fmt: skip
+        """``kimi::oproj_consume``'s implementation (``checked``: the caller checked)."""
+        rank, step = self._rank(rank), self._step(step)
+        if not checked:
             self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
         import cuda.bindings.driver as cuda
 
@@ -346,6 +346,7 @@ class OprojAllReduce:
     def launch_produce_consume(self, attn_out, w_o, prefix, blocks, norm, query, out_norm,
                                output, step, *, xmoe, rank, tiles, pdl, launches,
                                checked):  # fmt: skip
+        """``kimi::oproj_produce_consume``'s implementation: check, plan, launch."""
         d_local = self.check_produce_args(attn_out, w_o, step, rank)
         if not checked:
             self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
