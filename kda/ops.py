@@ -77,6 +77,8 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
     check_options(kernel, cluster, gate_mode)
     if not _typed(op):  # a non-tensor where a tensor goes: the check names it
         check_decode(op, check_values=False)
+    if out is not None and not isinstance(out, torch.Tensor):
+        check_out(out, check_decode(op, check_values=False), op.state.device)
     v_records, kg_records = (None, None) if op.records is None else op.records
     if out is None:
         device = op.state.device
