@@ -6,13 +6,14 @@ recorded verify step, both importing the CUDA-only packages lazily so that ``imp
 works on a CPU-only machine.
 """
 
-from . import reference
+# custom_ops registers the torch ops kimi::kda_decode and kimi::kda_recover.
+from . import custom_ops, reference
 
 # kda/recover.py imports only torch; importing it now keeps the package's ``recover``
 # the function (a submodule imported later would rebind the name to the module).
 from .recover import recover
 
-__all__ = ["reference", "decode", "recover"]
+__all__ = ["custom_ops", "reference", "decode", "recover"]
 
 
 def decode(*args, **kwargs):

@@ -6,9 +6,11 @@
 rounding now and then; 2 the exactly rounded dot, bitwise the reference's), ``pdl`` (the
 kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
 before must not write them) and ``out`` (a preallocated ``[B*T, D]`` bf16 output).
-Validation raises ``ValueError`` before any launch (slot values are not read while the
-stream captures a CUDA graph); compiled kernels are cached by (kernel, config, dtypes,
-layout, arch); launches go to ``torch.cuda.current_stream()`` (graph-capturable).
+``decode`` calls the torch op ``kimi::kda_decode`` (``kda.custom_ops``), whose
+implementation is ``launch``: validation raises ``ValueError`` before any launch (slot
+values are not read while the stream captures a CUDA graph); compiled kernels are cached by
+(kernel, config, dtypes, layout, arch); launches go to ``torch.cuda.current_stream()``
+(graph-capturable).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from . import dispatch
 from .operands import DecodeOperands, KernelOperands
-from .validate import HEAD_DIM, check_decode
+from .validate import HEAD_DIM, check_decode, check_options, check_out
 
 _CACHE: dict = {}
 _DUMMIES: dict = {}
@@ -69,35 +71,60 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
 
 def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None, **kwargs):
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
-    ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields."""
+    ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields. Calls the torch op
+    ``kimi::kda_decode`` (``kda.custom_ops``), so ``torch.compile`` traces it as one op."""
     op = DecodeOperands(*args, **kwargs)
-    if kernel not in dispatch.KERNELS:
-        raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
-    if cluster is not None and (kernel != "split" or cluster not in dispatch.CLUSTERS):
-        raise ValueError(
-            f"cluster must be None or one of {dispatch.CLUSTERS} with kernel='split'; "
-            f"got cluster={cluster!r}, kernel={kernel!r}"
-        )
-    if gate_mode not in (0, 1, 2):
-        raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
+    check_options(kernel, cluster, gate_mode)
+    if not _typed(op):  # a non-tensor where a tensor goes: the check names it
+        check_decode(op, check_values=False)
+    if out is not None and not isinstance(out, torch.Tensor):
+        check_out(out, check_decode(op, check_values=False), op.state.device)
+    v_records, kg_records = (None, None) if op.records is None else op.records
+    if out is None:
+        device = op.state.device
+        out = torch.empty(op.x.shape[0], op.gate.shape[1], dtype=torch.bfloat16, device=device)
+    torch.ops.kimi.kda_decode(
+        op.x, op.conv_weight, op.conv_bias, op.conv_state, op.f_a, op.beta, op.a_log,
+        op.dt_bias, op.slots, op.state, op.gate, op.norm_weight, op.f_b, out, op.accepted,
+        v_records, kg_records, op.lower_bound, op.scale, op.eps, bool(op.conv_dim_first),
+        kernel, cluster, gate_mode, bool(pdl),
+    )  # fmt: skip
+    return out
+
+
+def _typed(op: DecodeOperands) -> bool:
+    """Every operand the op's schema types is of that type (2-D ``x`` and ``gate``, a
+    ``(v_records, kg_records)`` pair), so the op call itself cannot raise a TypeError."""
+    needed = (op.x, op.conv_weight, op.conv_state, op.f_a, op.beta, op.a_log, op.dt_bias,
+              op.slots, op.state, op.gate, op.norm_weight, op.f_b)  # fmt: skip
+    optional = (op.conv_bias, op.accepted)
+    if not all(isinstance(t, torch.Tensor) for t in needed) or op.x.dim() != 2:
+        return False
+    if op.gate.dim() != 2 or any(t is not None and not isinstance(t, torch.Tensor)
+                                 for t in optional):  # fmt: skip
+        return False
+    if op.records is not None and (
+        not isinstance(op.records, tuple | list)
+        or len(op.records) != 2
+        or not all(isinstance(t, torch.Tensor) for t in op.records)
+    ):
+        return False
+    return all(isinstance(v, int | float) for v in (op.lower_bound, op.scale, op.eps))
+
+
+def launch(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl) -> None:
+    """``kimi::kda_decode``'s implementation: validate (values too, unless the stream is
+    capturing), choose the kernel, compile once, launch on the current stream."""
+    check_options(kernel, cluster, gate_mode)
     if not isinstance(op.state, torch.Tensor) or op.state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.decode runs the GPU kernels)")
     shape = check_decode(op, check_values=not torch.cuda.is_current_stream_capturing())
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
     state, gate, f_a, f_b = op.state, op.gate, op.f_a, op.f_b
     accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
-    B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
+    B, T, H = shape.requests, shape.tokens, shape.heads
     device = state.device
-    if out is None:
-        out = torch.empty(B * T, D, dtype=torch.bfloat16, device=device)
-    elif (
-        not isinstance(out, torch.Tensor)
-        or out.dtype != torch.bfloat16
-        or tuple(out.shape) != (B * T, D)
-        or not out.is_contiguous()
-        or out.device != device
-    ):
-        raise ValueError(f"out must be a contiguous [{B * T}, {D}] bf16 tensor on {device}")
+    check_out(out, shape, device)
     named = dict(x=x, f_a=f_a, f_b=f_b, state=state, gate=gate, out=out)
     for name in _VECTOR_ALIGNED:
         if named[name].data_ptr() % 16:
@@ -147,7 +174,6 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
         compiled = cute.compile(kernel_obj, *ordered, options=f"--gpu-arch {arch}")
         _CACHE[key] = compiled
     compiled(*ordered)
-    return out
 
 
 def _knob(choice):
@@ -179,4 +205,4 @@ def _build(choice, heads, tokens, record, gate_mode, has_bias, dim_first, window
     )  # fmt: skip
 
 
-__all__ = ["decode", "plan", "to_cute", "HEAD_DIM"]
+__all__ = ["decode", "launch", "plan", "to_cute", "HEAD_DIM"]

@@ -37,7 +37,8 @@ _CACHE: dict = {}
 
 def recover(*args, pdl=False, **kwargs):
     """GPU ``kda.reference.recover``: same arguments (``kda.operands.RecoverOperands``'s
-    fields) plus ``pdl``; mutates ``state``.
+    fields) plus ``pdl``; mutates ``state``. Calls the torch op ``kimi::kda_recover``
+    (``kda.custom_ops``), so ``torch.compile`` traces it as one op.
 
     Validation (``kda.validate.check_recover``) raises ``ValueError`` before any launch;
     the value checks (counts in 1..T, slots below the pool) read the index tensors on the
@@ -46,6 +47,17 @@ def recover(*args, pdl=False, **kwargs):
     cached by (heads, tokens, pdl, arch).
     """
     op = RecoverOperands(*args, **kwargs)
+    tensors = (op.state, op.slots, op.v_records, op.kg_records, op.a_log, op.dt_bias,
+               op.accepted, op.checkpoint)  # fmt: skip
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(
+        op.lower_bound, int | float
+    ):
+        check_recover(op, check_values=False)  # a non-tensor where a tensor goes: named
+    torch.ops.kimi.kda_recover(*tensors, op.lower_bound, bool(pdl))
+
+
+def launch(op: RecoverOperands, *, pdl) -> None:
+    """``kimi::kda_recover``'s implementation: validate, compile once, launch."""
     state, v_records, kg_records = op.state, op.v_records, op.kg_records
     if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.recover runs the GPU kernel)")
@@ -79,4 +91,4 @@ def recover(*args, pdl=False, **kwargs):
     compiled(*ordered)
 
 
-__all__ = ["recover"]
+__all__ = ["recover", "launch"]

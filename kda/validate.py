@@ -13,6 +13,7 @@ import torch
 
 from tpcomm.checks import check_tensor
 
+from .dispatch import CLUSTERS, KERNELS
 from .operands import MAX_RING, MIN_RING, DecodeOperands, RecoverOperands, Ring
 
 HEAD_DIM = 128
@@ -135,6 +136,33 @@ def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
         record=record,
         conv_dim_first=bool(conv_dim_first),
     )
+
+
+def check_options(kernel, cluster, gate_mode) -> None:
+    """``kda.decode``'s kernel options: ``kernel`` of ``KERNELS``, ``cluster`` (KdaSplit's
+    CTAs per item) only with ``kernel="split"``, ``gate_mode`` 0, 1 or 2."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    if cluster is not None and (kernel != "split" or cluster not in CLUSTERS):
+        raise ValueError(
+            f"cluster must be None or one of {CLUSTERS} with kernel='split'; "
+            f"got cluster={cluster!r}, kernel={kernel!r}"
+        )
+    if gate_mode not in (0, 1, 2):
+        raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
+
+
+def check_out(out, shape: DecodeShape, device) -> None:
+    """``kda.decode``'s output: a contiguous ``[B*T, D]`` bf16 tensor on ``device``."""
+    B, T, D = shape.requests, shape.tokens, shape.dim
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != torch.bfloat16
+        or tuple(out.shape) != (B * T, D)
+        or not out.is_contiguous()
+        or out.device != device
+    ):
+        raise ValueError(f"out must be a contiguous [{B * T}, {D}] bf16 tensor on {device}")
 
 
 def step_slots(slots, accepted, tokens):

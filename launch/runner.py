@@ -1,9 +1,10 @@
 """The GPU runner: the TP ranks a backend hosts, their buffers and CUDA graphs.
 
-Per step and rank, on the rank's own stream, in stream order: ``kda.decode`` (record mode
-on a recorded verify step), ``kda.recover`` (after a recorded step), ``produce``
-(bf16(attn_out @ w_o^T) into every rank's mailbox), ``consume`` (rank-order sum, residual,
-AttnRes, output RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
+Per step and rank, on the rank's own stream, in stream order, through the rank's
+``engine.DecodeLayer`` (the code an engine runs): ``kda.decode`` (record mode on a recorded
+verify step), ``kda.recover`` (after a recorded step), ``produce`` (bf16(attn_out @ w_o^T)
+into every rank's mailbox), ``consume`` (rank-order sum, residual, AttnRes, output
+RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
 o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch),
 ``consumer`` (producers per rank, one ``consume_all``) or ``per-rank``; bitwise the same.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import DecodeLayer
 from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
@@ -142,6 +144,13 @@ class Runner:
         self.comms: dict = {}
         self.buckets: dict = {}
         self._stream_barrier = None
+        # each hosted rank's step, as an engine runs it; they share the rows buckets' comms
+        self.decode_layers = [
+            DecodeLayer(L, w, self.comms, rank=r, norm=self.norm, query=self.query,
+                        out_norm=self.out_norm, kernel=kernel, gate_mode=gate_mode,
+                        pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS)
+            for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
+        ]  # fmt: skip
 
     # --- buffers ---------------------------------------------------------------------------
     def comm_for(self, rows: int):
@@ -216,39 +225,27 @@ class Runner:
         return bk.kda_choice
 
     def _kda(self, bk: Bucket, r: int) -> None:
-        import kda
-
-        choice = self.kda_choice(bk)
         i = self.local[r]
-        L = self.layers[i]
-        kda.decode(
-            bk.x[i], L.conv_weight, L.conv_bias, L.conv_state, bk.f_a, bk.beta[i], L.a_log,
-            L.dt_bias, bk.slots, L.state, bk.gate[i], L.norm_weight, L.f_b,
-            lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, accepted=bk.accepted,
-            conv_dim_first=L.conv_dim_first,
+        self.decode_layers[i].attend(
+            bk.x[i], bk.f_a, bk.beta[i], bk.gate[i], bk.slots, accepted=bk.accepted,
             records=(bk.v_records[i], bk.kg_records[i]) if bk.record else None,
-            kernel=choice.kernel, gate_mode=self.gate_mode, pdl=self.pdl, out=bk.attn[i],
-            cluster=choice.cluster if choice.kernel == "split" else None,
+            out=bk.attn[i], choice=self.kda_choice(bk),
         )  # fmt: skip
 
     def _recover(self, bk: Bucket, r: int) -> None:
-        import kda
-
         i = self.local[r]
-        L = self.layers[i]
-        kda.recover(
-            L.state, bk.slots, bk.v_records[i], bk.kg_records[i], L.a_log, L.dt_bias,
-            bk.committed, bk.accepted, lower_bound=kt.LOWER_BOUND, pdl=self.pdl,
-        )  # fmt: skip
+        records = (bk.v_records[i], bk.kg_records[i])
+        self.decode_layers[i].recover(bk.slots, records, bk.committed, bk.accepted)
 
     def _produce(self, bk: Bucket, r: int, parity: int) -> None:
         i = self.local[r]
-        bk.comm.produce(bk.attn[i], self.w_o[i], parity, rank=r, stream=self.streams[r])
+        with torch.cuda.stream(self.streams[r]):
+            self.decode_layers[i].produce(bk.attn[i], parity)
 
     def _consume(self, bk: Bucket, r: int, parity: int) -> None:
         i = self.local[r]
-        bk.comm.consume(bk.prefix[i], bk.blocks, self.norm, self.query, self.out_norm,
-                        bk.output[i], parity, rank=r, stream=self.streams[r])  # fmt: skip
+        with torch.cuda.stream(self.streams[r]):
+            self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity)
 
     def _produce_all(self, bk: Bucket, parity: int) -> None:
         bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)

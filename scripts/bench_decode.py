@@ -11,9 +11,12 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
   partials, their sum and the epilogue in torch, one stream, one graph (skipped without fla).
 - ``floor``: (state pages read + written + every rank's ``w_o``) / the device-to-device
   copy bandwidth measured in this run.
+- ``compiled`` (``--compiled``): the runner's own ``engine.DecodeLayer`` of each rank stepped
+  by a ``torch.compile(fullgraph=True, mode="reduce-overhead")`` function (every rank's KDA
+  and producer, then every consumer, on one stream), same shapes, one call per replay.
 
     python scripts/bench_decode.py [--tp 8 16] [--requests 1 2 4 8] [--replays 50]
-                                   [--json PATH] [--quick]
+                                   [--json PATH] [--quick] [--compiled]
 """
 
 from __future__ import annotations
@@ -89,6 +92,81 @@ def ours(cfg, model, replays, oproj_launch=None):
             raise RuntimeError(f"consumer timeouts during the replays: {errors}")
         return us, bk.stage_us, bk.kda_choice.kernel, bk.comm.groups
     finally:
+        backend.teardown()
+
+
+def layer_step(layers, xs, f_a, betas, gates, slots, prefixes, blocks, outputs, attns, choice,
+               parity: int):  # fmt: skip
+    """Every rank's T = 1 step through its DecodeLayer on one stream (every partial lands
+    before a consumer polls): the function ``compiled`` hands to torch.compile."""
+    for r, L in enumerate(layers):
+        L.attend(xs[r], f_a, betas[r], gates[r], slots, out=attns[r], choice=choice)
+        L.produce(attns[r], parity)
+    for r, L in enumerate(layers):
+        L.consume(prefixes[r], blocks, outputs[r], parity)
+
+
+def compiled(cfg, model, replays):
+    """The runner's DecodeLayers (``Runner.decode_layers``) stepped by ``layer_step`` under
+    ``torch.compile(fullgraph=True, mode="reduce-overhead")``: median us per call. Refuses
+    (RuntimeError) on a graph break, a CUDA-graph skip, a consumer timeout or a result
+    that differs from the eager call's."""
+    from torch._dynamo.utils import counters
+
+    from tpcomm.backends.loopback import LoopbackBackend
+
+    backend = LoopbackBackend(cfg.tp)
+    try:
+        runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
+        plan, step, prefix, blocks = _step(cfg, model)
+        bk = runner.bucket(1, False)
+        runner.fill(bk, plan, step, prefix, blocks)
+        n = len(runner.ranks)
+        bufs = dict(
+            xs=[bk.x[i].clone() for i in range(n)], f_a=bk.f_a, betas=[bk.beta[i].clone()
+            for i in range(n)], gates=[bk.gate[i].clone() for i in range(n)], slots=bk.slots,
+            prefixes=[bk.prefix[i].clone() for i in range(n)], blocks=bk.blocks,
+            outputs=[bk.output[i].clone() for i in range(n)],
+            attns=[bk.attn[i].clone() for i in range(n)],
+        )  # fmt: skip
+        for v in bufs.values():
+            for t in v if isinstance(v, list) else [v]:
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+        args = (runner.decode_layers, *bufs.values(), runner.kda_choice(bk), 0)
+        live = [t for L in runner.decode_layers for t in (L.shard.state, L.shard.conv_state)]
+        live += bufs["prefixes"]
+        start = [t.clone() for t in live]
+
+        def reset():  # the pools and prefixes as before the first step
+            for t, t0 in zip(live, start, strict=True):
+                t.copy_(t0)
+
+        layer_step(*args)  # eager: compiles every kernel; the reference result
+        torch.cuda.synchronize()
+        want = [t.clone() for t in bufs["outputs"]]
+        reset()
+        explained = torch._dynamo.explain(layer_step)(*args)
+        if explained.graph_break_count:
+            raise RuntimeError(f"graph breaks: {explained.break_reasons}")
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(layer_step, fullgraph=True, mode="reduce-overhead", dynamic=False)
+        for _ in range(3):  # warm-up, record, replay: each from the same pools and prefixes
+            reset()
+            fn(*args)
+        torch.cuda.synchronize()
+        if counters["inductor"]["cudagraph_skips"]:
+            raise RuntimeError(f"CUDA graphs skipped: {dict(counters['inductor'])}")
+        if not all(torch.equal(a, b) for a, b in zip(bufs["outputs"], want, strict=True)):
+            raise RuntimeError("the compiled step differs from the eager step")
+        us = _replays(lambda: fn(*args), replays)  # as ours: the pools move on each step
+        errors = bk.comm.errors[:, 0].tolist()
+        if any(errors):
+            raise RuntimeError(f"consumer timeouts during the replays: {errors}")
+        return us
+    finally:
+        torch._dynamo.reset()
         backend.teardown()
 
 
@@ -196,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="requests 8 only, 20 replays")
+    p.add_argument("--compiled", action="store_true",
+                   help="also the compiled DecodeLayer step (column 'compiled')")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.replays = [8], 20
@@ -217,7 +297,8 @@ def main(argv=None) -> int:
             variants = [(f"{mode.replace('-', '_')}", lambda c, m, n, mode=mode: ours(
                 c, m, n, oproj_launch=mode)[0]) for mode in OPROJ_LAUNCHES
                 if mode != DEFAULT_OPROJ_LAUNCH]  # fmt: skip
-            for name, fn in [("ours", ours), *variants, ("alone", alone), ("peer", peer)]:
+            extra = [("compiled", compiled)] if args.compiled else []
+            for name, fn in [("ours", ours), *variants, *extra, ("alone", alone), ("peer", peer)]:
                 try:
                     result = fn(cfg, model, args.replays)
                 except (ImportError, ValueError, RuntimeError) as e:
@@ -259,6 +340,12 @@ def _print_table(rows, tbps):
         print(f"{r['tp']:>3}{r['requests']:>4}{_cell(ours_us)}{_cell(r.get('alone_us'))}"
               f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
               f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}")  # fmt: skip
+    for r in rows:
+        if "compiled_us" in r:  # --compiled
+            c, o = r["compiled_us"], r.get("ours_us")
+            vs = "-" if c is None or o is None else f"{c / o:.2f} x ours"
+            print(f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step "
+                  f"{_cell(c).strip()} us ({vs}; target <= 1.00 x)")  # fmt: skip
     for r in rows:
         modes = ", ".join(f"{m} {r[k]:.2f} us" for m in OPROJ_LAUNCHES
                           if r.get(k := f"{m.replace('-', '_')}_us") is not None)  # fmt: skip

@@ -7,7 +7,8 @@ import torch
 
 def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None, align=None) -> None:
     """``t`` is a contiguous tensor of one of ``dtypes`` (a dtype or a tuple of them),
-    with ``shape`` / ``ndim``, on ``device`` and ``align``-byte aligned when given."""
+    with ``shape`` / ``ndim``, on ``device`` and ``align``-byte aligned when given (a fake
+    or meta tensor, which has no address, is checked for everything but alignment)."""
     if isinstance(dtypes, torch.dtype):
         dtypes = (dtypes,)
     if not isinstance(t, torch.Tensor):
@@ -23,10 +24,18 @@ def check_tensor(name, t, dtypes, *, shape=None, ndim=None, device=None, align=N
         raise ValueError(f"{name} must be contiguous")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}; got {t.device}")
-    if align is not None and t.data_ptr() % align:
+    if align is not None and has_data(t) and t.data_ptr() % align:
         raise ValueError(f"{name} must be {align}-byte aligned")
 
 
 def check_device_tensor(name, t, shape, dtype, device) -> None:
     """A kernel operand: ``check_tensor`` with ``shape`` on ``device``, 16-byte aligned."""
     check_tensor(name, t, dtype, shape=shape, device=device, align=16)
+
+
+def has_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has memory to launch on (not a fake tensor of torch.compile's tracing,
+    nor a meta tensor): the ops' fake implementations check shapes only."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)

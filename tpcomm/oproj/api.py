@@ -5,14 +5,20 @@
 launches the kernels of ``tpcomm.oproj``: per rank ``publish`` (a ready partial),
 ``produce`` (the o-projection GEMM), ``consume`` and ``produce_consume`` (one fused
 launch); every rank of a one-GPU backend in one launch ``publish_all``, ``produce_all``,
-``consume_all``; ``run_ranks`` drives every loopback rank. Validation raises
-``ValueError`` naming the argument before any launch. Imports without the CuTe DSL.
+``consume_all``; ``run_ranks`` drives every loopback rank. ``publish``, ``produce``,
+``consume`` and ``produce_consume`` call the torch ops of ``tpcomm.oproj.custom_ops``
+(``kimi::oproj_*``, the all-reduce passed as a handle), so ``torch.compile`` traces them
+without a graph break; the ops' implementations are the ``launch_*`` methods. Validation
+raises ``ValueError`` naming the argument before any launch. Imports without the CuTe DSL.
 """
+
+import contextlib
 
 import torch
 
 from tpcomm.checks import check_device_tensor
 from tpcomm.mailbox import Mailbox, TwoshotRows
+from tpcomm.oproj import custom_ops
 from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
     GROUP_THREADS,
@@ -91,6 +97,7 @@ class OprojAllReduce:
         self._fns = None
         self._fused_plans = {}
         self.one_launch, self._one_launch_checked = bool(one_launch), False
+        self.handle = custom_ops.register(self)  # how the kimi::oproj_* ops find it
         if self.one_launch:  # consumers start after every partial: no co-residency needed
             self._check_one_launch()
         else:
@@ -130,8 +137,9 @@ class OprojAllReduce:
             raise ValueError(f"step must be a non-negative int; got {step!r}")
         return step
 
-    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None):
-        """ValueError naming the argument unless the consumer can take these tensors."""
+    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, *, launch=True):
+        """ValueError naming the argument unless the consumer can take these tensors
+        (``launch``: and the mailbox is on a GPU; the fake ops check shapes only)."""
         _, n, _, nb = check_consume(
             self._probe, prefix, blocks, norm, query, out_norm,
             groups=self.groups, eps=self.eps, out_eps=self.out_eps,
@@ -152,32 +160,72 @@ class OprojAllReduce:
             check_device_tensor("xmoe", xmoe, want, torch.bfloat16, self.device)
         elif xmoe is not None:
             raise ValueError("xmoe given, but this all-reduce was built with xmoe_reps = 0")
-        if self.device.type != "cuda":
+        if launch and self.device.type != "cuda":
             raise ValueError(f"the mailbox must be on a CUDA device to launch; got {self.device}")
 
-    # --- per-rank launches --------------------------------------------------------------
+    def check_publish_args(self, partial, step, rank):
+        """``publish``'s checks (the fake ``kimi::oproj_publish``)."""
+        self._rank(rank)
+        self._step(step)
+        shape = (self.tokens, self.hid)
+        check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
+
+    def check_produce_args(self, attn_out, w_o, step, rank):
+        """``produce``'s checks (the fake ``kimi::oproj_produce``); returns D_local."""
+        self._rank(rank)
+        self._step(step)
+        return self._check_projection(attn_out, w_o)
+
+    def check_consume_args(self, prefix, blocks, norm, query, out_norm, output, step, xmoe, rank):
+        """``consume``'s checks but the device's (the fake ``kimi::oproj_consume``)."""
+        self._rank(rank)
+        self._step(step)
+        self.check(prefix, blocks, norm, query, out_norm, output, xmoe, launch=False)
+
+    # --- per-rank launches: the entry points call the ops, the ops the launch_* methods --
     def publish(self, partial, step, rank=None, stream=None):
         """Rank ``rank``'s partial [tokens, HID] into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
-        shape = (self.tokens, self.hid)
-        check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
-        self._launch(self._publisher(), (partial,), rank, step, stream)
+        _tensors(partial=partial)
+        with _on(stream):
+            torch.ops.kimi.oproj_publish(self.handle, rank, step, partial)
+
+    def launch_publish(self, partial, step, rank):
+        """``kimi::oproj_publish``'s implementation: check, launch on the current stream."""
+        self.check_publish_args(partial, step, rank)
+        self._launch(self._publisher(), (partial,), rank, step, None)
 
     def produce(self, attn_out, w_o, step, rank=None, stream=None):
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
-        d_local = self._check_projection(attn_out, w_o)
-        self._launch(self._producer(d_local), (attn_out, w_o), rank, step, stream)
+        _tensors(attn_out=attn_out, w_o=w_o)
+        with _on(stream):
+            torch.ops.kimi.oproj_produce(self.handle, rank, step, attn_out, w_o)
+
+    def launch_produce(self, attn_out, w_o, step, rank):
+        """``kimi::oproj_produce``'s implementation: check, launch on the current stream."""
+        d_local = self.check_produce_args(attn_out, w_o, step, rank)
+        self._launch(self._producer(d_local), (attn_out, w_o), rank, step, None)
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
                 rank=None, stream=None, checked=False):  # fmt: skip
         """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``."""
         rank, step = self._rank(rank), self._step(step)
+        _tensors(prefix=prefix, norm=norm, query=query, out_norm=out_norm, output=output,
+                 blocks=blocks, xmoe=xmoe, optional=("blocks", "xmoe"))  # fmt: skip
+        with _on(stream):
+            torch.ops.kimi.oproj_consume(self.handle, rank, step, prefix, blocks, norm, query,
+                                         out_norm, output, xmoe, bool(checked))  # fmt: skip
+
+    def launch_consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe,
+                       rank, checked):  # fmt: skip
+        """``kimi::oproj_consume``'s implementation (``checked``: the caller checked)."""
+        rank, step = self._rank(rank), self._step(step)
         if not checked:
             self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
         import cuda.bindings.driver as cuda
 
-        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        stream = torch.cuda.current_stream(self.device)
         args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
         self.functions()[1](*args, cuda.CUstream(stream.cuda_stream))
 
@@ -286,7 +334,20 @@ class OprojAllReduce:
         count of launches sharing the GPU (``fused_plan``); ``pdl`` launches with
         programmatic dependent launch (waits for the previous kernel in-kernel)."""
         rank, step = self._rank(rank), self._step(step)
-        d_local = self._check_projection(attn_out, w_o)
+        _tensors(attn_out=attn_out, w_o=w_o, prefix=prefix, norm=norm, query=query,
+                 out_norm=out_norm, output=output, blocks=blocks, xmoe=xmoe,
+                 optional=("blocks", "xmoe"))  # fmt: skip
+        with _on(stream):
+            torch.ops.kimi.oproj_produce_consume(
+                self.handle, rank, step, attn_out, w_o, prefix, blocks, norm, query, out_norm,
+                output, xmoe, tiles, bool(pdl), launches, bool(checked),
+            )  # fmt: skip
+
+    def launch_produce_consume(self, attn_out, w_o, prefix, blocks, norm, query, out_norm,
+                               output, step, *, xmoe, rank, tiles, pdl, launches,
+                               checked):  # fmt: skip
+        """``kimi::oproj_produce_consume``'s implementation: check, plan, launch."""
+        d_local = self.check_produce_args(attn_out, w_o, step, rank)
         if not checked:
             self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
         fn = self.fused_function(d_local, tiles, pdl, launches)
@@ -295,7 +356,7 @@ class OprojAllReduce:
 
         from tpcomm.cuteutil import to_cute
 
-        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        stream = torch.cuda.current_stream(self.device)
         args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
         fn(
             to_cute(attn_out), to_cute(w_o), to_cute(self.peers[rank], 8),
@@ -484,3 +545,16 @@ class OprojAllReduce:
         self.errors.zero_()
         self.hint_words.zero_()
         (self.rows if self.twoshot else self.mailbox).arm()
+
+
+def _tensors(optional=(), **named):
+    """ValueError naming the first argument that is not a tensor (``optional``: or None),
+    before an op's schema would refuse it with a TypeError."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+
+
+def _on(stream):
+    """``stream`` as the current stream (the ops launch on it); None: the current one."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)

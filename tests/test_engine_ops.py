@@ -1,0 +1,268 @@
+"""CPU tests of the registered ops (``kimi::kda_*``, ``kimi::oproj_*``) and ``DecodeLayer``:
+schemas and what they mutate, fake implementations under ``FakeTensorMode`` (shapes,
+dtypes, the entry points' ValueErrors), ``torch.library.opcheck`` on meta tensors (the fake
+implementation is the meta kernel; of its checks only the aot_dispatch ones run on meta
+tensors, the others need the real kernels) and a ``torch.compile(fullgraph=True)`` trace of a
+decode-layer step on fake tensors with no graph break. The real kernels: test_engine_gpu.py.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kda
+from engine import DecodeLayer, all_reduces
+from kda import synthetic as kt
+from tpcomm.backends.loopback import LoopbackBackend
+from tpcomm.oproj import custom_ops as oproj_ops
+from tpcomm.oproj.api import OprojAllReduce
+
+B, T, H, HID, NB = 2, 2, 2, 1024, 2
+N, D = B * T, H * 128
+OPCHECK_UTILS = (
+    "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+    "test_aot_dispatch_dynamic",
+)  # fmt: skip
+
+
+def _mutated(op):
+    return {a.name for a in op.default._schema.arguments if a.alias_info and a.alias_info.is_write}
+
+
+def test_ops_registered_in_one_namespace_with_their_mutations():
+    ops = torch.ops.kimi
+    assert _mutated(ops.kda_decode) == {"conv_state", "state", "out", "v_records", "kg_records"}
+    assert _mutated(ops.kda_recover) == {"state"}
+    assert _mutated(ops.oproj_publish) == _mutated(ops.oproj_produce) == set()
+    assert _mutated(ops.oproj_consume) == _mutated(ops.oproj_produce_consume) == {
+        "prefix", "output"
+    }  # fmt: skip
+    from torch._higher_order_ops.effects import _get_effect
+
+    for name in ("oproj_publish", "oproj_produce", "oproj_consume", "oproj_produce_consume"):
+        assert _get_effect(getattr(ops, name).default) == torch.library.EffectType.ORDERED
+    assert kda.custom_ops.NAMESPACE == oproj_ops.NAMESPACE == "kimi"
+
+
+def _case(tokens=T, record=False, device=None):
+    layer = kt.make_layer(H, 8, seed=1)
+    step = kt.make_step(B, tokens, H, pages=8, seed=2)
+    records = None
+    if record:
+        records = (torch.zeros(B, H, tokens, 128), torch.zeros(B, H, tokens, 256).bfloat16())
+    if device is not None:
+        layer = layer.to(device)
+        step = kt.step_to(step, device)
+        records = None if records is None else tuple(r.to(device) for r in records)
+    return layer, step, records
+
+
+def _decode(layer, step, records=None, **kw):
+    return kda.decode(
+        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
+        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
+        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        accepted=step.accepted, records=records, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens, record", [(1, False), (2, False), (3, True)])
+def test_kda_fake_shapes_and_checks(tokens, record):
+    """Fake CUDA tensors: kda.decode's output [B*T, D] bf16 on the state's device; bad
+    shapes still raise ValueError naming the argument; recover traces too."""
+    layer, step, records = _case(tokens, record)
+    with FakeTensorMode():  # fake CUDA tensors of the same shapes (no GPU needed)
+        # (a CPU build of torch cannot view a fake CUDA tensor: bad shapes are new tensors)
+        fake = lambda t, shape=None: (
+            None
+            if t is None
+            else torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device="cuda")
+        )
+        weights = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
+        flayer = kt.Layer(*(fake(getattr(layer, n)) for n in (*weights, "state", "conv_state")))
+        inputs = ("x", "f_a", "beta", "gate", "slots", "accepted")
+        fstep = kt.Step(*(fake(getattr(step, n)) for n in inputs))
+        frec = None if records is None else tuple(fake(r) for r in records)
+        out = _decode(flayer, fstep, frec, kernel="wide", pdl=True)
+        assert out.shape == (B * tokens, D) and out.dtype == torch.bfloat16
+        assert out.device.type == "cuda"
+        with pytest.raises(ValueError, match="gate"):
+            bad = kt.Step(fstep.x, fstep.f_a, fstep.beta, fake(step.gate, (B * tokens, 128)),
+                          fstep.slots, fstep.accepted)  # fmt: skip
+            _decode(flayer, bad, frec)
+        with pytest.raises(ValueError, match="out must be"):
+            _decode(flayer, fstep, frec, out=fake(out, (1, D)))
+        with pytest.raises(ValueError, match="kernel"):
+            _decode(flayer, fstep, frec, kernel="lean")
+        if record:
+            kda.recover(flayer.state, fstep.slots, *frec, flayer.a_log, flayer.dt_bias,
+                        fstep.accepted, fstep.accepted, lower_bound=kt.LOWER_BOUND)  # fmt: skip
+            with pytest.raises(ValueError, match="a_log"):
+                kda.recover(flayer.state, fstep.slots, *frec, fake(layer.a_log, (1,)),
+                            flayer.dt_bias, fstep.accepted, fstep.accepted,
+                            lower_bound=kt.LOWER_BOUND)  # fmt: skip
+
+
+def test_kda_entry_points_name_non_tensors():
+    layer, step, _ = _case()
+    with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+        kda.decode(None, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
+                   step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
+                   layer.norm_weight, layer.f_b, lower_bound=-5.0, scale=0.1, eps=1e-6,
+                   accepted=step.accepted)  # fmt: skip
+    with pytest.raises(ValueError, match="v_records"):
+        kda.recover(layer.state, step.slots, None, None, layer.a_log, layer.dt_bias,
+                    step.accepted, step.accepted, lower_bound=-5.0)  # fmt: skip
+
+
+def _kda_op_args(tokens, record, device="meta"):
+    layer, step, records = _case(tokens, record, device)
+    out = torch.empty(B * tokens, D, dtype=torch.bfloat16, device=device)
+    v, kg = records if record else (None, None)
+    return (step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
+            layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
+            layer.f_b, out, step.accepted, v, kg, kt.LOWER_BOUND, kt.SCALE, kt.EPS, True,
+            "auto", None, 0, True)  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens, record", [(1, False), (3, True)])
+def test_opcheck_kda_on_meta(tokens, record):
+    torch.library.opcheck(torch.ops.kimi.kda_decode.default, _kda_op_args(tokens, record),
+                          test_utils=OPCHECK_UTILS)  # fmt: skip
+    layer, step, (v, kg) = _case(3, True, "meta")
+    args = (layer.state, step.slots, v, kg, layer.a_log, layer.dt_bias, step.accepted,
+            step.accepted, kt.LOWER_BOUND, True)  # fmt: skip
+    torch.library.opcheck(torch.ops.kimi.kda_recover.default, args, test_utils=OPCHECK_UTILS)
+
+
+def _consumer_tensors(device, n=N):
+    bf = dict(dtype=torch.bfloat16, device=device)
+    return dict(prefix=torch.zeros(n, HID, **bf), blocks=torch.zeros(n, NB, HID, **bf),
+                norm=torch.ones(HID, **bf), query=torch.ones(HID, **bf),
+                out_norm=torch.ones(HID, **bf), output=torch.zeros(n, HID, **bf))  # fmt: skip
+
+
+def test_opcheck_oproj_on_meta():
+    comm = OprojAllReduce(LoopbackBackend(2, device="meta"), N, HID, NB)
+    c = _consumer_tensors("meta")
+    attn = torch.zeros(N, D, dtype=torch.bfloat16, device="meta")
+    w_o = torch.zeros(HID, D, dtype=torch.bfloat16, device="meta")
+    consumer = (c["prefix"], c["blocks"], c["norm"], c["query"], c["out_norm"], c["output"], None)
+    cases = [
+        (torch.ops.kimi.oproj_publish, (comm.handle, 1, 0, c["prefix"])),
+        (torch.ops.kimi.oproj_produce, (comm.handle, 1, 1, attn, w_o)),
+        (torch.ops.kimi.oproj_consume, (comm.handle, 0, 0, *consumer, False)),
+        (torch.ops.kimi.oproj_produce_consume,
+         (comm.handle, 0, 1, attn, w_o, *consumer, None, True, None, False)),
+    ]  # fmt: skip
+    for op, args in cases:
+        torch.library.opcheck(op.default, args, test_utils=OPCHECK_UTILS)
+
+
+def test_oproj_fake_checks():
+    """The fake oproj ops run the entry points' checks: shapes, rank, step, handle."""
+    comm = OprojAllReduce(LoopbackBackend(2, device="cpu"), N, HID, NB)
+    c = _consumer_tensors("cpu")
+    attn = torch.zeros(N, D, dtype=torch.bfloat16)
+    w_o = torch.zeros(HID, D, dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        f = {k: mode.from_tensor(v) for k, v in c.items()}
+        fa, fw = mode.from_tensor(attn), mode.from_tensor(w_o)
+        comm.produce(fa, fw, 0, rank=1)
+        comm.consume(f["prefix"], f["blocks"], f["norm"], f["query"], f["out_norm"],
+                     f["output"], 0, rank=1)  # fmt: skip
+        with pytest.raises(ValueError, match="w_o"):
+            comm.produce(fa, fw[:, :128], 0, rank=0)
+        with pytest.raises(ValueError, match="prefix"):
+            comm.consume(f["prefix"][:1], f["blocks"], f["norm"], f["query"], f["out_norm"],
+                         f["output"], 0)  # fmt: skip
+        with pytest.raises(ValueError, match="rank 5"):
+            comm.produce_consume(fa, fw, f["prefix"], f["blocks"], f["norm"], f["query"],
+                                 f["out_norm"], f["output"], 0, rank=5)  # fmt: skip
+        with pytest.raises(ValueError, match="step"):
+            torch.ops.kimi.oproj_produce(comm.handle, 0, -1, fa, fw)
+        with pytest.raises(ValueError, match="handle"):
+            torch.ops.kimi.oproj_produce(10**9, 0, 0, fa, fw)
+    with pytest.raises(ValueError, match="norm must be a torch.Tensor"):
+        comm.consume(c["prefix"], None, None, c["query"], c["out_norm"], c["output"], 0)
+
+
+def _layers(device="cpu", rows=(N,)):
+    backend = LoopbackBackend(2, device=device)
+    comms = all_reduces(backend, rows, HID, NB)
+    c = _consumer_tensors(device)
+    out = []
+    for r in range(2):
+        layer = kt.shard_layer(kt.make_layer(2 * H, 8, seed=1), r * H, H).to(device)
+        w_o = torch.zeros(HID, D, dtype=torch.bfloat16, device=device)
+        out.append(DecodeLayer(layer, w_o, comms, rank=r, norm=c["norm"], query=c["query"],
+                               out_norm=c["out_norm"], sms=132))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_decode_layer_compiles_without_graph_breaks(record):
+    """A two-rank decode-layer step (every rank's KDA, recover after a recorded step, and
+    producer, then every consumer, one stream: the loopback order) on fake tensors: one
+    graph, no break, the ops in order; one rank's ``DecodeLayer.step`` likewise."""
+    layers = _layers()
+    _, step, records = _case(T, record)
+    c = _consumer_tensors("cpu")
+
+    def layer_step(x, f_a, beta, gate, slots, accepted, records, prefixes, blocks, outputs,
+                   parity: int):  # fmt: skip
+        for L in layers:
+            attn = L.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records)
+            if records is not None:
+                L.recover(slots, records, accepted, accepted)
+            L.produce(attn, parity)
+        for L, prefix, output in zip(layers, prefixes, outputs, strict=True):
+            L.consume(prefix, blocks, output, parity)
+        return outputs[0] + outputs[1]
+
+    torch._dynamo.reset()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor
+        args = [fake(t) for t in (step.x, step.f_a, step.beta, step.gate, step.slots,
+                                  step.accepted)]  # fmt: skip
+        frec = None if records is None else tuple(fake(r) for r in records)
+        prefixes = [fake(c["prefix"].clone()) for _ in layers]
+        outputs = [fake(c["output"].clone()) for _ in layers]
+        blocks = fake(c["blocks"])
+        explained = torch._dynamo.explain(layer_step)(*args, frec, prefixes, blocks, outputs, 0)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        code = explained.graphs[0].code
+        names = ("kda_decode", "kda_recover", "oproj_produce")
+        names = names if record else names[::2]
+        order = [code.index(f"kimi.{name}(") for name in names]
+        assert order == sorted(order) and "oproj_consume" in code
+        assert code.count("kimi.kda_decode(") == 2 and code.count("kimi.oproj_consume(") == 2
+        assert code.count("kimi.kda_recover(") == (2 if record else 0)
+        for backend in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            compiled = torch.compile(layer_step, fullgraph=True, backend=backend)
+            for parity in (0, 1):
+                out = compiled(*args, frec, prefixes, blocks, outputs, parity)
+                assert out.shape == (N, HID) and out.dtype == torch.bfloat16
+        torch._dynamo.reset()
+        x, f_a, beta, gate, slots, accepted = args
+        one = torch._dynamo.explain(layers[0].step)(
+            x, f_a, beta, gate, slots, prefixes[0], blocks, 1, accepted=accepted, records=frec,
+            committed=accepted if record else None,
+        )  # fmt: skip
+        assert one.graph_break_count == 0 and one.graph_count == 1
+    torch._dynamo.reset()
+
+
+def test_decode_layer_checks():
+    layers = _layers()
+    with pytest.raises(ValueError, match="no o-projection all-reduce for 3 rows"):
+        layers[0].comm(3)
+    L = layers[0]
+    with pytest.raises(ValueError, match="kernel"):
+        DecodeLayer(L.shard, L.w_o, L.comms, rank=0, norm=L.norm, query=L.query,
+                    out_norm=L.out_norm, kernel="lean")  # fmt: skip
+    with pytest.raises(ValueError, match="w_o"):
+        DecodeLayer(L.shard, L.w_o[:, :128], L.comms, rank=0, norm=L.norm, query=L.query,
+                    out_norm=L.out_norm)  # fmt: skip
+    assert L.choice(B, T).kernel in ("wide", "stream", "split")
