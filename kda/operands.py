@@ -126,3 +126,26 @@ def make_ring(state: torch.Tensor, size: int) -> Ring:
         torch.zeros(pages, size, heads, 2 * dim, dtype=torch.bfloat16, device=state.device),
         torch.zeros(pages, 2, dtype=torch.int32, device=state.device),
     )
+
+
+def takes(operands, **options):
+    """Give a function written ``f(*args, **kwargs)`` over ``operands``' fields the signature
+    those fields spell (plus keyword ``options`` with their defaults), for ``help`` and IDEs."""
+    import dataclasses
+    import inspect
+
+    P = inspect.Parameter
+    params = []
+    for f in dataclasses.fields(operands):
+        if f.name == "_":
+            continue
+        kind = P.KEYWORD_ONLY if f.kw_only else P.POSITIONAL_OR_KEYWORD
+        default = P.empty if f.default is dataclasses.MISSING else f.default
+        params.append(P(f.name, kind, default=default))
+    params += [P(name, P.KEYWORD_ONLY, default=value) for name, value in options.items()]
+
+    def wrap(fn):
+        fn.__signature__ = inspect.Signature(params)
+        return fn
+
+    return wrap

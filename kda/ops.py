@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .operands import DecodeOperands, KernelOperands
+from .operands import DecodeOperands, KernelOperands, takes
 from .validate import HEAD_DIM, check_decode, check_options, check_out
 
 _CACHE: dict = {}
@@ -69,6 +69,7 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     return dispatch.choose(requests, heads, tokens, sms=sms, kernel=kernel, cluster=cluster)
 
 
+@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None)
 def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None, **kwargs):
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
     ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields. Calls the torch op

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .operands import RecoverOperands
+from .operands import RecoverOperands, takes
 from .validate import check_recover
 
 
@@ -35,6 +35,7 @@ _KdaRecover = None
 _CACHE: dict = {}
 
 
+@takes(RecoverOperands, pdl=False)
 def recover(*args, pdl=False, **kwargs):
     """GPU ``kda.reference.recover``: same arguments (``kda.operands.RecoverOperands``'s
     fields) plus ``pdl``; mutates ``state``. Calls the torch op ``kimi::kda_recover``

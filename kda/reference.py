@@ -30,7 +30,7 @@ import torch
 
 from tpcomm.checks import check_tensor
 
-from .operands import DecodeOperands, RecoverOperands, Ring
+from .operands import DecodeOperands, RecoverOperands, Ring, takes
 from .validate import HEAD_DIM, check_decode, check_recover, check_ring, step_slots
 
 __all__ = ["decode", "recover", "replay_decode", "materialize", "apply_record"]
@@ -150,6 +150,7 @@ def _finish(op, shape, lv, conv_l, o, pre: _Prologue, output) -> None:
         conv_state[conv_l, : T + 2, :] = new.transpose(1, 2).to(conv_state.dtype)
 
 
+@takes(DecodeOperands)
 def decode(*args, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
@@ -208,6 +209,7 @@ def apply_record(S, kg, v_new, a_log, dt_bias, lower_bound):
     return _fma((k * _l2(k))[..., None, :], v_new[..., None], S * decay[..., None, :])
 
 
+@takes(RecoverOperands)
 def recover(*args, **kwargs):
     """Commit the first ``accepted[b]`` tokens of a recorded verify step
     (arguments: ``kda.operands.RecoverOperands``'s fields; mutates ``state``).
@@ -242,6 +244,7 @@ def recover(*args, **kwargs):
         state[targets[keep, t]] = S[keep]
 
 
+@takes(DecodeOperands, ring=None, o_out=None)
 def replay_decode(*args, ring: Ring, o_out=None, **kwargs):
     """One replay decode (T = 1) or verify (T = 2..8) step: ``decode``'s arguments
     (``state`` is the checkpoint pool; ``records`` must be None) plus ``ring``; mutates
