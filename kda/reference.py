@@ -74,12 +74,14 @@ def _l2(v):
     return _rsqrt(_dot(v, v) + 1e-6)[..., None]
 
 
-def decode(*args, **kwargs):
+def decode(*args, o_fp32=None, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
     Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
-    record mode: the state is read from the checkpoint slot but not written.
+    record mode: the state is read from the checkpoint slot but not written. ``o_fp32``
+    ([B*T, H*128] fp32, optional) receives ``o`` before its bf16 rounding (live rows only):
+    tests use it to tell where a kernel's reduction order may flip that rounding.
     """
     op = DecodeOperands(*args, **kwargs)
     shape = check_decode(op)
@@ -136,7 +138,10 @@ def decode(*args, **kwargs):
         S = S * decay[t][:, :, None, :]
         v_new = (v[t] - _matvec(S, k_hat[t])) * beta_t[t][..., None]
         S = _fma(k_hat[t][:, :, None, :], v_new[..., None], S)
-        o[t] = _bf16(_matvec(S, q_hat[t]))
+        o_t = _matvec(S, q_hat[t])
+        if o_fp32 is not None:
+            o_fp32.view(B, T, D)[lv, t] = o_t.reshape(L, D).to(o_fp32.device)
+        o[t] = _bf16(o_t)
         if records is None:
             keep = targets[:, t] > 0
             state[targets[keep, t]] = S[keep]
