@@ -156,9 +156,10 @@ def test_cuda_graph_replay():
 def test_pdl_waits_for_an_early_releasing_predecessor():
     """KdaRecover with PDL reads everything after griddepcontrol.wait: its predecessor
     releases it first, spins, then writes the records (poisoned before)."""
+    from test_kda_kernels_gpu import replay_after_predecessor
+
     import kda
     from kda import reference
-    from test_kda_kernels_gpu import replay_after_predecessor
 
     H, B, T = 6, 8, 4
     layer, step, records = recorded_step(H, B, T, padding=(2,), seed=13)
