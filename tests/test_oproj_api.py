@@ -128,14 +128,6 @@ def test_step_rank_xmoe_validation():
         comm.run_ranks(None, None, None, None, None, None, None, 0)
 
 
-def test_import_without_dsl_side_effects():
-    import sys
-
-    import tpcomm.oproj.api  # noqa: F401
-
-    assert "tpcomm.protocol" not in sys.modules or "cutlass" in sys.modules
-
-
 def test_twoshot_buffers_and_validation():
     comm = _comm(twoshot=True)
     assert comm.twoshot and comm.mailbox is None and comm.groups == 1

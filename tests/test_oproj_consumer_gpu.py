@@ -22,7 +22,6 @@ EPS, OUT_EPS = 1e-6, 1e-5
 # (eps, out_eps): distinct, and large enough to decide the small-rms token's output (its
 # mean square is ~1e-6), so zeroing, swapping or hard-coding them shows.
 SCALARS = [(EPS, OUT_EPS), (2e-5, 1e-3), (1e-3, 3e-6)]
-STATS = []
 
 
 def random_inputs(tp, tokens, hid, nb, seed, small=True):
@@ -172,7 +171,6 @@ def test_consumer_matches_reference(index, case):
         want = 4 * 4 * (hid // 1024) * tokens
         got = s.comm.hint_words[:, 0].tolist()
         assert got == [want] * tp, f"hints {got} != {want}"
-    STATS.append((tp, tokens, hid, nb, has_delta, s.groups, xmoe, min(exact), worst))
     print(f"\nTP{tp} T{tokens} HID{hid} nb{nb} delta={has_delta} groups={s.groups} xmoe={xmoe}: "
           f"exact fraction >= {min(exact):.5f}, worst {worst:.2f} ulp")  # fmt: skip
     s.close()
@@ -282,11 +280,6 @@ def test_never_publishing_rank_errors():
     want_out, want_prefix = reference_step(a, a["prefix"], True, s.groups)
     _check_step(s, a, a["prefix"], want_out, want_prefix)
     s.close()
-
-
-def test_zz_summary():
-    for row in STATS:
-        print("STAT", row)
 
 
 @pytest.mark.parametrize(
