@@ -366,20 +366,54 @@ def test_pdl_waits_for_an_early_releasing_predecessor(kernel, cluster, T):
     check_output(out, ref, H, o32)
 
 
-def test_bad_input_launches_nothing():
+def _misaligned(t):
+    """A contiguous copy of ``t`` starting 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    view = flat[1 : 1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+HOST_BAD = [  # message, change of kda.decode's keyword arguments
+    (r"out must be a contiguous \[4, 256\] bf16", lambda k: k.update(out=k["out"].float())),
+    (r"out must be a contiguous", lambda k: k.update(out=k["out"][:3])),
+    (r"out must be a contiguous", lambda k: k.update(out=torch.empty(256, 8, dtype=torch.bfloat16,
+                                                     device="cuda").t())),
+    ("x must be 16-byte aligned", lambda k: k.update(x=_misaligned(k["x"]))),
+    ("gate must be 16-byte aligned", lambda k: k.update(gate=_misaligned(k["gate"]))),
+    ("f_a must be 16-byte aligned", lambda k: k.update(f_a=_misaligned(k["f_a"]))),
+    ("out must be 16-byte aligned", lambda k: k.update(out=_misaligned(k["out"]))),
+    ("kernel must be one of", lambda k: k.update(kernel="fast")),
+    ("cluster must be None or one of", lambda k: k.update(kernel="wide", cluster=2)),
+    ("cluster must be None or one of", lambda k: k.update(kernel="split", cluster=3)),
+    ("gate_mode must be 0, 1 or 2", lambda k: k.update(gate_mode=3)),
+    (r"accepted\[0\] = 3 is outside", lambda k: k["accepted"].__setitem__(0, 3)),
+    ("past the state pool", lambda k: k["slots"].__setitem__((1, 1), 99)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("message,change", HOST_BAD, ids=[str(i) for i in range(len(HOST_BAD))])
+def test_bad_input_launches_nothing(message, change):
+    """Each refusal of kda.decode's host entry, reached by its own input: ValueError
+    before any launch, nothing written (out stays poisoned)."""
     import kda
 
     layer = kt.make_layer(2, 8, seed=1, device="cuda")
     step = kt.make_step(2, 2, 2, pages=8, seed=2, device="cuda")
+    out = torch.full((4, 256), POISON, dtype=torch.bfloat16, device="cuda")
+    kw = dict(x=step.x, conv_weight=layer.conv_weight, conv_bias=layer.conv_bias,
+              conv_state=layer.conv_state, f_a=step.f_a, beta=step.beta, a_log=layer.a_log,
+              dt_bias=layer.dt_bias, slots=step.slots.clone(), state=layer.state,
+              gate=step.gate, norm_weight=layer.norm_weight, f_b=layer.f_b,
+              lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+              accepted=step.accepted.clone(), out=out)  # fmt: skip
+    kda.decode(**kw)  # valid as given
+    torch.cuda.synchronize()
+    out.fill_(POISON)
+    change(kw)
     state0, conv0 = layer.state.clone(), layer.conv_state.clone()
-    bad = step.accepted.clone()
-    bad[0] = 3
-    with pytest.raises(ValueError, match="accepted"):
-        kda.decode(
-            step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
-            step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
-            layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-            eps=kt.EPS, accepted=bad,
-        )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        kda.decode(**kw)
     torch.cuda.synchronize()
     assert torch.equal(layer.state, state0) and torch.equal(layer.conv_state, conv0)
+    assert torch.isnan(out.float()).all()
