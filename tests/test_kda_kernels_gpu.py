@@ -230,9 +230,8 @@ EVERY_KERNEL_IDS = ["wide", "stream", "split2", "split4", "split8"]
 @pytest.mark.parametrize(
     "seed,case",
     list(enumerate(CASES)),
-    ids=lambda c: c if isinstance(c, int) else "H{}B{}T{}-{}-b{}-r{}".format(
-        *c[:3], "df" if c[3] else "wf", int(c[4]), int(c[5])
-    ),
+    ids=["s{}-H{}B{}T{}-{}-b{}-r{}".format(i, *c[:3], "df" if c[3] else "wf", int(c[4]),
+                                           int(c[5])) for i, c in enumerate(CASES)],
 )  # fmt: skip
 def test_decode_matches_reference(kernel, seed, case):
     """The case's index is its seed: window T + 2 + seed % 3, scalars SCALARS[seed % 3]."""

@@ -137,7 +137,7 @@ CASES = [  # tp, tokens, hid, nb, has_delta, groups, xmoe
 
 
 @pytest.mark.parametrize(
-    "index, case", list(enumerate(CASES)), ids=lambda c: c if isinstance(c, int) else None
+    "index, case", list(enumerate(CASES)), ids=[f"c{i}-tp{c[0]}" for i, c in enumerate(CASES)]
 )
 def test_consumer_matches_reference(index, case):
     """Four steps: parity 0 and parity 1 on clean data against the reference, a step with a
