@@ -121,6 +121,17 @@ MUTANTS: list[Mutant] = [
     M("pdl-wait-stream", "kda/stream.py",
       "        cute.arch.griddepcontrol_wait()\n        if count > 0:",
       "        if count > 0:", PDL_PTX, select="stream"),
+    M("pdl-wait-late-stream", "kda/stream.py",
+      "        cute.arch.griddepcontrol_wait()\n        if count > 0:\n"
+      "            self.stage_item(op, buffers, head, request, 0, True)\n",
+      "        if count > 0:\n            self.stage_item(op, buffers, head, request, 0, True)\n"
+      "        cute.arch.griddepcontrol_wait()\n", PDL_PTX, select="stream"),
+    M("pdl-wait-late-recover", "kda/recover_kernel.py",
+      "            cute.arch.griddepcontrol_wait()\n"
+      "        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])\n",
+      "            pass\n"
+      "        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])\n"
+      "        cute.arch.griddepcontrol_wait()\n", PDL_PTX, select="recover"),
     M("pdl-wait-recover", "kda/recover_kernel.py",
       "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n",
       "", PDL_PTX, select="recover"),
@@ -174,6 +185,12 @@ MUTANTS: list[Mutant] = [
     M("gpu-pdl-wait-stream", "kda/stream.py",
       "        cute.arch.griddepcontrol_wait()\n        if count > 0:", "        if count > 0:",
       KGPU, gpu=True, select="early_releasing and stream"),
+    M("gpu-pdl-wait-late-stream", "kda/stream.py",
+      "        cute.arch.griddepcontrol_wait()\n        if count > 0:\n"
+      "            self.stage_item(op, buffers, head, request, 0, True)\n",
+      "        if count > 0:\n            self.stage_item(op, buffers, head, request, 0, True)\n"
+      "        cute.arch.griddepcontrol_wait()\n", KGPU, gpu=True,
+      select="early_releasing and stream"),
     M("gpu-pdl-wait-recover", "kda/recover_kernel.py",
       "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n",
       "", RGPU, gpu=True, select="early_releasing"),
