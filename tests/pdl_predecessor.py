@@ -20,7 +20,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, Uint8
+from cutlass import Int64, Uint8
 
 from tpcomm.cuteutil import launch
 
@@ -100,4 +100,4 @@ def run(pairs, spin_ns=100_000):
     fn(tensors, Int64(spin_ns), stream)
 
 
-__all__ = ["PredecessorKernel", "fake_arguments", "run", "Int32"]
+__all__ = ["PredecessorKernel", "fake_arguments", "run"]

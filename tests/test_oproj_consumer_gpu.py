@@ -290,6 +290,9 @@ def test_never_publishing_rank_errors():
         (16, 4, 2048, 768, 8),
         (8, 3, 7168, 1536, 1),
         (4, 8, 1024, 256, 0),
+        (1, 3, 2048, 128, 1),  # TP 1
+        (3, 2, 1024, 256, 2),  # odd TP
+        (5, 4, 3072, 384, 0),
     ],
 )
 def test_producer_publishes_projection(tp, tokens, hid, d_local, nb):
@@ -337,6 +340,7 @@ TWOSHOT_CASES = [  # tp, tokens, hid, nb, has_delta, groups
     (16, 8, 2048, 8, True, 1),
     (4, 2, 1024, 0, False, 2),  # an empty group adds +0.0 to the gathered value
     (2, 1, 7168, 1, True, 1),
+    (3, 2, 3072, 2, True, 1),  # odd TP: 1024 columns per shard
 ]
 
 

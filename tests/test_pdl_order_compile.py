@@ -149,3 +149,19 @@ def test_the_check_sees_a_missing_wait(tmp_path):
     early, _ = loads_before_wait(text.replace("griddepcontrol.wait;", ""))
     index = {n: i for i, n in enumerate(_kda_names())}
     assert {index[n] for n in KDA_AFTER_WAIT} <= early
+
+
+def test_predecessor_releases_before_it_spins_and_writes(tmp_path):
+    """The test predecessor (tests/pdl_predecessor.py): launch_dependents first, then the
+    globaltimer spin, then its loads and stores; it never waits itself."""
+    require_dsl()
+    from pdl_predecessor import PredecessorKernel, fake_arguments
+
+    lines = _ptx(PredecessorKernel(4), fake_arguments(4), tmp_path).splitlines()
+
+    def first(needle):
+        return next(i for i, x in enumerate(lines) if needle in x)
+
+    assert first("griddepcontrol.launch_dependents") < first("%globaltimer") < first("ld.global")
+    assert first("ld.global") < first("st.global")
+    assert not any("griddepcontrol.wait" in x for x in lines)
