@@ -74,14 +74,15 @@ def _l2(v):
     return _rsqrt(_dot(v, v) + 1e-6)[..., None]
 
 
-def decode(*args, o_fp32=None, **kwargs):
+def decode(*args, o_fp32=None, o_abs=None, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
     Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
     record mode: the state is read from the checkpoint slot but not written. ``o_fp32``
-    ([B*T, H*128] fp32, optional) receives ``o`` before its bf16 rounding (live rows only):
-    tests use it to tell where a kernel's reduction order may flip that rounding.
+    and ``o_abs`` ([B*T, H*128] fp32, optional) receive ``o`` before its bf16 rounding and
+    ``sum_k |S[r, k] q^[k]|`` (live rows only): tests use them to tell where a kernel's
+    reduction order may flip that rounding (within the sum's error bound of a midpoint).
     """
     op = DecodeOperands(*args, **kwargs)
     shape = check_decode(op)
@@ -141,6 +142,8 @@ def decode(*args, o_fp32=None, **kwargs):
         o_t = _matvec(S, q_hat[t])
         if o_fp32 is not None:
             o_fp32.view(B, T, D)[lv, t] = o_t.reshape(L, D).to(o_fp32.device)
+        if o_abs is not None:
+            o_abs.view(B, T, D)[lv, t] = _matvec(S.abs(), q_hat[t].abs()).reshape(L, D)
         o[t] = _bf16(o_t)
         if records is None:
             keep = targets[:, t] > 0
