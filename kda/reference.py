@@ -150,13 +150,16 @@ def _finish(op, shape, lv, conv_l, o, pre: _Prologue, output) -> None:
         conv_state[conv_l, : T + 2, :] = new.transpose(1, 2).to(conv_state.dtype)
 
 
-@takes(DecodeOperands)
-def decode(*args, **kwargs):
+@takes(DecodeOperands, o_fp32=None, o_abs=None)
+def decode(*args, o_fp32=None, o_abs=None, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
     Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
-    record mode: the state is read from the checkpoint slot but not written.
+    record mode: the state is read from the checkpoint slot but not written. ``o_fp32``
+    and ``o_abs`` ([B*T, H*128] fp32, optional) receive ``o`` before its bf16 rounding and
+    ``sum_k |S[r, k] q^[k]|`` (live rows only): tests use them to tell where a kernel's
+    reduction order may flip that rounding (within the sum's error bound of a midpoint).
     """
     op = DecodeOperands(*args, **kwargs)
     shape = check_decode(op)
@@ -185,7 +188,12 @@ def decode(*args, **kwargs):
         S = S * decay[t][:, :, None, :]
         v_new = (v[t] - _matvec(S, k_hat[t])) * beta_t[t][..., None]
         S = _fma(k_hat[t][:, :, None, :], v_new[..., None], S)
-        o[t] = _bf16(_matvec(S, q_hat[t]))
+        o_t = _matvec(S, q_hat[t])
+        if o_fp32 is not None:
+            o_fp32.view(B, T, D)[lv, t] = o_t.reshape(L, D).to(o_fp32.device)
+        if o_abs is not None:
+            o_abs.view(B, T, D)[lv, t] = _matvec(S.abs(), q_hat[t].abs()).reshape(L, D)
+        o[t] = _bf16(o_t)
         if records is None:
             keep = targets[:, t] > 0
             state[targets[keep, t]] = S[keep]

@@ -1,9 +1,13 @@
-"""GPU tests of kda.decode (KdaWide, KdaStream) against kda.reference.decode.
+"""GPU tests of kda.decode (KdaWide, KdaStream, KdaSplit) against kda.reference.decode.
 
 Outputs are poisoned before each launch; outputs must be within 1 bf16 ulp in the
-SPEC's sense, state pages within 1e-5 of the page's max |ref|, conv pages bitwise equal
-to the reference's, state pages not written by the step bitwise unchanged. Each case
-prints its fraction of outputs at exactly 0 ulp (run with ``-s`` to see it).
+SPEC's sense (one ulp of ``o`` more only where the reference's fp32 ``o`` lies within its
+dot's error bound of a bf16 midpoint), state pages within 1e-5 of the page's max |ref|,
+conv pages bitwise equal to the reference's, state pages not written by the step bitwise
+unchanged. ``lower_bound``, ``scale`` and ``eps`` vary (``SCALARS``, by seed) on layers with
+small-rms rows; the conv window is T + 2 + seed % 3 wide. PDL runs right after an
+early-releasing predecessor kernel (``tests/pdl_predecessor.py``) that writes the step's
+inputs late. Each case prints its fraction of outputs at exactly 0 ulp (``-s``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,14 @@ from kda import synthetic as kt
 pytestmark = pytest.mark.gpu
 
 POISON = float("nan")
+# "Near a bf16 midpoint": within the fp32 dot's error bound. A summation order's error
+# relative to 2^-24 sum|S q| measured at most 1.8 (4-lane tree) and 5.0 (sequential) over
+# 4e5 random heads; any order is below 127. 16 keeps the allowance to ~0.5% of elements.
+NEAR_FACTOR = 16
+NEAR_ULPS = 4
+# (lower_bound, scale, eps): the model's, and values a constant in a kernel cannot match;
+# eps = 2e-3 dominates mean(o^2) of the small-rms rows (``small_rows``).
+SCALARS = [(kt.LOWER_BOUND, kt.SCALE, kt.EPS), (-2.0, 0.3, 2e-3), (-8.0, 0.05, 5e-4)]
 
 
 def bf16_ulp(ref):
@@ -24,32 +36,42 @@ def bf16_ulp(ref):
     return torch.exp2(torch.floor(torch.log2(mag)) - 7)
 
 
-def check_output(got, ref, heads):
-    """SPEC: |ref| >= 2^-10 rms(row) -> within 1 ulp; else within 2^-17 rms(row); rows
-    are a head's 128 channels.
+def near_bf16_midpoint(o32, o_abs, factor=NEAR_FACTOR):
+    """Where the fp32 ``o`` lies within its dot product's error bound of a bf16 rounding
+    midpoint: there another fp32 summation order than the reference's may round ``o`` the
+    other way (SPEC, "Intermediate bf16 roundings"). The bound is ``factor`` fp32 units of
+    ``sum_k |S[r, k] q^[k]|`` (``o_abs``), at least ``NEAR_ULPS`` ulps of ``o``."""
+    bits = o32.contiguous().view(torch.int32)
+    mid = ((bits & ~0xFFFF) | 0x8000).view(torch.float32)  # the midpoint above |o|'s bf16
+    ulp = torch.exp2(torch.floor(torch.log2(o32.abs().clamp_min(2.0**-126))) - 23)
+    bound = torch.maximum(o_abs * factor * 2.0**-24, ulp * NEAR_ULPS)
+    return (o32 - mid).abs() <= bound
 
-    ``o`` is itself the bf16 rounding of an fp32 reduction (``S . q``) whose order the
-    SPEC leaves to the kernel, so now and then it rounds the other way; the output, a
-    second bf16 rounding of ``o * rstd * gamma * sigmoid(gate)``, then moves by up to
-    2^-7 of its value on top of its own ulp. Every element must be within that
-    (1 ulp + one ulp of ``o``), and at least 99.9% within the strict 1 ulp. Returns the
-    fraction of elements exactly equal."""
+
+def check_output(got, ref, heads, o32):
+    """SPEC: |ref| >= 2^-10 rms(row) -> within 1 ulp; else within 2^-17 rms(row); rows
+    are a head's 128 channels. Only where the reference's fp32 ``o`` (``o32``, from
+    ``kda.reference.decode(..., o_fp32=)``) lies within a few fp32 ulps of a bf16 midpoint
+    may ``o`` round the other way: there one ulp of ``o`` carried through the gated norm
+    (2^-7 of the value) is allowed on top. ``o32``: (fp32 o, sum |S q|) from ``reference``.
+    Returns the fraction of elements exactly equal."""
     g = got.float().view(got.shape[0], heads, 128)
     r = ref.float().view(ref.shape[0], heads, 128)
+    near = near_bf16_midpoint(*o32).view(r.shape)
     assert not torch.isnan(g).any(), "NaN in output (poison not overwritten?)"
     rms = r.pow(2).mean(-1, keepdim=True).sqrt()
     err = (g - r).abs()
     big = r.abs() >= rms * 2.0**-10
-    strict = torch.where(big, err <= bf16_ulp(r), err <= rms * 2.0**-17)
-    o_flip = torch.where(big, err <= bf16_ulp(r) + r.abs() * 2.0**-7 * 1.01, err <= rms * 2.0**-16)
+    allowed = bf16_ulp(r) + torch.where(near, r.abs() * 2.0**-7 * 1.01, torch.zeros_like(r))
+    ok = torch.where(big, err <= allowed, err <= rms * 2.0**-17)
     exact = (err == 0).float().mean().item()
-    within = strict.float().mean().item()
     worst = (err / bf16_ulp(r))[big].max().item() if big.any() else 0.0
-    bad = (~o_flip).nonzero()[:4].tolist()
-    detail = [(i, float(r[tuple(i)]), float(g[tuple(i)]), float(rms[i[0], i[1], 0])) for i in bad]
-    assert not bad, f"max {worst:.1f} ulp; beyond 1 ulp + one ulp of o: {detail}"
-    assert within >= 0.999, f"only {within:.5f} within 1 ulp (max {worst:.1f} ulp)"
-    print(f"  outputs: exact {exact:.5f}, within 1 ulp {within:.6f}, max {worst:.2f} ulp")
+    bad = (~ok).nonzero()[:4].tolist()
+    detail = [(i, float(r[tuple(i)]), float(g[tuple(i)]), float(rms[i[0], i[1], 0]),
+               bool(near[tuple(i)])) for i in bad]  # fmt: skip
+    assert not bad, f"max {worst:.1f} ulp; beyond the bound (index, ref, got, rms, near): {detail}"
+    print(f"  outputs: exact {exact:.5f}, max {worst:.2f} ulp, near a midpoint "
+          f"{near.float().mean().item():.5f}")  # fmt: skip
     return exact
 
 
@@ -84,19 +106,42 @@ def written_pages(step, records):
     return pages
 
 
-def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False, cluster=None):
+def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False, cluster=None,
+                scalars=SCALARS[0], out=None):  # fmt: skip
     import kda
 
     rows, dim = step.x.shape[0], layer.heads * 128
-    out = torch.full((rows, dim), POISON, dtype=torch.bfloat16, device=step.x.device)
+    if out is None:
+        out = torch.full((rows, dim), POISON, dtype=torch.bfloat16, device=step.x.device)
+    lower_bound, scale, eps = scalars
     kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        layer.f_b, lower_bound=lower_bound, scale=scale, eps=eps,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, records=records,
         kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl, out=out,
     )  # fmt: skip
     return out
+
+
+def reference(layer, step, records=None, scalars=SCALARS[0]):
+    """``kt.run_reference`` with ``scalars``; returns (output, (fp32 o, sum |S q|))."""
+    o32 = torch.zeros(step.x.shape[0], layer.heads * 128, device=step.x.device)
+    o_abs = torch.zeros_like(o32)
+    lower_bound, scale, eps = scalars
+    out = kt.run_reference(layer, step, records=records, lower_bound=lower_bound, scale=scale,
+                           eps=eps, o_fp32=o32, o_abs=o_abs)  # fmt: skip
+    return out, (o32, o_abs)
+
+
+def small_rows(layer, step, every=3):
+    """Scale the state pages of every ``every``-th request (from request 1) by 2^-10: their
+    ``o`` has mean(o^2) ~ 1e-9, where the norm's ``eps`` decides the output."""
+    s = step.slots.view(step.slots.shape[0], -1)
+    for b in range(1, s.shape[0], every):
+        for page in s[b].tolist():
+            if page > 0:
+                layer.state[page] *= 2.0**-10
 
 
 def make_records(B, H, T, device):
@@ -132,12 +177,18 @@ def check_records(step, B, ref_records, got_records):
 
 
 def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
-             conv_dtype=torch.bfloat16, seed=0, holes=False, cluster=None):  # fmt: skip
+             conv_dtype=torch.bfloat16, seed=0, holes=False, cluster=None,
+             scalars=None):  # fmt: skip
+    """One step, kernel against reference. The conv window is ``T + 2 + seed % 3`` wide (so
+    positions past T + 1 exist and must stay untouched); ``scalars`` defaults to
+    ``SCALARS[seed % 3]``; requests 1, 4, ... have small-rms rows."""
     device = "cuda"
     pages = 1 + B * T + 4
+    scalars = SCALARS[seed % len(SCALARS)] if scalars is None else scalars
     layer = kt.make_layer(H, pages, window=T + 2 + (seed % 3), conv_dim_first=dim_first,
                           bias=bias, conv_dtype=conv_dtype, seed=seed, device=device)  # fmt: skip
     step = kt.make_step(B, T, H, pages=pages, padding=padding, seed=seed + 1, device=device)
+    small_rows(layer, step)
     if gate_mode in (0, 1):
         quantize_gate_inputs(layer, step)
     if holes and T > 1:
@@ -151,15 +202,15 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
     before = layer.state.clone()
     ref_records = make_records(B, H, T, device) if record else None
     got_records = make_records(B, H, T, device) if record else None
-    ref = kt.run_reference(ref_layer, step, records=ref_records)
+    ref, o32 = reference(ref_layer, step, records=ref_records, scalars=scalars)
     got = call_kernel(layer, step, kernel, records=got_records, gate_mode=gate_mode,
-                      cluster=cluster)  # fmt: skip
+                      cluster=cluster, scalars=scalars)  # fmt: skip
     torch.cuda.synchronize()
     check_state(layer.state, ref_layer.state, before, written_pages(step, ref_records))
     assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"
     if record:
         check_records(step, B, ref_records, got_records)
-    exact = check_output(got, ref, H)  # last: the state, conv and record checks ran
+    exact = check_output(got, ref, H, o32)  # last: the state, conv and record checks ran
     label = kernel if cluster is None else f"{kernel} C{cluster}"
     print(f"H{H} B{B} T{T} {label}: outputs at 0 ulp {exact:.4%}")
     return exact
@@ -191,35 +242,38 @@ EVERY_KERNEL_IDS = ["wide", "stream", "split2", "split4", "split8"]
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
-    "case",
-    CASES,
-    ids=lambda c: "H{}B{}T{}-{}-b{}-r{}".format(
-        *c[:3], "df" if c[3] else "wf", int(c[4]), int(c[5])
-    ),
-)
-def test_decode_matches_reference(kernel, case):
+    "seed,case",
+    list(enumerate(CASES)),
+    ids=["s{}-H{}B{}T{}-{}-b{}-r{}".format(i, *c[:3], "df" if c[3] else "wf", int(c[4]),
+                                           int(c[5])) for i, c in enumerate(CASES)],
+)  # fmt: skip
+def test_decode_matches_reference(kernel, seed, case):
+    """The case's index is its seed: window T + 2 + seed % 3, scalars SCALARS[seed % 3]."""
     H, B, T, dim_first, bias, record, padding, gate_mode, conv_dtype, holes = case
     run_case(H, B, T, dim_first=dim_first, bias=bias, record=record, padding=padding,
-             kernel=kernel, gate_mode=gate_mode, conv_dtype=conv_dtype, holes=holes)  # fmt: skip
+             kernel=kernel, gate_mode=gate_mode, conv_dtype=conv_dtype, holes=holes,
+             seed=seed)  # fmt: skip
 
 
 @pytest.mark.parametrize("kernel,cluster", EVERY_KERNEL, ids=EVERY_KERNEL_IDS)
 def test_steps_in_a_row(kernel, cluster):
-    """Three decode steps then two verify steps on the same pools, kernel vs reference."""
+    """Three decode steps then two verify steps on the same pools, kernel vs reference,
+    the scalars changing from step to step."""
     H, B, pages = 6, 8, 40
     layer = kt.make_layer(H, pages, window=8, seed=3, device="cuda")
     ref_layer = layer.clone()
     for i in range(5):
         T = 1 if i < 3 else 3
+        scalars = SCALARS[i % len(SCALARS)]
         table = (1 + torch.arange(B * T, dtype=torch.int32).view(B, T)) % pages
         step = kt.make_step(B, T, H, pages=pages, slot_table=table, padding=(i % B,),
                             seed=10 + i, device="cuda")  # fmt: skip
         before = layer.state.clone()
-        ref = kt.run_reference(ref_layer, step)
-        got = call_kernel(layer, step, kernel, cluster=cluster)
+        ref, o32 = reference(ref_layer, step, scalars=scalars)
+        got = call_kernel(layer, step, kernel, cluster=cluster, scalars=scalars)
         check_state(layer.state, ref_layer.state, before, written_pages(step, None))
         assert torch.equal(layer.conv_state, ref_layer.conv_state)
-        check_output(got, ref, H)
+        check_output(got, ref, H, o32)
         layer.state.copy_(ref_layer.state)  # the next step starts from the same state
 
 
@@ -227,21 +281,14 @@ def test_steps_in_a_row(kernel, cluster):
 def test_cuda_graph_replay(kernel, cluster):
     """Capture one step in a CUDA graph, replay it with new inputs many times."""
     H, B, T, pages = 12, 16, 2, 40
+    scalars = SCALARS[1]
     layer = kt.make_layer(H, pages, window=6, seed=5, device="cuda")
     step = kt.make_step(B, T, H, pages=pages, padding=(2,), seed=6, device="cuda")
     out = torch.empty(B * T, H * 128, dtype=torch.bfloat16, device="cuda")
     ref_layer = layer.clone()
 
-    import kda
-
     def launch():
-        kda.decode(
-            step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
-            step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
-            layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-            eps=kt.EPS, accepted=step.accepted, kernel=kernel, cluster=cluster, out=out,
-            gate_mode=2,
-        )  # fmt: skip
+        call_kernel(layer, step, kernel, cluster=cluster, scalars=scalars, out=out)
 
     launch()  # compile outside the capture
     layer.state.copy_(ref_layer.state)
@@ -259,46 +306,127 @@ def test_cuda_graph_replay(kernel, cluster):
         before = layer.state.clone()
         out.fill_(POISON)
         graph.replay()
-        ref = kt.run_reference(ref_layer, step)
+        ref, o32 = reference(ref_layer, step, scalars=scalars)
         torch.cuda.synchronize()
         check_state(layer.state, ref_layer.state, before, written_pages(step, None))
         assert torch.equal(layer.conv_state, ref_layer.conv_state)
-        check_output(out, ref, H)
+        check_output(out, ref, H, o32)
         layer.state.copy_(ref_layer.state)
 
 
-@pytest.mark.parametrize("kernel,cluster", EVERY_KERNEL, ids=EVERY_KERNEL_IDS)
-def test_pdl_after_producer(kernel, cluster):
-    """With PDL the step waits for the kernel that writes its inputs."""
-    H, B, pages = 12, 40, 50
-    layer = kt.make_layer(H, pages, seed=7, device="cuda")
-    step = kt.make_step(B, 1, H, pages=pages, seed=8, device="cuda")
-    ref_layer = layer.clone()
-    ref = kt.run_reference(ref_layer, step)
-    source = step.x.clone()
-    step.x.zero_()
-    torch.cuda._sleep(2_000_000)  # a slow predecessor, then the producer of x
-    step.x.copy_(source)
-    got = call_kernel(layer, step, kernel, pdl=True, cluster=cluster)
+# What a decode step's predecessor may write (the kernels read everything else, the state
+# and conv pages, slots and weights, before griddepcontrol.wait: kda.wide's contract).
+PDL_INPUTS = ("x", "f_a", "beta", "gate")
+SPIN_NS = 100_000
+
+
+def replay_after_predecessor(launch, sources, targets):
+    """Capture ``predecessor (sources -> targets), launch()`` in a CUDA graph (PDL edges
+    are kept; no host work between the two launches), poison ``targets`` and replay once.
+    The predecessor releases its dependents first and writes ``targets`` only after a
+    ``SPIN_NS`` spin: a dependent that reads them before its griddepcontrol.wait reads
+    poison."""
+    import pdl_predecessor
+
+    def both():
+        pdl_predecessor.run(list(zip(sources, targets, strict=True)), spin_ns=SPIN_NS)
+        launch()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        both()
+    torch.cuda.current_stream().wait_stream(stream)
+    for t in targets:
+        t.view(torch.int16 if t.element_size() == 2 else torch.int32).fill_(-1)  # NaN / -1
+    graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(layer.conv_state, ref_layer.conv_state)
-    check_output(got, ref, H)
+    return graph
 
 
-def test_bad_input_launches_nothing():
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("kernel,cluster", EVERY_KERNEL, ids=EVERY_KERNEL_IDS)
+def test_pdl_waits_for_an_early_releasing_predecessor(kernel, cluster, T):
+    """With PDL the step starts while its predecessor spins (the predecessor released it
+    first) and must wait for the predecessor's writes of x, f_a, beta and gate (poisoned
+    before): outputs, state and conv pages as the reference's on the clean inputs."""
+    import pdl_predecessor
+
+    H, B = 12, 40
+    pages = 1 + B * T + 2
+    scalars = SCALARS[2]
+    layer = kt.make_layer(H, pages, window=T + 3, seed=7, device="cuda")
+    step = kt.make_step(B, T, H, pages=pages, padding=(4,), seed=8, device="cuda")
+    clean = [getattr(step, n).clone() for n in PDL_INPUTS]
+    out = torch.empty(B * T, H * 128, dtype=torch.bfloat16, device="cuda")
+    start = layer.clone()
+    ref_layer = layer.clone()
+    ref, o32 = reference(ref_layer, step, scalars=scalars)
+
+    def launch():
+        call_kernel(layer, step, kernel, cluster=cluster, pdl=True, scalars=scalars, out=out)
+
+    pdl_predecessor.run([(clean[0], step.x)], spin_ns=SPIN_NS)  # compile both
+    launch()
+    torch.cuda.synchronize()
+    layer.state.copy_(start.state)
+    layer.conv_state.copy_(start.conv_state)
+    out.fill_(POISON)
+    replay_after_predecessor(launch, clean, [getattr(step, n) for n in PDL_INPUTS])
+    check_state(layer.state, ref_layer.state, start.state, written_pages(step, None))
+    assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"
+    check_output(out, ref, H, o32)
+
+
+def _misaligned(t):
+    """A contiguous copy of ``t`` starting 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    view = flat[1 : 1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+HOST_BAD = [  # message, change of kda.decode's keyword arguments
+    (r"out must be a contiguous \[4, 256\] bf16", lambda k: k.update(out=k["out"].float())),
+    (r"out must be a contiguous", lambda k: k.update(out=k["out"][:3])),
+    (r"out must be a contiguous", lambda k: k.update(out=torch.empty(256, 8, dtype=torch.bfloat16,
+                                                     device="cuda").t())),
+    ("x must be 16-byte aligned", lambda k: k.update(x=_misaligned(k["x"]))),
+    ("gate must be 16-byte aligned", lambda k: k.update(gate=_misaligned(k["gate"]))),
+    ("f_a must be 16-byte aligned", lambda k: k.update(f_a=_misaligned(k["f_a"]))),
+    ("out must be 16-byte aligned", lambda k: k.update(out=_misaligned(k["out"]))),
+    ("kernel must be one of", lambda k: k.update(kernel="fast")),
+    ("cluster must be None or one of", lambda k: k.update(kernel="wide", cluster=2)),
+    ("cluster must be None or one of", lambda k: k.update(kernel="split", cluster=3)),
+    ("gate_mode must be 0, 1 or 2", lambda k: k.update(gate_mode=3)),
+    (r"accepted\[0\] = 3 is outside", lambda k: k["accepted"].__setitem__(0, 3)),
+    ("past the state pool", lambda k: k["slots"].__setitem__((1, 1), 99)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("message,change", HOST_BAD, ids=[str(i) for i in range(len(HOST_BAD))])
+def test_bad_input_launches_nothing(message, change):
+    """Each refusal of kda.decode's host entry, reached by its own input: ValueError
+    before any launch, nothing written (out stays poisoned)."""
     import kda
 
     layer = kt.make_layer(2, 8, seed=1, device="cuda")
     step = kt.make_step(2, 2, 2, pages=8, seed=2, device="cuda")
+    out = torch.full((4, 256), POISON, dtype=torch.bfloat16, device="cuda")
+    kw = dict(x=step.x, conv_weight=layer.conv_weight, conv_bias=layer.conv_bias,
+              conv_state=layer.conv_state, f_a=step.f_a, beta=step.beta, a_log=layer.a_log,
+              dt_bias=layer.dt_bias, slots=step.slots.clone(), state=layer.state,
+              gate=step.gate, norm_weight=layer.norm_weight, f_b=layer.f_b,
+              lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+              accepted=step.accepted.clone(), out=out)  # fmt: skip
+    kda.decode(**kw)  # valid as given
+    torch.cuda.synchronize()
+    out.fill_(POISON)
+    change(kw)
     state0, conv0 = layer.state.clone(), layer.conv_state.clone()
-    bad = step.accepted.clone()
-    bad[0] = 3
-    with pytest.raises(ValueError, match="accepted"):
-        kda.decode(
-            step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
-            step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
-            layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-            eps=kt.EPS, accepted=bad,
-        )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        kda.decode(**kw)
     torch.cuda.synchronize()
     assert torch.equal(layer.state, state0) and torch.equal(layer.conv_state, conv0)
+    assert torch.isnan(out.float()).all()

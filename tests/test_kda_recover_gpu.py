@@ -16,6 +16,7 @@ from test_kda_kernels_gpu import POISON, check_state, make_records
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
+LOWER_BOUNDS = (kt.LOWER_BOUND, -2.0, -8.0)
 
 
 def recorded_step(H, B, T, *, padding=(), seed=0, extra_columns=0, holes=False):
@@ -70,8 +71,9 @@ def run_recover(H, B, T, accepted, *, padding=(), seed=0, extra_columns=0, holes
     before = layer.state.clone()
     ref_state = layer.state.clone()
     args = (step.slots, *records, layer.a_log, layer.dt_bias, accepted, step.accepted)
-    reference.recover(ref_state, *args, lower_bound=kt.LOWER_BOUND)
-    kda.recover(layer.state, *args, lower_bound=kt.LOWER_BOUND)
+    lower_bound = LOWER_BOUNDS[seed % len(LOWER_BOUNDS)]  # a constant in the kernel fails
+    reference.recover(ref_state, *args, lower_bound=lower_bound)
+    kda.recover(layer.state, *args, lower_bound=lower_bound)
     torch.cuda.synchronize()
     written = commit_pages(step.slots, step.accepted.cpu(), accepted.cpu())
     check_state(layer.state, ref_state, before, written)
@@ -149,6 +151,35 @@ def test_cuda_graph_replay():
         torch.cuda.synchronize()
         written = commit_pages(step.slots, checkpoint.cpu(), accepted.cpu())
         check_state(pool, ref_state, fresh_layer.state, written)
+
+
+def test_pdl_waits_for_an_early_releasing_predecessor():
+    """KdaRecover with PDL reads everything after griddepcontrol.wait: its predecessor
+    releases it first, spins, then writes the records (poisoned before)."""
+    from test_kda_kernels_gpu import replay_after_predecessor
+
+    import kda
+    from kda import reference
+
+    H, B, T = 6, 8, 4
+    layer, step, records = recorded_step(H, B, T, padding=(2,), seed=13)
+    accepted = torch.tensor(_pattern("random", B, T, seed=14), dtype=torch.int32, device="cuda")
+    poison_past_accepted(records, accepted)
+    clean = [r.clone() for r in records]
+    pool = layer.state.clone()
+    args = (step.slots, *records, layer.a_log, layer.dt_bias, accepted, step.accepted)
+    ref_state = layer.state.clone()
+    reference.recover(ref_state, *args, lower_bound=-2.0)
+
+    def launch():
+        kda.recover(pool, *args, lower_bound=-2.0, pdl=True)
+
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    pool.copy_(layer.state)
+    replay_after_predecessor(launch, clean, list(records))
+    written = commit_pages(step.slots, step.accepted.cpu(), accepted.cpu())
+    check_state(pool, ref_state, layer.state, written)
 
 
 def test_bad_input_launches_nothing():

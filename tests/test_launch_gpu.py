@@ -175,10 +175,18 @@ def test_state_check():
 
 
 def test_step_bytes():
+    """Hand-computed for TP 16, 96 heads, HID 7168, 8 requests: a state page is 64 KiB;
+    decode reads and writes one page per (request, head): 8 * 96 * 2 * 64 KiB = 96 MiB;
+    w_o is 7168 x 12288 bf16 = 168 MiB; 16 ranks store 16 slots of 8 x 7168 bf16 each =
+    28 MiB; floor (96 + 168) MiB at 4.16 TB/s = 66.544 us. Verify T = 3: 4 pages, 24 rows;
+    with record + recover: 5 pages."""
     cfg = Config(16, 96, 7168, 8, 1, 8, 1)
     b = report.step_bytes(cfg, "decode", 1)
-    assert b["state"] == 8 * 96 * 2 * 65536 and b["w_o"] == 7168 * 96 * 128 * 2
-    assert b["floor_us"] == pytest.approx((b["state"] + b["w_o"]) / 4.16e6)
+    assert (b["state"], b["w_o"], b["mailbox_stores"]) == (100_663_296, 176_160_768, 29_360_128)
+    assert b["floor_us"] == pytest.approx(66.5442, abs=1e-4)
+    b = report.step_bytes(cfg, "verify", 3)
+    assert (b["state"], b["mailbox_stores"]) == (201_326_592, 88_080_384)
+    assert report.step_bytes(cfg, "verify+record+recover", 3)["state"] == 251_658_240
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend auto")

@@ -128,14 +128,6 @@ def test_step_rank_xmoe_validation():
         comm.run_ranks(None, None, None, None, None, None, None, 0)
 
 
-def test_import_without_dsl_side_effects():
-    import sys
-
-    import tpcomm.oproj.api  # noqa: F401
-
-    assert "tpcomm.protocol" not in sys.modules or "cutlass" in sys.modules
-
-
 def test_twoshot_buffers_and_validation():
     comm = _comm(twoshot=True)
     assert comm.twoshot and comm.mailbox is None and comm.groups == 1
@@ -208,3 +200,47 @@ def test_one_launch_all_reduce_skips_coresidency_and_refuses_per_rank_runs():
     with pytest.raises(ValueError, match="resident"):
         api.OprojAllReduce(Crowded(4, device="cpu"), 2, 2048, 2)
     assert api.OprojAllReduce(Crowded(4, device="cpu"), 2, 2048, 2, one_launch=True).one_launch
+
+
+def _bf(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+PRODUCE_ALL_BAD = [  # message, attn_outs, w_os, step
+    ("step must be a non-negative int", _bf(4, 2, 256), _bf(4, 2048, 256), -1),
+    ("attn_outs must be a 3-D", _bf(2, 256), _bf(4, 2048, 256), 0),
+    ("w_os must be a 3-D", _bf(4, 2, 256), _bf(2048, 256), 0),
+    ("D_local must be a multiple of 128", _bf(4, 2, 200), _bf(4, 2048, 200), 0),
+    ("w_o must have shape", _bf(4, 2, 256), _bf(4, 1024, 256), 0),
+    (r"attn_outs must be \[TP, ...\] = \[4, 2, 256\]", _bf(3, 2, 256), _bf(4, 2048, 256), 0),
+    (r"w_os must be \[TP, ...\]", _bf(4, 2, 256), _bf(3, 2048, 256), 0),
+    ("attn_outs must be contiguous", _bf(8, 2, 256)[::2], _bf(4, 2048, 256), 0),
+]
+
+
+@pytest.mark.parametrize("message,attn,w,step", PRODUCE_ALL_BAD,
+                         ids=[str(i) for i in range(len(PRODUCE_ALL_BAD))])  # fmt: skip
+def test_produce_all_validates(message, attn, w, step):
+    comm = _comm()
+    with pytest.raises(ValueError, match=message):
+        comm.produce_all(attn, w, step)
+    assert comm.armed()
+
+
+def test_publish_and_consume_all_validate():
+    comm = _comm()
+    with pytest.raises(ValueError, match=r"partials must be \[TP, ...\]"):
+        comm.publish_all(_bf(3, 2, 2048), 0)
+    with pytest.raises(ValueError, match="partials must be contiguous"):
+        comm.publish_all(_bf(8, 2, 2048)[::2], 0)
+    a = _args()
+    with pytest.raises(ValueError, match=r"prefixes must be \[TP, ...\]"):
+        comm.consume_all(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
+                         _bf(4, 2, 2048), 0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"xmoes must be \[TP, ...\]"):
+        comm.consume_all(_bf(4, 2, 2048), a["blocks"], a["norm"], a["query"], a["out_norm"],
+                         _bf(4, 2, 2048), 0, xmoes=_bf(4, 2, 2, 2048))  # fmt: skip
+    twoshot = _comm(twoshot=True)
+    with pytest.raises(ValueError, match="one-shot only"):
+        twoshot.publish_all(_bf(4, 2, 2048), 0)
+    assert comm.armed()

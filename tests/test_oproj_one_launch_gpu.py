@@ -143,3 +143,33 @@ def test_one_launch_graph_replay(project):
     assert torch.equal(_bits(s.prefixes["o"]), _bits(s.prefixes["p"]))
     assert torch.equal(_bits(s.outputs["o"]), _bits(s.outputs["p"]))
     s.close()
+
+
+@pytest.mark.parametrize("project", [True, False], ids=["producer", "publisher"])
+@pytest.mark.parametrize("tp", [1, 3, 8])
+def test_pdl_waits_for_an_early_releasing_predecessor(tp, project):
+    """One-launch with PDL right after a predecessor that releases its dependents first,
+    spins, then writes the producer's ``attn_out`` (or the publisher's partials), poisoned
+    before: the step must equal the per-rank launches on the clean inputs, bit for bit."""
+    from test_kda_kernels_gpu import replay_after_predecessor
+
+    tokens, hid, nb, d_local = 3, 2048, 2, 256
+    s = _Twin(tp, tokens, hid, nb, d_local, 1, seed=90 + tp)
+    a = random_inputs(tp, tokens, hid, nb, seed=91 + tp)
+    inputs = s.attn if project else a["partials"]
+    clean = inputs.clone()
+    s.reset(a["prefix"])
+    for m in "po":  # compile and load, step 0
+        s.step(m, a, 0, project, pdl=True)
+    torch.cuda.synchronize()
+    s.reset(a["prefix"])
+    s.step("p", a, 1, project)  # the expected step, parity 1
+    torch.cuda.synchronize()
+    replay_after_predecessor(lambda: s.step("o", a, 1, project, pdl=True), [clean], [inputs])
+    for m, c in s.comms.items():
+        assert int(c.errors.abs().sum()) == 0, f"{m}: error words {c.errors[:, 0].tolist()}"
+        assert c.armed(), m
+    for name, d in (("prefix", s.prefixes), ("output", s.outputs), ("xmoe", s.xmoes)):
+        assert torch.equal(_bits(d["o"][:tp]), _bits(d["p"][:tp])), f"{name} differs"
+    assert not torch.isnan(s.outputs["o"][:tp].float()).any()
+    s.close()

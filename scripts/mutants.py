@@ -1,0 +1,310 @@
+"""Mutation check of the test suite: each mutant is a small source change a test must catch.
+
+Every mutant is applied to its own scratch copy of the tree (tracked and untracked files,
+as they are in the working tree); the tests it names run there, and it is *killed* when one
+of them fails. Survivors are bugs the suite cannot see.
+
+    python scripts/mutants.py                 # the CPU mutants (a CPU machine, ~minutes)
+    python scripts/mutants.py --gpu           # the GPU mutants (needs a CUDA GPU)
+    python scripts/mutants.py --list          # what is checked, no run
+    python scripts/mutants.py -k eps -j 4     # a subset, 4 at a time
+
+Exit status 0 only when every selected mutant is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # file, relative to the repository root
+    find: str  # text that must occur exactly `count` times
+    replace: str
+    tests: tuple[str, ...]  # pytest node ids or files
+    gpu: bool = False
+    count: int = 1  # occurrences replaced (all of them must exist)
+    select: str = ""  # pytest -k
+
+
+def M(name, path, find, replace, *tests, gpu=False, count=1, select=""):
+    return Mutant(name, path, find, replace, tuple(tests), gpu, count, select)
+
+
+KREF = "tests/test_kda_reference.py"
+OREF = "tests/test_oproj_reference.py"
+PDL_PTX = "tests/test_pdl_order_compile.py"
+KGPU = "tests/test_kda_kernels_gpu.py"
+CGPU = "tests/test_oproj_consumer_gpu.py"
+ONE = "tests/test_oproj_one_launch_gpu.py"
+RGPU = "tests/test_kda_recover_gpu.py"
+WIDE_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-wide]"  # record, padding
+WIDE_T1 = f"{KGPU}::test_decode_matches_reference[s2-H12B64T5-df-b1-r0-wide]"
+STREAM_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-stream]"
+SPLIT_ROW = f"{KGPU}::test_steps_in_a_row[split2]"
+SCALE = "0.08838834764831845"  # 128 ** -0.5
+
+MUTANTS: list[Mutant] = [
+    # --- CPU: the references (kda.reference, tpcomm.oproj.reference, tpcomm.mailbox) ---------
+    M("kref-eps-hardcoded", "kda/reference.py",
+      "_rsqrt(_dot(o, o) * (1.0 / HEAD_DIM) + eps)", "_rsqrt(_dot(o, o) * (1.0 / HEAD_DIM) + 1e-6)",
+      KREF, select="float64"),
+    M("kref-lower-bound-hardcoded", "kda/reference.py",
+      "decay = _decay(raw_g, a_log, dt_bias, lower_bound)",
+      "decay = _decay(raw_g, a_log, dt_bias, -5.0)", KREF, select="float64"),
+    M("kref-scale-hardcoded", "kda/reference.py", "q_hat = q * _l2(q) * scale",
+      f"q_hat = q * _l2(q) * {SCALE}", KREF, select="float64"),
+    M("kref-conv-tap-off-by-one", "kda/reference.py", "new = torch.cat([taps[:, :, 1:], inputs",
+      "new = torch.cat([taps[:, :, :2], inputs", KREF, select="float64"),
+    M("kref-conv-window-offset", "kda/reference.py",
+      "positions = off_l[:, None] + torch.arange(3, device=device)",
+      "positions = off_l[:, None] * 0 + torch.arange(3, device=device)", KREF,
+      select="float64 or single_token_steps"),
+    M("kref-state-written-in-record-mode", "kda/reference.py",
+      "        if records is None:\n            keep = targets[:, t] > 0",
+      "        if records is None or True:\n            keep = targets[:, t] > 0",
+      KREF, select="record_and_recover"),
+    M("kref-padding-rows-live", "kda/reference.py", "live = (slot > 0).nonzero()[:, 0]",
+      "live = (slot != 0).nonzero()[:, 0]", KREF, select="padding"),
+    M("kref-recover-lower-bound-hardcoded", "kda/reference.py",
+      "decay = _decay(kg[:, :, t, HEAD_DIM:], a_log, dt_bias, lower_bound)",
+      "decay = _decay(kg[:, :, t, HEAD_DIM:], a_log, dt_bias, -5.0)", KREF,
+      select="record_and_recover"),
+    M("oref-out-eps-is-eps", "tpcomm/oproj/reference.py",
+      "scale = _rstd(quad, out_eps * den * den, hidden)",
+      "scale = _rstd(quad, eps * den * den, hidden)", OREF, select="float64"),
+    M("oref-eps-zero", "tpcomm/oproj/reference.py",
+      "logits = _dot(V, w) * _rstd(_dot(V, V), eps, hidden)",
+      "logits = _dot(V, w) * _rstd(_dot(V, V), 0.0, hidden)", OREF, select="float64"),
+    M("oref-nb0-out-eps-zero", "tpcomm/oproj/reference.py",
+      "final = _rstd(_dot(P, P), out_eps, hidden)", "final = _rstd(_dot(P, P), 0.0, hidden)",
+      OREF, select="float64"),
+    M("rank-order-reversed", "tpcomm/mailbox.py",
+      "            part = p[first]\n            for r in range(first + 1, first + count):",
+      "            part = p[first + count - 1]\n"
+      "            for r in reversed(range(first, first + count - 1)):",
+      OREF, select="float64 or group_order"),
+    M("rank-order-grouped-by-floor", "tpcomm/mailbox.py", "per = -(-tp // groups)",
+      "per = max(1, tp // groups)", OREF, select="float64 or group_order"),
+    M("empty-group-adds-minus-zero", "tpcomm/mailbox.py", "part = torch.zeros_like(p[0])",
+      "part = -torch.zeros_like(p[0])", OREF, select="empty_group"),
+    M("host-canonicalisation-removed", "tpcomm/mailbox.py", "w[w == -1] = CANONICAL_NAN_WORD",
+      "w[w == -1] = -1", "tests/test_tpcomm_layout.py", select="canonicalize"),
+    M("kernel-groups-by-floor", "tpcomm/oproj/plan.py", "return -(-tp // groups)",
+      "return max(1, tp // groups)", "tests/test_oproj_api.py", select="group_ranks"),
+    # --- CPU: validation and the job ---------------------------------------------------------
+    M("conv-pool-check-dropped", "kda/validate.py", "past = live & (conv_slot >= conv_pages)",
+      "past = live & (conv_slot < 0)", KREF, select="bad_inputs"),
+    M("live-conv-check-dropped", "kda/validate.py", "dead_conv = live & (conv_slot <= 0)",
+      "dead_conv = live & (conv_slot < -9)", KREF, select="bad_inputs"),
+    M("cli-tokens-range", "launch/layer.py", "if not 1 <= self.tokens <= 8:",
+      "if not 1 <= self.tokens <= 9:", "tests/test_launch_refusals.py"),
+    M("step-bytes-decode-pages", "launch/report.py", '{"decode": 2,', '{"decode": 1,',
+      "tests/test_launch_gpu.py::test_step_bytes"),
+    # --- CPU: each PDL kernel's wait removed (the PTX order check) ----------------------------
+    M("pdl-wait-wide", "kda/wide.py",
+      "        fragments or None).\"\"\"\n        cute.arch.griddepcontrol_wait()\n",
+      "        fragments or None).\"\"\"\n", PDL_PTX, select="wide or split"),
+    M("pdl-wait-stream", "kda/stream.py",
+      "        cute.arch.griddepcontrol_wait()\n        if count > 0:",
+      "        if count > 0:", PDL_PTX, select="stream"),
+    M("pdl-wait-late-stream", "kda/stream.py",
+      "        cute.arch.griddepcontrol_wait()\n        if count > 0:\n"
+      "            self.stage_item(op, buffers, head, request, 0, True)\n",
+      "        if count > 0:\n            self.stage_item(op, buffers, head, request, 0, True)\n"
+      "        cute.arch.griddepcontrol_wait()\n", PDL_PTX, select="stream"),
+    M("pdl-wait-late-recover", "kda/recover_kernel.py",
+      "            cute.arch.griddepcontrol_wait()\n"
+      "        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])\n",
+      "            pass\n"
+      "        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])\n"
+      "        cute.arch.griddepcontrol_wait()\n", PDL_PTX, select="recover"),
+    M("pdl-wait-recover", "kda/recover_kernel.py",
+      "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n",
+      "", PDL_PTX, select="recover"),
+    M("pdl-wait-producer", "tpcomm/oproj/producer.py",
+      "        if cutlass.const_expr(wait):\n            cute.arch.griddepcontrol_wait()\n", "",
+      PDL_PTX, select="producer_reads"),
+    M("pdl-wait-publisher", "tpcomm/oproj/producer.py",
+      "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n"
+      "        column", "        column", PDL_PTX, select="publisher"),
+    M("pdl-wait-fused-producer", "tpcomm/oproj/fused.py",
+      "            cute.arch.griddepcontrol_wait()  # attn_out is the previous kernel's\n", "",
+      PDL_PTX, select="fused"),
+    M("pdl-early-wait-fused-consumer", "tpcomm/oproj/consumer.py",
+      "            # everything above reads only what no kernel of this step writes\n"
+      "            cute.arch.griddepcontrol_wait()\n", "", PDL_PTX, select="fused"),
+    # --- GPU: the kernels' scalars ----------------------------------------------------------
+    M("gpu-wide-eps-hardcoded", "kda/wide.py",
+      "self.write_output(s_o, out_sums, op.gate, nw, op.eps,",
+      "self.write_output(s_o, out_sums, op.gate, nw, Float32(1e-6),", WIDE_CASE, gpu=True),
+    M("gpu-stream-eps-hardcoded", "kda/stream.py", "nw, op.eps, op.output, token, head)",
+      "nw, Float32(1e-6), op.output, token, head)", STREAM_CASE, gpu=True),
+    M("gpu-split-eps-hardcoded", "kda/split.py", "(1.0 / HEAD_DIM) + op.eps)",
+      "(1.0 / HEAD_DIM) + 1e-6)", SPLIT_ROW, gpu=True),
+    M("gpu-wide-lower-bound-hardcoded", "kda/wide.py",
+      "lower_bound, kg_records = op.lower_bound, op.kg_records",
+      "lower_bound, kg_records = Float32(-5.0), op.kg_records", WIDE_CASE, gpu=True, count=2),
+    M("gpu-wide-scale-hardcoded", "kda/wide.py", "self.normalize_qk(s_q, s_k, sums, op.scale)",
+      f"self.normalize_qk(s_q, s_k, sums, Float32({SCALE}))", WIDE_CASE, gpu=True),
+    M("gpu-split-scale-hardcoded", "kda/split.py", "(qk[t] * factor) * op.scale",
+      f"(qk[t] * factor) * {SCALE}", SPLIT_ROW, gpu=True),
+    M("gpu-recover-lower-bound-hardcoded", "kda/recover_kernel.py",
+      "lower_bound = op.lower_bound", "lower_bound = Float32(-5.0)", RGPU, gpu=True,
+      select="H1B1T2 or pdl"),
+    # --- GPU: KDA state, conv and padding ----------------------------------------------------
+    M("gpu-wide-conv-tap-off-by-one", "kda/wide.py",
+      "conv_state[Int64(conv_slot), ch, 0] = conv_type(taps[s][1])",
+      "conv_state[Int64(conv_slot), ch, 0] = conv_type(taps[s][0])", WIDE_T1, gpu=True),
+    M("gpu-wide-state-written-in-record-mode", "kda/wide.py",
+      "            if cutlass.const_expr(not self.record):\n                target = slot",
+      "            if cutlass.const_expr(True):\n                target = slot", WIDE_CASE,
+      gpu=True),
+    M("gpu-wide-padding-rows-written", "kda/wide.py",
+      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
+      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
+      WIDE_CASE, gpu=True),
+    # --- GPU: each PDL wait removed, against an early-releasing predecessor ------------------
+    M("gpu-pdl-wait-wide", "kda/wide.py",
+      "        fragments or None).\"\"\"\n        cute.arch.griddepcontrol_wait()\n",
+      "        fragments or None).\"\"\"\n", KGPU,
+      gpu=True, select="early_releasing and (wide or split2)"),
+    M("gpu-pdl-wait-stream", "kda/stream.py",
+      "        cute.arch.griddepcontrol_wait()\n        if count > 0:", "        if count > 0:",
+      KGPU, gpu=True, select="early_releasing and stream"),
+    M("gpu-pdl-wait-late-stream", "kda/stream.py",
+      "        cute.arch.griddepcontrol_wait()\n        if count > 0:\n"
+      "            self.stage_item(op, buffers, head, request, 0, True)\n",
+      "        if count > 0:\n            self.stage_item(op, buffers, head, request, 0, True)\n"
+      "        cute.arch.griddepcontrol_wait()\n", KGPU, gpu=True,
+      select="early_releasing and stream"),
+    M("gpu-pdl-wait-recover", "kda/recover_kernel.py",
+      "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n",
+      "", RGPU, gpu=True, select="early_releasing"),
+    M("gpu-pdl-wait-producer", "tpcomm/oproj/producer.py",
+      "        if cutlass.const_expr(wait):\n            cute.arch.griddepcontrol_wait()\n", "",
+      ONE, gpu=True, select="early_releasing and producer"),
+    M("gpu-pdl-wait-publisher", "tpcomm/oproj/producer.py",
+      "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n"
+      "        column", "        column", ONE, gpu=True, select="early_releasing and publisher"),
+    # --- GPU: the consumer --------------------------------------------------------------------
+    M("gpu-consumer-eps-swapped", "tpcomm/oproj/consumer.py",
+      "a_hints, a_error, tokens, eps, out_eps,\n                  step, budget_ns",
+      "a_hints, a_error, tokens, out_eps, eps,\n                  step, budget_ns",
+      f"{CGPU}::test_consumer_matches_reference[c1-tp2]", gpu=True),
+    M("gpu-consumer-out-eps-zero", "tpcomm/oproj/consumer.py",
+      "quad / Float32(self.hid) + out_eps * den * den)",
+      "quad / Float32(self.hid) + 0.0 * den * den)",
+      f"{CGPU}::test_consumer_matches_reference[c1-tp2]", gpu=True),
+    M("gpu-consumer-nb0-out-eps-zero", "tpcomm/oproj/consumer.py",
+      "tot_post[0] / Float32(self.hid) + out_eps)", "tot_post[0] / Float32(self.hid) + 0.0)",
+      f"{CGPU}::test_consumer_matches_reference[c0-tp2]", gpu=True),
+    M("gpu-consumer-rearm-skipped", "tpcomm/oproj/consumer.py",
+      "            protocol.rearm(slot0 + (first + i) * slot_bytes)", "            pass",
+      f"{CGPU}::test_consumer_matches_reference[c0-tp2]", gpu=True),
+    M("gpu-consumer-wrong-parity", "tpcomm/oproj/consumer.py", "parity = Int64(step & 1)",
+      "parity = Int64(0)", f"{CGPU}::test_consumer_matches_reference[c0-tp2]", gpu=True),
+    M("gpu-publish-canonicalisation-removed", "tpcomm/protocol.py",
+      "clean = [canonicalize(w) for w in words]", "clean = list(words)",
+      f"{CGPU}::test_consumer_matches_reference[c0-tp2]", gpu=True),
+    M("gpu-consumer-rank-order-reversed", "tpcomm/oproj/consumer.py",
+      "addresses = [slot0 + (first + lo + i) * slot_bytes for i in range(n)]",
+      "addresses = [slot0 + (first + lo + n - 1 - i) * slot_bytes for i in range(n)]",
+      f"{CGPU}::test_consumer_matches_reference[c4-tp8]",
+      f"{CGPU}::test_consumer_matches_reference[c13-tp3]", gpu=True),
+]  # fmt: skip
+
+
+def scratch_copy(dest: pathlib.Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name.decode())
+    if (ROOT / ".dev").is_dir():  # the GPU machine's packages (../shared/device)
+        (dest / ".dev").symlink_to(ROOT / ".dev")
+
+
+def apply(m: Mutant, tree: pathlib.Path) -> None:
+    path = tree / m.path
+    text = path.read_text()
+    found = text.count(m.find)
+    if found != m.count:
+        raise ValueError(f"{m.name}: {m.find!r} occurs {found} times in {m.path}, not {m.count}")
+    path.write_text(text.replace(m.find, m.replace))
+
+
+SUMMARY = re.compile(r"(\d+) (failed|passed|error|errors|skipped)")
+
+
+def run(m: Mutant, timeout: float) -> tuple[str, str, float]:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        tree = pathlib.Path(tmp)
+        scratch_copy(tree)
+        try:
+            apply(m, tree)
+        except ValueError as e:
+            return "STALE", str(e), time.monotonic() - start
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        if m.select:
+            cmd += ["-k", m.select]
+        try:
+            out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "KILLED", "timed out (a hang is a failure)", time.monotonic() - start
+    text = out.stdout + out.stderr
+    counts = {k: int(n) for n, k in SUMMARY.findall(text.splitlines()[-1] if text else "")}
+    failed = [line.split()[1] for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if out.returncode != 0 and (failed or counts.get("failed") or counts.get("error")):
+        return "KILLED", ", ".join(failed[:2]) or "collection error", time.monotonic() - start
+    if not counts.get("passed"):
+        return "NOT RUN", text.splitlines()[-1] if text else "no output", time.monotonic() - start
+    return "SURVIVED", f"{counts.get('passed')} passed", time.monotonic() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpu", action="store_true", help="the GPU mutants instead of the CPU ones")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("-k", default="", help="only mutants whose name contains this")
+    p.add_argument("-j", type=int, default=2, help="mutants at a time")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    a = p.parse_args()
+    chosen = [m for m in MUTANTS if m.gpu == a.gpu and a.k in m.name]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:32s} {m.path}: {' '.join(m.tests)}")
+        return 0
+    bad = 0
+    with concurrent.futures.ThreadPoolExecutor(a.j) as pool:
+        futures = {pool.submit(run, m, a.timeout): m for m in chosen}
+        for f in concurrent.futures.as_completed(futures):
+            verdict, why, secs = f.result()
+            bad += verdict != "KILLED"
+            print(f"{verdict:9s} {futures[f].name:32s} {secs:6.1f} s  {why}", flush=True)
+    print(f"{len(chosen) - bad}/{len(chosen)} mutants killed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
