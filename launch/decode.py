@@ -24,7 +24,7 @@ from launch.procs import job_processes, nvshmem_installed
 from tpcomm.host import launcher
 
 HOST_TOKENS = 3  # --tokens default on the host
-GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 8)
+GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 1024)
 
 
 def parse_args(argv=None):
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     add("--requests", type=int, default=4, help="requests per step (B)")
     add("--tokens", type=int, default=None,
         help=f"tokens per request of the verify steps (T, 1..8; 1 = decode only); default "
-        f"{HOST_TOKENS} on the host, {GPU_TOKENS} on the GPU (requests x tokens <= 8 there)")
+        f"{HOST_TOKENS} on the host, {GPU_TOKENS} on the GPU (requests x tokens <= 1024 there)")
     add("--blocks", type=int, default=3, help="AttnRes block snapshots (nb, 0..8)")
     add("--steps", type=int, default=6,
         help="steps: one single-token decode step, then verify steps")

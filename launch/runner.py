@@ -23,8 +23,8 @@ from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
 from launch.procs import Procs
+from tpcomm.mailbox import MAX_ROWS
 
-MAX_PRODUCER_ROWS = 8
 GATE_CYCLES = 40_000_000  # ~20 ms sleep: the stage pass is enqueued behind it
 STAGES = ("kda", "recover", "produce", "consume")
 # o-projection launches with every rank on one GPU (loopback): "per-rank" (producer and
@@ -35,13 +35,13 @@ DEFAULT_OPROJ_LAUNCH = "both"  # fastest of the three (docs/decode.md)
 
 
 def check_rows(requests: int, tokens: int) -> None:
-    """The producer's limit: rows per consumer (requests x tokens) <= 8."""
+    """Rows per step (requests x tokens) <= ``MAX_ROWS``: the o-projection's buffers (and
+    one CUDA graph) per rows bucket; above 8 rows its producer is a cuBLAS GEMM."""
     rows = requests * tokens
-    if rows > MAX_PRODUCER_ROWS:
+    if rows > MAX_ROWS:
         raise ValueError(
             f"--requests x --tokens = {requests} x {tokens} = {rows} rows per step; the "
-            f"o-projection producer takes at most {MAX_PRODUCER_ROWS}: lower --requests or "
-            "--tokens"
+            f"o-projection takes at most {MAX_ROWS}: lower --requests or --tokens"
         )
 
 
@@ -148,6 +148,7 @@ class Runner:
         """The all-reduce for ``rows`` tokens: the plan's groups (or ``--groups``); with
         per-rank consumers lowered until every rank's consumer can be resident (loopback;
         one rank per GPU always is; one consumer launch for all ranks needs no such rule).
+        One-shot: the checks read the partials back from the mailbox (``partials``).
         Collective on nvshmem: every process builds the same ones in the same order."""
         if rows in self.comms:
             return self.comms[rows]
@@ -165,7 +166,8 @@ class Runner:
         for groups in options:
             try:
                 comm = OprojAllReduce(self.backend, rows, cfg.hidden, cfg.blocks, groups=groups,
-                                      eps=EPS, out_eps=OUT_EPS, **self.budget, **one)  # fmt: skip
+                                      eps=EPS, out_eps=OUT_EPS, twoshot=False, **self.budget,
+                                      **one)  # fmt: skip
             except ValueError as e:
                 if "resident" not in str(e):
                     raise

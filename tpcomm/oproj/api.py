@@ -7,6 +7,13 @@ launches the kernels of ``tpcomm.oproj``: per rank ``publish`` (a ready partial)
 launch); every rank of a one-GPU backend in one launch ``publish_all``, ``produce_all``,
 ``consume_all``; ``run_ranks`` drives every loopback rank. Validation raises
 ``ValueError`` naming the argument before any launch. Imports without the CuTe DSL.
+
+Rows (``tokens``) 1..``MAX_ROWS`` per step. The consumer is one C-CTA cluster per row
+(nothing in it scales with rows); above ``MAX_TOKENS`` rows the producer is a real GEMM
+(M = rows): cuBLAS (fp32 accumulation, reduced-precision split-K off, one rounding) into
+a staging partial, then the publisher, on the same stream. Per-rank launches on one GPU
+need every rank's consumer CTAs resident together (refused otherwise); one launch for
+every rank (``one_launch``) and one rank per GPU do not.
 """
 
 import torch
@@ -16,10 +23,12 @@ from tpcomm.mailbox import Mailbox, TwoshotRows
 from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
     GROUP_THREADS,
+    MAX_TOKENS,
     SLICE,
     WORD_ROW_BYTES,
     DeviceLimits,
     Plan,
+    buffer_bytes,
     check_config,
     choose,
     min_blocks_per_sm,
@@ -42,14 +51,17 @@ class OprojAllReduce:
     ``twoshot`` default to ``choose``'s plan; ``fence`` (a sys fence before each publish)
     defaults to on unless every rank shares one GPU. ``one_launch``: built for the
     ``*_all`` launches only (every partial published before one consumer launch starts),
-    so the ranks' consumers need not be resident together; per-rank runs are refused.
+    so the ranks' consumers need not be resident together; per-rank runs are refused
+    (and twoshot, per-rank only, is off unless asked for). The buffers (``plan.bytes`` per
+    rank) are refused before allocation when they do not fit the symmetric memory.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
                  fence=None, twoshot=None, one_launch=False):  # fmt: skip
         plan = choose(backend.world, tokens, hid)
-        twoshot = plan.twoshot if twoshot is None else bool(twoshot)
+        if twoshot is None:
+            twoshot = plan.twoshot and not one_launch
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not isinstance(budget_ns, int) or budget_ns <= 0:
@@ -57,6 +69,14 @@ class OprojAllReduce:
         for name, v in (("eps", eps), ("out_eps", out_eps)):
             if not isinstance(v, int | float) or not v >= 0:
                 raise ValueError(f"{name} must be a float >= 0; got {v!r}")
+        self.bytes = buffer_bytes(backend.world, tokens, hid, twoshot)
+        backend.check_fits(self.bytes, f"o-projection buffers for {tokens} rows "
+                           f"({'twoshot' if twoshot else 'one-shot'}, TP {backend.world}, "
+                           f"HID {hid})")  # fmt: skip
+        if not one_launch:  # per-rank consumers spin side by side (loopback: on one GPU)
+            backend.check_coresident(
+                (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
+            )
         self.backend, self.plan = backend, plan
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
@@ -89,14 +109,11 @@ class OprojAllReduce:
         self._no_xmoe = torch.zeros((1, tokens, hid), **bf)
         self._no_recv = torch.zeros((8,), **bf)
         self._fns = None
+        self._staging = None  # [ranks, tokens, HID]: the GEMM's partials above MAX_TOKENS
         self._fused_plans = {}
         self.one_launch, self._one_launch_checked = bool(one_launch), False
         if self.one_launch:  # consumers start after every partial: no co-residency needed
             self._check_one_launch()
-        else:
-            backend.check_coresident(
-                (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
-            )
 
     # --- compiled kernels -------------------------------------------------------------
     def functions(self):
@@ -152,6 +169,9 @@ class OprojAllReduce:
             check_device_tensor("xmoe", xmoe, want, torch.bfloat16, self.device)
         elif xmoe is not None:
             raise ValueError("xmoe given, but this all-reduce was built with xmoe_reps = 0")
+        self._require_cuda()
+
+    def _require_cuda(self):
         if self.device.type != "cuda":
             raise ValueError(f"the mailbox must be on a CUDA device to launch; got {self.device}")
 
@@ -167,7 +187,23 @@ class OprojAllReduce:
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
         d_local = self._check_projection(attn_out, w_o)
+        self._require_cuda()
+        if self.tokens > MAX_TOKENS:  # a real GEMM: cuBLAS, then the publisher
+            stream = torch.cuda.current_stream(self.device) if stream is None else stream
+            with torch.cuda.stream(stream):
+                partial = self.staging()[rank]
+                gemm(attn_out, w_o.t(), partial)
+            self._launch(self._publisher(), (partial,), rank, step, stream)
+            return
         self._launch(self._producer(d_local), (attn_out, w_o), rank, step, stream)
+
+    def staging(self):
+        """The GEMM's partials ``[ranks, tokens, HID]`` (row r: rank r's), allocated once."""
+        if self._staging is None:
+            n = max(self.backend.ranks) + 1
+            shape = (n, self.tokens, self.hid)
+            self._staging = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        return self._staging
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
                 rank=None, stream=None, checked=False):  # fmt: skip
@@ -420,6 +456,12 @@ class OprojAllReduce:
         d_local = self._check_projection(attn_outs[0], w_os[0])
         self._check_stacked("attn_outs", attn_outs, (self.tokens, d_local))
         self._check_stacked("w_os", w_os, (self.hid, d_local))
+        self._require_cuda()
+        if self.tokens > MAX_TOKENS:  # one batched cuBLAS GEMM, then one publisher launch
+            partials = self.staging()[: self.tp]
+            gemm(attn_outs, w_os.transpose(1, 2), partials)
+            self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
+            return
         fn = self._producer(d_local, pdl, ranks=self.tp)
         self._launch(fn, (attn_outs[0], w_os[0]), 0, step, None)
 
@@ -484,3 +526,16 @@ class OprojAllReduce:
         self.errors.zero_()
         self.hint_words.zero_()
         (self.rows if self.twoshot else self.mailbox).arm()
+
+
+def gemm(a, b, out):
+    """``out = bf16(a @ b)`` by cuBLAS on the current stream (2-D or batched): fp32
+    accumulation with reduced-precision split-K reduction off, one rounding, as
+    ``reference.project`` up to the order of the fp32 sums."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        torch.matmul(a, b, out=out)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = saved
