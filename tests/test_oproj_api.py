@@ -285,3 +285,29 @@ def test_nvshmem_heap_setting():
     assert heap_bytes("4096") == 4096 and heap_bytes("1kb") == 1024
     with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE"):
         heap_bytes("lots")
+
+
+def test_row_chunks():
+    from tpcomm.oproj.rows import RowChunks
+
+    backend = LoopbackBackend(4, device="cpu")
+    chunks = RowChunks(backend, 10, 1024, 1, chunk=3, twoshot=True)
+    assert [(a, b) for a, b, _ in chunks.parts] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert all(c.twoshot and c.tokens == b - a for a, b, c in chunks.parts)
+    assert chunks.bytes == 2 * 10 * 1024 * 2 * 2  # one 10-row bucket's twoshot buffers
+    assert chunks.armed() and chunks.error_masks() == [0, 0, 0, 0]
+    assert RowChunks(backend, 10, 1024, 1).chunk == 10  # no co-residency rule on the CPU
+    with pytest.raises(ValueError, match="chunk"):
+        RowChunks(backend, 10, 1024, 1, chunk=11)
+    with pytest.raises(ValueError, match="rows"):
+        RowChunks(backend, 1025, 1024, 1)
+    with pytest.raises(ValueError, match="xmoe"):
+        RowChunks(backend, 10, 1024, 1, xmoe_reps=1)
+    bf = dict(dtype=torch.bfloat16)
+    t = torch.zeros(4, 10, 1024, **bf)
+    with pytest.raises(ValueError, match="prefixes"):
+        chunks.run_ranks(t, t[:, :9], None, None, None, None, t, 0)
+    a = _args(nb=1, tokens=10, hid=1024)
+    with pytest.raises(ValueError, match="stream per rank"):  # CPU: refused before any launch
+        chunks.run_ranks(t, t.clone(), a["blocks"], a["norm"], a["query"], a["out_norm"], t, 0)
+    backend.teardown()

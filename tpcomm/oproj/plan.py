@@ -348,7 +348,10 @@ def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1,
     producer CTA needs would wait until its poll budget ran out)."""
     check_config(tp, hid, nb, groups, xmoe_reps)
     if not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
+        raise ValueError(
+            f"tokens must be an int in 1..{MAX_TOKENS} for the fused kernel (its mma.sync "
+            f"producer takes N = 8 rows); got {tokens!r}: above, produce then consume"
+        )
     if not isinstance(launches, int) or launches < 1:
         raise ValueError(f"launches must be a positive int; got {launches!r}")
     if tiles is not None and (not isinstance(tiles, int) or tiles < 1):
