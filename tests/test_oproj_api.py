@@ -258,6 +258,9 @@ def test_rows_beyond_eight():
         comm.produce(torch.zeros(8, 128, **bf), torch.zeros(1024, 128, **bf), 0, rank=1)
     with pytest.raises(ValueError, match="1..1024"):
         api.OprojAllReduce(backend, 1025, 1024, 1, one_launch=True)
+    with pytest.raises(ValueError, match="producer"):
+        api.OprojAllReduce(backend, 9, 1024, 1, one_launch=True, producer="mma")
+    assert api.OprojAllReduce(backend, 8, 1024, 1, producer="cublas").producer == "cublas"
     two = api.OprojAllReduce(backend, 64, 1024, 0, twoshot=True)
     assert two.bytes == 2 * 64 * 1024 * 2 * 2
     backend.teardown()

@@ -54,12 +54,17 @@ class OprojAllReduce:
     so the ranks' consumers need not be resident together; per-rank runs are refused
     (and twoshot, per-rank only, is off unless asked for). The buffers (``plan.bytes`` per
     rank) are refused before allocation when they do not fit the symmetric memory.
+    ``producer`` overrides the plan's (``"cublas"`` at any rows; ``"mma"`` up to 8).
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None, one_launch=False):  # fmt: skip
+                 fence=None, twoshot=None, one_launch=False, producer=None):  # fmt: skip
         plan = choose(backend.world, tokens, hid)
+        producer = plan.producer if producer is None else producer
+        if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
+            raise ValueError(f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
+                             f"got {producer!r} for {tokens} rows")  # fmt: skip
         if twoshot is None:
             twoshot = plan.twoshot and not one_launch
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
@@ -81,7 +86,7 @@ class OprojAllReduce:
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot = twoshot
+        self.twoshot, self.producer = twoshot, producer
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
             self.mailbox, self.rows = None, TwoshotRows(backend, tokens, hid)
@@ -188,7 +193,7 @@ class OprojAllReduce:
         rank, step = self._rank(rank), self._step(step)
         d_local = self._check_projection(attn_out, w_o)
         self._require_cuda()
-        if self.tokens > MAX_TOKENS:  # a real GEMM: cuBLAS, then the publisher
+        if self.producer == "cublas":  # a real GEMM: cuBLAS, then the publisher
             stream = torch.cuda.current_stream(self.device) if stream is None else stream
             with torch.cuda.stream(stream):
                 partial = self.staging()[rank]
@@ -457,7 +462,7 @@ class OprojAllReduce:
         self._check_stacked("attn_outs", attn_outs, (self.tokens, d_local))
         self._check_stacked("w_os", w_os, (self.hid, d_local))
         self._require_cuda()
-        if self.tokens > MAX_TOKENS:  # one batched cuBLAS GEMM, then one publisher launch
+        if self.producer == "cublas":  # one batched cuBLAS GEMM, then one publisher launch
             partials = self.staging()[: self.tp]
             gemm(attn_outs, w_os.transpose(1, 2), partials)
             self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
