@@ -41,3 +41,17 @@ def test_floor_is_the_larger_bound():
     assert abs(bw - 8 * (7168 * 1536 * 2 + 1536 * 2 + 11 * 7168 * 2) / 4e6) < 1e-9
     flops = oproj_rows.floor_us(8, 1024, 7168, 8, 1536, 0, 1e9, 1.0)  # bandwidth unbounded
     assert abs(flops - 2 * 8 * 1024 * 7168 * 1536 / 1e6) < 1e-6
+
+
+def test_plot_rows(tmp_path):
+    import plot_rows
+
+    rows = [dict(tp=tp, rows=r, ours_us=10.0 * r, peer_us=None if r > 8 else 30.0 * r,
+                 floor_us=5.0 * r) for tp in (8, 16) for r in (1, 8, 32)]  # fmt: skip
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"device": "test", "rows": rows}))
+    got = plot_rows.lines(rows)
+    assert got[(8, "peer_us")] == [(1, 30.0), (8, 240.0)] and len(got[(16, "ours_us")]) == 3
+    out = tmp_path / "rows.png"
+    assert plot_rows.main([str(path), "--oproj", str(path), "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
