@@ -314,3 +314,13 @@ def test_row_chunks():
     with pytest.raises(ValueError, match="stream per rank"):  # CPU: refused before any launch
         chunks.run_ranks(t, t.clone(), a["blocks"], a["norm"], a["query"], a["out_norm"], t, 0)
     backend.teardown()
+
+
+def test_measured_twoshot_is_not_the_default_on_one_gpu(monkeypatch):
+    data = dict(plan.load_crossovers(), twoshot_from_rows={"8": 4, "16": 4})
+    monkeypatch.setattr(plan, "load_crossovers", lambda path=None: data)
+    backend = LoopbackBackend(8, device="cpu")
+    comm = api.OprojAllReduce(backend, 16, 1024, 0)
+    assert comm.plan.twoshot and not comm.twoshot and comm.mailbox is not None
+    assert api.OprojAllReduce(backend, 16, 1024, 0, twoshot=True).twoshot
+    backend.teardown()

@@ -52,7 +52,8 @@ class OprojAllReduce:
     defaults to on unless every rank shares one GPU. ``one_launch``: built for the
     ``*_all`` launches only (every partial published before one consumer launch starts),
     so the ranks' consumers need not be resident together; per-rank runs are refused
-    (and twoshot, per-rank only, is off unless asked for). The buffers (``plan.bytes`` per
+    (and twoshot, per-rank only, is off unless asked for; on one GPU too: there the plan's
+    twoshot is a measurement of per-rank runs, ``RowChunks``). The buffers (``plan.bytes`` per
     rank) are refused before allocation when they do not fit the symmetric memory.
     ``producer`` overrides the plan's (``"cublas"`` at any rows; ``"mma"`` up to 8).
     """
@@ -65,8 +66,8 @@ class OprojAllReduce:
         if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
             raise ValueError(f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
                              f"got {producer!r} for {tokens} rows")  # fmt: skip
-        if twoshot is None:
-            twoshot = plan.twoshot and not one_launch
+        if twoshot is None:  # one GPU: twoshot only when asked for (per-rank, RowChunks)
+            twoshot = plan.twoshot and not one_launch and not backend.single_device
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not isinstance(budget_ns, int) or budget_ns <= 0:
