@@ -105,6 +105,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend_name = resolve_backend(args.backend)
     if backend_name == "host":
+        if args.xmoe:
+            from launch.report import refuse
+
+            return refuse("--xmoe runs on the GPU backends (loopback, nvshmem), not host")
         args.tokens = HOST_TOKENS if args.tokens is None else args.tokens
         args.groups = 4 if args.groups is None else args.groups
         from launch import host

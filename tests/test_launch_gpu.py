@@ -244,6 +244,8 @@ def test_loopback_without_cuda_fails_clearly(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert decode.main(["--backend", "loopback", "--requests", "300", "--tokens", "4"]) == 2
     assert "at most 1024" in capsys.readouterr().out
+    assert decode.main(["--backend", "host", "--xmoe", "1"]) == 2
+    assert "--xmoe runs on the GPU backends" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend nvshmem")

@@ -98,6 +98,30 @@ def test_one_shot_one_launch(rows, project):
     backend.teardown()
 
 
+def test_cublas_producer_at_few_rows():
+    """The other producer where both can run (4 rows): cuBLAS + publisher, one launch; its
+    partials within 1 ulp of the projection, the prefix bitwise their rank-order sum."""
+    rows, nb = 4, 8
+    backend = LoopbackBackend(TP)
+    comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, one_launch=True,
+                          producer="cublas")  # fmt: skip
+    a = random_inputs(TP, rows, HID, nb, seed=41)
+    attn, w_os = _projection(TP, rows, seed=42)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    prefixes = a["prefix"][None].repeat(TP, 1, 1)
+    outputs = torch.empty(TP, rows, HID, **bf)
+    poison(outputs)
+    comm.run_ranks(attn, prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outputs,
+                   0, w_os=w_os, mode="one-launch", pdl=True)  # fmt: skip
+    torch.cuda.synchronize()
+    assert int(comm.errors.abs().sum()) == 0 and comm.armed()
+    partials = comm.staging()[:TP].clone()
+    for r in range(TP):
+        ulp_check(partials[r], R.project(attn[r], w_os[r]))
+    _check(prefixes, outputs, partials, a, a["prefix"], comm.groups, TP)
+    backend.teardown()
+
+
 @pytest.mark.parametrize("twoshot", [True, False])
 @pytest.mark.parametrize("rows", ROWS)
 def test_per_rank_chunks(rows, twoshot):
