@@ -39,3 +39,11 @@ def has_data(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return t.device.type != "meta" and not is_fake(t)
+
+
+def check_is_tensor(optional=(), **named) -> None:
+    """ValueError naming the first argument that is not a tensor (``optional``: or None),
+    before a torch op's schema would refuse it with a TypeError."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
