@@ -7,7 +7,8 @@ rounding now and then; 2 the exactly rounded dot, bitwise the reference's), ``pd
 kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
 before must not write them) and ``out`` (a preallocated ``[B*T, D]`` bf16 output).
 Validation raises ``ValueError`` before any launch (slot values are not read while the
-stream captures a CUDA graph); compiled kernels are cached by (kernel, config, dtypes,
+stream captures a CUDA graph; ``validate="full"`` adds the non-finite scan and is refused
+during capture); compiled kernels are cached by (kernel, config, dtypes,
 layout, arch); launches go to ``torch.cuda.current_stream()`` (graph-capturable).
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from . import dispatch
 from .operands import DecodeOperands, KernelOperands
-from .validate import HEAD_DIM, check_decode
+from .validate import HEAD_DIM, capturing, check_decode, mode
 
 _CACHE: dict = {}
 _DUMMIES: dict = {}
@@ -67,9 +68,12 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     return dispatch.choose(requests, heads, tokens, sms=sms, kernel=kernel, cluster=cluster)
 
 
-def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None, **kwargs):
+def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
+           validate=None, **kwargs):  # fmt: skip
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
-    ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields."""
+    ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields; ``validate``:
+    ``kda.reference.decode``'s."""
+    full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
     if kernel not in dispatch.KERNELS:
         raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
@@ -78,11 +82,14 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
             f"cluster must be None or one of {dispatch.CLUSTERS} with kernel='split'; "
             f"got cluster={cluster!r}, kernel={kernel!r}"
         )
-    if gate_mode not in (0, 1, 2):
+    if gate_mode not in (0, 1, 2) or isinstance(gate_mode, bool):
         raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
-    if not isinstance(op.state, torch.Tensor) or op.state.device.type != "cuda":
+    if not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be a bool; got {pdl!r}")
+    live = not capturing(op.state, full)
+    shape = check_decode(op, check_values=live, full=full)
+    if op.state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.decode runs the GPU kernels)")
-    shape = check_decode(op, check_values=not torch.cuda.is_current_stream_capturing())
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
     state, gate, f_a, f_b = op.state, op.gate, op.f_a, op.f_b
     accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records

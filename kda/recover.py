@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .operands import RecoverOperands
-from .validate import check_recover
+from .validate import capturing, check_recover, mode
 
 
 def _kernel_class():
@@ -35,21 +35,25 @@ _KdaRecover = None
 _CACHE: dict = {}
 
 
-def recover(*args, pdl=False, **kwargs):
+def recover(*args, pdl=False, validate=None, **kwargs):
     """GPU ``kda.reference.recover``: same arguments (``kda.operands.RecoverOperands``'s
-    fields) plus ``pdl``; mutates ``state``.
+    fields and ``validate``) plus ``pdl``; mutates ``state``.
 
     Validation (``kda.validate.check_recover``) raises ``ValueError`` before any launch;
-    the value checks (counts in 1..T, slots below the pool) read the index tensors on the
-    host and are skipped while the current stream is capturing a CUDA graph. The launch
+    the value checks (counts in 1..T, slots below the pool, no page shared by two live
+    requests) read the index tensors on the host and are skipped while the current stream
+    is capturing a CUDA graph (``validate="full"`` is refused then). The launch
     goes to ``torch.cuda.current_stream()`` (graph-capturable); compiled kernels are
     cached by (heads, tokens, pdl, arch).
     """
+    full = mode(validate) == "full"
     op = RecoverOperands(*args, **kwargs)
     state, v_records, kg_records = op.state, op.v_records, op.kg_records
-    if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
+    if not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be a bool; got {pdl!r}")
+    shape = check_recover(op, check_values=not capturing(state, full), full=full)
+    if state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.recover runs the GPU kernel)")
-    shape = check_recover(op, check_values=not torch.cuda.is_current_stream_capturing())
     for name, t in (("state", state), ("v_records", v_records), ("kg_records", kg_records)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")

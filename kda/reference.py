@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .operands import DecodeOperands, RecoverOperands
-from .validate import HEAD_DIM, check_decode, check_recover, step_slots
+from .validate import HEAD_DIM, check_decode, check_recover, mode, step_slots
 
 __all__ = ["decode", "recover"]
 
@@ -74,15 +74,17 @@ def _l2(v):
     return _rsqrt(_dot(v, v) + 1e-6)[..., None]
 
 
-def decode(*args, **kwargs):
+def decode(*args, validate=None, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
-    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
+    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords), and
+    ``validate`` (``"full"``: also refuse non-finite inputs; default ``$KDA_VALIDATE``).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
     record mode: the state is read from the checkpoint slot but not written.
     """
+    full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
-    shape = check_decode(op)
+    shape = check_decode(op, full=full)
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
     f_a, beta, a_log, dt_bias, slots = op.f_a, op.beta, op.a_log, op.dt_bias, op.slots
     state, gate, norm_weight, f_b = op.state, op.gate, op.norm_weight, op.f_b
@@ -162,9 +164,10 @@ def decode(*args, **kwargs):
     return output
 
 
-def recover(*args, **kwargs):
+def recover(*args, validate=None, **kwargs):
     """Commit the first ``accepted[b]`` tokens of a recorded verify step
-    (arguments: ``kda.operands.RecoverOperands``'s fields; mutates ``state``).
+    (arguments: ``kda.operands.RecoverOperands``'s fields and ``validate`` as ``decode``'s;
+    mutates ``state``).
 
     ``checkpoint`` [B] is the ``accepted`` the verify step took, so the step read its state
     from ``slots[b, checkpoint[b] - 1]``; that state gets the tokens' updates (decay from the
@@ -172,8 +175,9 @@ def recover(*args, **kwargs):
     token t goes to ``slots[b, t]`` when > 0, as a plain verify step writes it. Requests whose
     checkpoint slot is <= 0 (padding) are left alone.
     """
+    full = mode(validate) == "full"
     op = RecoverOperands(*args, **kwargs)
-    shape = check_recover(op)
+    shape = check_recover(op, full=full)
     state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
     a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
     lower_bound = op.lower_bound

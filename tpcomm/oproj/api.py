@@ -11,7 +11,8 @@ launch); every rank of a one-GPU backend in one launch ``publish_all``, ``produc
 
 import torch
 
-from tpcomm.checks import check_device_tensor
+from tpcomm.checks import check_device_tensor, check_real, is_int
+from tpcomm.checks import mode as validation_mode
 from tpcomm.mailbox import Mailbox, TwoshotRows
 from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
@@ -52,11 +53,10 @@ class OprojAllReduce:
         twoshot = plan.twoshot if twoshot is None else bool(twoshot)
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
-        if not isinstance(budget_ns, int) or budget_ns <= 0:
+        if not is_int(budget_ns) or budget_ns <= 0:
             raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")
-        for name, v in (("eps", eps), ("out_eps", out_eps)):
-            if not isinstance(v, int | float) or not v >= 0:
-                raise ValueError(f"{name} must be a float >= 0; got {v!r}")
+        check_real("eps", eps, low=0.0)
+        check_real("out_eps", out_eps, low=0.0)
         self.backend, self.plan = backend, plan
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
@@ -126,15 +126,17 @@ class OprojAllReduce:
 
     @staticmethod
     def _step(step):
-        if not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be a non-negative int; got {step!r}")
         return step
 
-    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None):
-        """ValueError naming the argument unless the consumer can take these tensors."""
+    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, validate=None):
+        """ValueError naming the argument unless the consumer can take these tensors
+        (``validate="full"``: also refuse non-finite inputs)."""
         _, n, _, nb = check_consume(
             self._probe, prefix, blocks, norm, query, out_norm,
-            groups=self.groups, eps=self.eps, out_eps=self.out_eps,
+            groups=self.groups, eps=self.eps, out_eps=self.out_eps, device=self.device,
+            full=validation_mode(validate) == "full",
         )  # fmt: skip
         if nb != self.nb:
             raise ValueError(
@@ -170,11 +172,12 @@ class OprojAllReduce:
         self._launch(self._producer(d_local), (attn_out, w_o), rank, step, stream)
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
-                rank=None, stream=None, checked=False):  # fmt: skip
-        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``."""
+                rank=None, stream=None, checked=False, validate=None):  # fmt: skip
+        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``
+        (``validate``: ``check``'s; ``checked``: the caller ran ``check``)."""
         rank, step = self._rank(rank), self._step(step)
         if not checked:
-            self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
+            self.check(prefix, blocks, norm, query, out_norm, output, xmoe, validate)
         import cuda.bindings.driver as cuda
 
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
