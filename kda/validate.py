@@ -210,7 +210,11 @@ def check_decode_finite(op: DecodeOperands, tokens, conv_dim_first) -> None:
     for name in ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b"):
         check_finite(name, getattr(op, name))
     check_finite("state", op.state.index_select(0, slot[live].to(device)))
-    check_finite("conv_state", op.conv_state.index_select(0, conv_slot[live].to(device)))
+    _, _, offset = step_slots(op.slots, op.accepted, tokens)
+    for b in live.tolist():  # the three taps the step reads of the conv page
+        page, first = op.conv_state[int(conv_slot[b])], int(offset[b])
+        taps = page[:, first : first + 3] if conv_dim_first else page[first : first + 3]
+        check_finite("conv_state", taps)
 
 
 def check_slot_values(slots, accepted, tokens, state_pages, conv_pages, *, record=False):
@@ -315,9 +319,9 @@ def check_recover(op: RecoverOperands, *, check_values=True, full=False) -> Reco
         writes = [[p for p in s[b, : count[b]].tolist() if p > 0] for b in live]
         check_pages_shared(reads, writes)
         if full:
-            rows = torch.tensor(live, dtype=torch.int64, device=device)
-            check_finite("v_records", v_records.index_select(0, rows))
-            check_finite("kg_records", kg_records.index_select(0, rows))
+            for b in live:  # the tokens a request commits
+                check_finite("v_records", v_records[b, :, : count[b]])
+                check_finite("kg_records", kg_records[b, :, : count[b]])
             check_finite("a_log", a_log)
             check_finite("dt_bias", dt_bias)
             check_finite("state", state.index_select(0, source[live].to(device)))

@@ -447,3 +447,16 @@ def test_host_job_refusals(needle, argv, world):
     why = refusal(args, world)
     assert why is not None and needle in why, why
     assert "\n" not in why
+
+
+def test_checked_recover_skips_records_past_accepted():
+    """Records of tokens a request does not commit are not recover's input."""
+    args, kw = recover_args()
+    args[6] = args[6].clone()
+    args[6][0] = 1
+    args[2] = args[2].clone()
+    args[2][0, :, 2] = NAN
+    fast, full = args[0].clone(), args[0].clone()
+    R.recover(fast, *args[1:], **kw)
+    R.recover(full, *args[1:], **kw, validate="full")
+    assert torch.equal(fast, full)
