@@ -45,6 +45,7 @@ class Liveness:
         self.store, self.beat_store, self.store_on_rank0 = store, beat_store, store_on_rank0
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._limit = self.timeout_s
+        self._last_tag = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         store.set(f"{PREFIX}beat/{rank}", "0")
@@ -74,6 +75,9 @@ class Liveness:
         while not self.store.check(keys):
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+        if self._last_tag is not None:  # every rank is past that wait: drop this rank's key
+            self.store.delete_key(f"{PREFIX}at/{self._last_tag}/{self.rank}")
+        self._last_tag = tag
 
     def failed(self, error: BaseException) -> None:
         """A collective raised: name the rank that stopped (or report ``error``); exits."""
