@@ -1,9 +1,13 @@
-"""A rank of a host job that is stopped (SIGSTOP) or killed (SIGKILL) mid-run: every
-survivor's last line is ``DECODE FAILED: rank N ...`` naming it, within ``--timeout``
-+ 10 s (stopped) or 10 s (killed). The job runs under torchrun; the test finds the
-victim's pid and the job's progress in torchrun's rendezvous store (``launch.liveness``)."""
+"""The host job under torchrun when things go wrong, and what it reports.
+
+A rank stopped (SIGSTOP) or killed (SIGKILL) mid-run: every survivor's last line is
+``DECODE FAILED: rank N ...`` naming it, within ``--timeout`` + 10 s (stopped) or 10 s
+(killed); the test finds the victim's pid and the job's progress in torchrun's rendezvous
+store (``launch.liveness``). A refused option: one line, exit status 2 on every rank, no
+traceback from a rank. The JSON report holds every rank's peak RSS."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +17,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from test_launch import HOST, ROOT, SCRIPT, free_port
+from test_launch import HOST, ROOT, SCRIPT, free_port, torchrun
 
 WORLD, VICTIM, TIMEOUT = 3, 1, 5
 SMALL = ["--heads", "3", "--hidden", "1024", "--requests", "2", "--tokens", "2", "--blocks", "1"]
@@ -77,3 +81,25 @@ def test_a_lost_rank_is_named_by_every_survivor(sig, bound):
                     os.kill(victim, signal.SIGKILL)
             job.kill()
             job.wait(30)
+
+
+@pytest.mark.distributed
+def test_refusal_is_one_line_and_status_2_on_every_rank():
+    p, lines = torchrun(2, "--seed", str(2**70), timeout=300)
+    assert lines == [lines[-1]] and lines[-1].startswith(
+        "DECODE FAILED: decode.py: argument --seed"
+    )
+    assert p.stderr.count("exitcode  : 2") == 2, p.stderr[-3000:]  # torchrun's summary
+    assert "Traceback" not in p.stdout
+
+
+@pytest.mark.distributed
+def test_report_holds_peak_rss(tmp_path):
+    out = tmp_path / "report.json"
+    p, lines = torchrun(2, "--heads", "2", "--requests", "2", "--tokens", "2", "--blocks", "1",
+                        "--steps", "2", "--json", str(out), timeout=300)  # fmt: skip
+    assert p.returncode == 0 and lines[-1] == "DECODE OK", p.stdout[-3000:] + p.stderr[-3000:]
+    rss = json.loads(out.read_text())["peak_rss_bytes"]
+    assert len(rss["per_rank"]) == 2 and all(v > 2**20 for v in rss["per_rank"])
+    assert rss["total"] == sum(rss["per_rank"])
+    assert any(line.startswith("memory   peak RSS") for line in lines)
