@@ -13,7 +13,8 @@ import contextlib
 
 import torch
 
-from tpcomm.checks import check_device_tensor, check_is_tensor
+from tpcomm.checks import check_device_tensor, check_is_tensor, check_real, check_stacked, is_int
+from tpcomm.checks import mode as validation_mode
 from tpcomm.mailbox import Mailbox, TwoshotRows
 from tpcomm.oproj import custom_ops
 from tpcomm.oproj.plan import (
@@ -62,11 +63,10 @@ class OprojAllReduce:
             twoshot = plan.twoshot and not one_launch and not backend.single_device
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
-        if not isinstance(budget_ns, int) or budget_ns <= 0:
+        if not is_int(budget_ns) or budget_ns <= 0:
             raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")
-        for name, v in (("eps", eps), ("out_eps", out_eps)):
-            if not isinstance(v, int | float) or not v >= 0:
-                raise ValueError(f"{name} must be a float >= 0; got {v!r}")
+        check_real("eps", eps, low=0.0)
+        check_real("out_eps", out_eps, low=0.0)
         self.bytes = buffer_bytes(backend.world, tokens, hid, twoshot)
         backend.check_fits(self.bytes, f"o-projection buffers for {tokens} rows "
                            f"({'twoshot' if twoshot else 'one-shot'}, TP {backend.world}, "
@@ -142,16 +142,19 @@ class OprojAllReduce:
 
     @staticmethod
     def _step(step):
-        if not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be a non-negative int; got {step!r}")
         return step
 
-    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, *, launch=True):
+    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, validate=None,
+              *, launch=True):  # fmt: skip
         """ValueError naming the argument unless the consumer can take these tensors
-        (``launch``: and the mailbox is on a GPU; the fake ops check shapes only)."""
+        (``validate="full"``: also refuse non-finite inputs; ``launch``: and the mailbox is
+        on a GPU; the fake ops check shapes only)."""
         _, n, _, nb = check_consume(
             self._probe, prefix, blocks, norm, query, out_norm,
-            groups=self.groups, eps=self.eps, out_eps=self.out_eps,
+            groups=self.groups, eps=self.eps, out_eps=self.out_eps, device=self.device,
+            full=validation_mode(validate) == "full",
         )  # fmt: skip
         if nb != self.nb:
             raise ValueError(
@@ -189,11 +192,12 @@ class OprojAllReduce:
         self._step(step)
         return self._check_projection(attn_out, w_o)
 
-    def check_consume_args(self, prefix, blocks, norm, query, out_norm, output, step, xmoe, rank):
+    def check_consume_args(self, prefix, blocks, norm, query, out_norm, output, step, xmoe, rank,
+                           validate=None):  # fmt: skip
         """``consume``'s checks but the device's (the fake ``kimi::oproj_consume``)."""
         self._rank(rank)
         self._step(step)
-        self.check(prefix, blocks, norm, query, out_norm, output, xmoe, launch=False)
+        self.check(prefix, blocks, norm, query, out_norm, output, xmoe, validate, launch=False)
 
     # --- per-rank launches: the entry points call the ops, the ops the launch_* methods --
     def publish(self, partial, step, rank=None, stream=None):
@@ -237,21 +241,24 @@ class OprojAllReduce:
         return self._staging
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
-                rank=None, stream=None, checked=False):  # fmt: skip
-        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``."""
+                rank=None, stream=None, checked=False, validate=None):  # fmt: skip
+        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``
+        (``validate``: ``check``'s; ``checked``: the caller ran ``check``)."""
         rank, step = self._rank(rank), self._step(step)
+        validation_mode(validate)
         check_is_tensor(prefix=prefix, norm=norm, query=query, out_norm=out_norm, output=output,
                  blocks=blocks, xmoe=xmoe, optional=("blocks", "xmoe"))  # fmt: skip
         with _on(stream):
             torch.ops.kimi.oproj_consume(self.handle, rank, step, prefix, blocks, norm, query,
-                                         out_norm, output, xmoe, bool(checked))  # fmt: skip
+                                         out_norm, output, xmoe, bool(checked),
+                                         validate)  # fmt: skip
 
     def launch_consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe,
-                       rank, checked):  # fmt: skip
+                       rank, checked, validate=None):  # fmt: skip
         """``kimi::oproj_consume``'s implementation (``checked``: the caller checked)."""
         rank, step = self._rank(rank), self._step(step)
         if not checked:
-            self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
+            self.check(prefix, blocks, norm, query, out_norm, output, xmoe, validate)
         import cuda.bindings.driver as cuda
 
         stream = torch.cuda.current_stream(self.device)
@@ -481,15 +488,6 @@ class OprojAllReduce:
                                  "consecutive in one allocation")  # fmt: skip
         self._one_launch_checked = True
 
-    def _check_stacked(self, name, t, shape):
-        """Every rank's tensor of ``shape`` stacked ``[TP, *shape]``, contiguous."""
-        want = (self.tp, *shape)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be [TP, ...] = {list(want)}; got {got}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (one launch reads every rank's slice)")
-
     def produce_all(self, attn_outs, w_os, step, *, pdl=False):
         """Every rank's ``bf16(attn_out @ w_o^T)`` into every mailbox in one launch on the
         current stream (grid y = rank): ``attn_outs`` [TP, tokens, D_local], ``w_os``
@@ -502,8 +500,8 @@ class OprojAllReduce:
         if not isinstance(w_os, torch.Tensor) or w_os.dim() != 3:
             raise ValueError("w_os must be a 3-D [TP, HID, D_local] torch.Tensor")
         d_local = self._check_projection(attn_outs[0], w_os[0])
-        self._check_stacked("attn_outs", attn_outs, (self.tokens, d_local))
-        self._check_stacked("w_os", w_os, (self.hid, d_local))
+        check_stacked("attn_outs", attn_outs, (self.tp, self.tokens, d_local))
+        check_stacked("w_os", w_os, (self.tp, self.hid, d_local))
         self._require_cuda()
         if self.producer == "cublas":  # one batched cuBLAS GEMM, then one publisher launch
             partials = self.staging()[: self.tp]
@@ -518,7 +516,7 @@ class OprojAllReduce:
         mailbox in one launch on the current stream (grid z = rank)."""
         step = self._step(step)
         self._check_one_launch()
-        self._check_stacked("partials", partials, (self.tokens, self.hid))
+        check_stacked("partials", partials, (self.tp, self.tokens, self.hid))
         check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
                              self.device)  # fmt: skip
         self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
@@ -527,9 +525,9 @@ class OprojAllReduce:
         self._check_one_launch()
         shape = (self.tokens, self.hid)
         for name, t in (("prefixes", prefixes), ("outputs", outputs)):
-            self._check_stacked(name, t, shape)
+            check_stacked(name, t, (self.tp, *shape))
         if xmoes is not None:
-            self._check_stacked("xmoes", xmoes, (self.xmoe_reps, *shape))
+            check_stacked("xmoes", xmoes, (self.tp, self.xmoe_reps, *shape))
         for r in range(self.tp):
             self.check(prefixes[r], blocks, norm, query, out_norm, outputs[r],
                        None if xmoes is None else xmoes[r])  # fmt: skip

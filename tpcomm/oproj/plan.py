@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpcomm.checks import is_int
 from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
 from tpcomm.mailbox import (
     CTA_THREADS,
@@ -62,13 +63,13 @@ CROSSOVERS = Path(__file__).with_name("crossovers.json")
 
 
 def check_hidden(hidden, name="hidden"):
-    if hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
+    if not is_int(hidden) or hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
         raise ValueError(f"{name} ({hidden}) must be a multiple of 1024 in 1024..8192")
 
 
 def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
     """``ranks``: consecutive ranks one launch serves (1; or all ``tp`` on one GPU)."""
-    if not isinstance(ranks, int) or ranks not in (1, tp):
+    if not is_int(ranks) or ranks not in (1, tp):
         raise ValueError(f"ranks must be 1 or tp = {tp} (every rank in one launch); got {ranks!r}")
     if ranks > 1 and twoshot:
         raise ValueError("ranks > 1 (every rank in one launch) is one-shot only: twoshot=False")
@@ -77,11 +78,11 @@ def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
 def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
     """The consumer's compile-time configuration."""
     _check_tp_hid(tp, hid)
-    if not isinstance(nb, int) or not 0 <= nb <= MAX_BLOCKS:
+    if not is_int(nb) or not 0 <= nb <= MAX_BLOCKS:
         raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
-    if not isinstance(groups, int) or not 1 <= groups <= MAX_GROUPS:
+    if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:
         raise ValueError(f"groups must be an int in 1..{MAX_GROUPS}; got {groups!r}")
-    if not isinstance(xmoe_reps, int) or not 0 <= xmoe_reps <= 8:
+    if not is_int(xmoe_reps) or not 0 <= xmoe_reps <= 8:
         raise ValueError(f"xmoe_reps must be an int in 0..8; got {xmoe_reps!r}")
     _check_twoshot(tp, hid, twoshot)
 
@@ -90,17 +91,15 @@ def check_producer(tp, hid, d_local=None, *, twoshot=False, ranks=1):
     """The publisher's (``d_local`` None) or the producer's compile-time configuration."""
     check_ranks(tp, ranks, twoshot)
     _check_tp_hid(tp, hid)
-    if d_local is not None and (
-        not isinstance(d_local, int) or d_local <= 0 or d_local % (K_CHUNK * WARPS)
-    ):
+    if d_local is not None and (not is_int(d_local) or d_local <= 0 or d_local % (K_CHUNK * WARPS)):
         raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
     _check_twoshot(tp, hid, twoshot)
 
 
 def _check_tp_hid(tp, hid):
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+    if not is_int(tp) or not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
+    if not is_int(hid) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
         raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
 
 
@@ -130,7 +129,7 @@ def load_crossovers(path: str | None = None) -> dict:
     for key in ("twoshot_from_rows", "expected_from_rows"):
         table = data.get(key)
         if not isinstance(table, dict) or not all(
-            k.isdigit() and (v is None or (isinstance(v, int) and v >= 1)) for k, v in table.items()
+            k.isdigit() and (v is None or (is_int(v) and v >= 1)) for k, v in table.items()
         ):
             raise ValueError(f"{path or CROSSOVERS}: {key} must map TP to a rows count or null")
     return data
@@ -161,9 +160,9 @@ def choose(tp: int, rows: int, hid: int, *, twoshot_available: bool = False,
     N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): cuBLAS into a
     staging partial, then ``PartialPublisher``.
     """
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+    if not is_int(tp) or not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
+    if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in 1..{MAX_ROWS} (requests x tokens); got {rows!r}")
     check_config(tp, hid, 0, 1, 0)
     data = load_crossovers() if crossovers is None else crossovers
@@ -347,14 +346,14 @@ def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1,
     ``ValueError`` saying why when none can (a consumer CTA spinning in the slot a
     producer CTA needs would wait until its poll budget ran out)."""
     check_config(tp, hid, nb, groups, xmoe_reps)
-    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(
             f"tokens must be an int in 1..{MAX_TOKENS} for the fused kernel (its mma.sync "
             f"producer takes N = 8 rows); got {tokens!r}: above, produce then consume"
         )
-    if not isinstance(launches, int) or launches < 1:
+    if not is_int(launches) or launches < 1:
         raise ValueError(f"launches must be a positive int; got {launches!r}")
-    if tiles is not None and (not isinstance(tiles, int) or tiles < 1):
+    if tiles is not None and (not is_int(tiles) or tiles < 1):
         raise ValueError(f"tiles must be a positive int; got {tiles!r}")
     ctas_x = hid // SLICE
     threads = GROUP_THREADS * groups

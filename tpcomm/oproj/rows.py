@@ -11,6 +11,7 @@ math is the unchunked one (rank-order sum, one rounding; twoshot's gather), bitw
 
 from __future__ import annotations
 
+from tpcomm.checks import is_int
 from tpcomm.oproj.api import OprojAllReduce
 from tpcomm.oproj.plan import MAX_ROWS, choose
 
@@ -22,9 +23,9 @@ class RowChunks:
     chunk's ``OprojAllReduce`` (no ``xmoe_reps``: a chunk of the copies is not contiguous)."""
 
     def __init__(self, backend, rows, hid, nb, *, chunk=None, twoshot=None, **kw):
-        if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
+        if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"rows must be an int in 1..{MAX_ROWS}; got {rows!r}")
-        if chunk is not None and (not isinstance(chunk, int) or not 1 <= chunk <= rows):
+        if chunk is not None and (not is_int(chunk) or not 1 <= chunk <= rows):
             raise ValueError(f"chunk must be an int in 1..rows = {rows}; got {chunk!r}")
         if kw.get("xmoe_reps") or kw.get("one_launch"):
             raise ValueError("RowChunks runs per-rank launches without xmoe copies")
