@@ -163,8 +163,8 @@ def test_loopback_large_batch(tmp_path):
     out = tmp_path / "b512.json"
     p, lines = run_decode(
         "--backend", "loopback", "--tp", "8", "--heads", "48", "--hidden", "7168",
-        "--requests", "128", "--tokens", "4", "--blocks", "8", "--steps", "3",
-        "--check-every", "1", "--json", str(out), timeout=420,
+        "--requests", "128", "--tokens", "4", "--blocks", "8", "--steps", "4",
+        "--check-every", "1", "--json", str(out), timeout=1800,
     )  # fmt: skip
     report = assert_ok(p, lines, out)
     assert report["steps"]["verify+record+recover"] >= 1
