@@ -6,7 +6,8 @@ they write: ``mutates_args`` names the state and conv pools, the output and the 
 they return nothing (the entry points return the ``out`` they passed). The fake
 implementations run the entry points' shape and option checks (``ValueError`` naming the
 argument, also under fake tensors) and launch nothing; the real ones are ``kda.ops.launch``
-and ``kda.recover.launch``, which check again, values included, before the launch.
+and ``kda.recover.launch``, which check again, values included (and, with ``validate`` =
+``"full"`` or ``$KDA_VALIDATE``, the non-finite scan), before the launch.
 Importing this module needs no CuTe DSL.
 """
 
@@ -62,23 +63,26 @@ def kda_decode(
     cluster: int | None,
     gate_mode: int,
     pdl: bool,
+    validate: str | None = None,
 ) -> None:
-    """``kda.decode`` into ``out`` (every mode the dispatcher offers)."""
+    """``kda.decode`` into ``out`` (every mode the dispatcher offers; ``validate``: its
+    checked mode)."""
     op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
                    state, gate, norm_weight, f_b, accepted, v_records, kg_records, lower_bound,
                    scale, eps, conv_dim_first)  # fmt: skip
-    ops.launch(op, out, kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl)
+    ops.launch(op, out, kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl,
+               validate=validate)  # fmt: skip
 
 
 @kda_decode.register_fake
 def _kda_decode_fake(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
                      state, gate, norm_weight, f_b, out, accepted, v_records, kg_records,
                      lower_bound, scale, eps, conv_dim_first, kernel, cluster, gate_mode,
-                     pdl):  # fmt: skip
+                     pdl, validate=None):  # fmt: skip
     op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
                    state, gate, norm_weight, f_b, accepted, v_records, kg_records, lower_bound,
                    scale, eps, conv_dim_first)  # fmt: skip
-    check_options(kernel, cluster, gate_mode)
+    check_options(kernel, cluster, gate_mode, pdl, validate)
     check_out(out, check_decode(op, check_values=False), state.device)
 
 
@@ -94,18 +98,20 @@ def kda_recover(
     checkpoint: torch.Tensor,
     lower_bound: float,
     pdl: bool,
+    validate: str | None = None,
 ) -> None:
     """``kda.recover``: commits the accepted tokens of a recorded verify step into ``state``."""
     op = RecoverOperands(state, slots, v_records, kg_records, a_log, dt_bias, accepted,
                          checkpoint, lower_bound=lower_bound)  # fmt: skip
-    launch_recover(op, pdl=pdl)
+    launch_recover(op, pdl=pdl, validate=validate)
 
 
 @kda_recover.register_fake
 def _kda_recover_fake(state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint,
-                      lower_bound, pdl):  # fmt: skip
+                      lower_bound, pdl, validate=None):  # fmt: skip
     op = RecoverOperands(state, slots, v_records, kg_records, a_log, dt_bias, accepted,
                          checkpoint, lower_bound=lower_bound)  # fmt: skip
+    check_options(pdl=pdl, validate=validate)
     check_recover(op, check_values=False)
 
 

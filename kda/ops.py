@@ -5,12 +5,13 @@
 (raw gate reduction: 0 / 1 the seed's mma.sync chains, which may flip a raw gate's bf16
 rounding now and then; 2 the exactly rounded dot, bitwise the reference's), ``pdl`` (the
 kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
-before must not write them) and ``out`` (a preallocated ``[B*T, D]`` bf16 output).
+before must not write them), ``out`` (a preallocated ``[B*T, D]`` bf16 output) and
+``validate`` (``kda.reference.decode``'s: ``"full"`` adds the non-finite scan).
 ``decode`` calls the torch op ``kimi::kda_decode`` (``kda.custom_ops``), whose
 implementation is ``launch``: validation raises ``ValueError`` before any launch (slot
-values are not read while the stream captures a CUDA graph); compiled kernels are cached by
-(kernel, config, dtypes, layout, arch); launches go to ``torch.cuda.current_stream()``
-(graph-capturable).
+values are not read while the stream captures a CUDA graph; ``validate="full"`` is refused
+then); compiled kernels are cached by (kernel, config, dtypes, layout, arch); launches go to
+``torch.cuda.current_stream()`` (graph-capturable).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from . import dispatch
 from .operands import DecodeOperands, KernelOperands, takes
-from .validate import HEAD_DIM, check_decode, check_options, check_out
+from .validate import HEAD_DIM, capturing, check_decode, check_options, check_out
 
 _CACHE: dict = {}
 _DUMMIES: dict = {}
@@ -69,13 +70,15 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     return dispatch.choose(requests, heads, tokens, sms=sms, kernel=kernel, cluster=cluster)
 
 
-@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None)
-def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None, **kwargs):
+@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
+       validate=None)  # fmt: skip
+def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
+           validate=None, **kwargs):  # fmt: skip
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
     ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields. Calls the torch op
     ``kimi::kda_decode`` (``kda.custom_ops``), so ``torch.compile`` traces it as one op."""
     op = DecodeOperands(*args, **kwargs)
-    check_options(kernel, cluster, gate_mode)
+    check_options(kernel, cluster, gate_mode, pdl, validate)
     if not _typed(op):  # a non-tensor where a tensor goes: the check names it
         check_decode(op, check_values=False)
     if out is not None and not isinstance(out, torch.Tensor):
@@ -87,15 +90,16 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
     torch.ops.kimi.kda_decode(
         op.x, op.conv_weight, op.conv_bias, op.conv_state, op.f_a, op.beta, op.a_log,
         op.dt_bias, op.slots, op.state, op.gate, op.norm_weight, op.f_b, out, op.accepted,
-        v_records, kg_records, op.lower_bound, op.scale, op.eps, bool(op.conv_dim_first),
-        kernel, cluster, gate_mode, bool(pdl),
+        v_records, kg_records, op.lower_bound, op.scale, op.eps, op.conv_dim_first,
+        kernel, cluster, gate_mode, pdl, validate,
     )  # fmt: skip
     return out
 
 
 def _typed(op: DecodeOperands) -> bool:
     """Every operand the op's schema types is of that type (2-D ``x`` and ``gate``, a
-    ``(v_records, kg_records)`` pair), so the op call itself cannot raise a TypeError."""
+    ``(v_records, kg_records)`` pair, real scalars and a bool ``conv_dim_first``), so the
+    op call itself cannot raise a TypeError."""
     needed = (op.x, op.conv_weight, op.conv_state, op.f_a, op.beta, op.a_log, op.dt_bias,
               op.slots, op.state, op.gate, op.norm_weight, op.f_b)  # fmt: skip
     optional = (op.conv_bias, op.accepted)
@@ -110,16 +114,20 @@ def _typed(op: DecodeOperands) -> bool:
         or not all(isinstance(t, torch.Tensor) for t in op.records)
     ):
         return False
-    return all(isinstance(v, int | float) for v in (op.lower_bound, op.scale, op.eps))
+    scalars = (op.lower_bound, op.scale, op.eps)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in scalars):
+        return False
+    return isinstance(op.conv_dim_first, bool)
 
 
-def launch(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl) -> None:
+def launch(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, validate=None) -> None:
     """``kimi::kda_decode``'s implementation: validate (values too, unless the stream is
-    capturing), choose the kernel, compile once, launch on the current stream."""
-    check_options(kernel, cluster, gate_mode)
-    if not isinstance(op.state, torch.Tensor) or op.state.device.type != "cuda":
+    capturing; the non-finite scan with ``validate="full"``), choose the kernel, compile
+    once, launch on the current stream."""
+    full = check_options(kernel, cluster, gate_mode, pdl, validate)
+    shape = check_decode(op, check_values=not capturing(op.state, full), full=full)
+    if op.state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.decode runs the GPU kernels)")
-    shape = check_decode(op, check_values=not torch.cuda.is_current_stream_capturing())
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
     state, gate, f_a, f_b = op.state, op.gate, op.f_a, op.f_b
     accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .operands import RecoverOperands, takes
-from .validate import check_recover
+from .validate import capturing, check_options, check_recover
 
 
 def _kernel_class():
@@ -35,34 +35,39 @@ _KdaRecover = None
 _CACHE: dict = {}
 
 
-@takes(RecoverOperands, pdl=False)
-def recover(*args, pdl=False, **kwargs):
+@takes(RecoverOperands, pdl=False, validate=None)
+def recover(*args, pdl=False, validate=None, **kwargs):
     """GPU ``kda.reference.recover``: same arguments (``kda.operands.RecoverOperands``'s
-    fields) plus ``pdl``; mutates ``state``. Calls the torch op ``kimi::kda_recover``
-    (``kda.custom_ops``), so ``torch.compile`` traces it as one op.
+    fields and ``validate``) plus ``pdl``; mutates ``state``. Calls the torch op
+    ``kimi::kda_recover`` (``kda.custom_ops``), so ``torch.compile`` traces it as one op.
 
     Validation (``kda.validate.check_recover``) raises ``ValueError`` before any launch;
-    the value checks (counts in 1..T, slots below the pool) read the index tensors on the
-    host and are skipped while the current stream is capturing a CUDA graph. The launch
+    the value checks (counts in 1..T, slots below the pool, no page shared by two live
+    requests) read the index tensors on the host and are skipped while the current stream
+    is capturing a CUDA graph (``validate="full"`` is refused then). The launch
     goes to ``torch.cuda.current_stream()`` (graph-capturable); compiled kernels are
     cached by (heads, tokens, pdl, arch).
     """
     op = RecoverOperands(*args, **kwargs)
+    check_options(pdl=pdl, validate=validate)
     tensors = (op.state, op.slots, op.v_records, op.kg_records, op.a_log, op.dt_bias,
                op.accepted, op.checkpoint)  # fmt: skip
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(
-        op.lower_bound, int | float
+    lower_bound = op.lower_bound
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not (
+        isinstance(lower_bound, int | float) and not isinstance(lower_bound, bool)
     ):
         check_recover(op, check_values=False)  # a non-tensor where a tensor goes: named
-    torch.ops.kimi.kda_recover(*tensors, op.lower_bound, bool(pdl))
+    torch.ops.kimi.kda_recover(*tensors, lower_bound, pdl, validate)
 
 
-def launch(op: RecoverOperands, *, pdl) -> None:
-    """``kimi::kda_recover``'s implementation: validate, compile once, launch."""
+def launch(op: RecoverOperands, *, pdl, validate=None) -> None:
+    """``kimi::kda_recover``'s implementation: validate (the non-finite scan too with
+    ``validate="full"``), compile once, launch."""
+    full = check_options(pdl=pdl, validate=validate)
     state, v_records, kg_records = op.state, op.v_records, op.kg_records
-    if not isinstance(state, torch.Tensor) or state.device.type != "cuda":
+    shape = check_recover(op, check_values=not capturing(state, full), full=full)
+    if state.device.type != "cuda":
         raise ValueError("state must be a CUDA tensor (kda.recover runs the GPU kernel)")
-    shape = check_recover(op, check_values=not torch.cuda.is_current_stream_capturing())
     for name, t in (("state", state), ("v_records", v_records), ("kg_records", kg_records)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")

@@ -31,7 +31,16 @@ import torch
 from tpcomm.checks import check_tensor
 
 from .operands import DecodeOperands, RecoverOperands, Ring, takes
-from .validate import HEAD_DIM, check_decode, check_recover, check_ring, step_slots
+from .validate import (
+    HEAD_DIM,
+    check_decode,
+    check_decode_finite,
+    check_recover,
+    check_ring,
+    check_ring_finite,
+    mode,
+    step_slots,
+)
 
 __all__ = ["decode", "recover", "replay_decode", "materialize", "apply_record"]
 
@@ -150,19 +159,21 @@ def _finish(op, shape, lv, conv_l, o, pre: _Prologue, output) -> None:
         conv_state[conv_l, : T + 2, :] = new.transpose(1, 2).to(conv_state.dtype)
 
 
-@takes(DecodeOperands, o_fp32=None, o_abs=None)
-def decode(*args, o_fp32=None, o_abs=None, **kwargs):
+@takes(DecodeOperands, validate=None, o_fp32=None, o_abs=None)
+def decode(*args, validate=None, o_fp32=None, o_abs=None, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
-    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords).
+    Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords), and
+    ``validate`` (``"full"``: also refuse non-finite inputs; default ``$KDA_VALIDATE``).
     Returns ``output`` [B*T, H*128] bf16. ``records=(v_records, kg_records)`` selects
     record mode: the state is read from the checkpoint slot but not written. ``o_fp32``
     and ``o_abs`` ([B*T, H*128] fp32, optional) receive ``o`` before its bf16 rounding and
     ``sum_k |S[r, k] q^[k]|`` (live rows only): tests use them to tell where a kernel's
     reduction order may flip that rounding (within the sum's error bound of a midpoint).
     """
+    full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
-    shape = check_decode(op)
+    shape = check_decode(op, full=full)
     state, slots, accepted, records = op.state, op.slots, op.accepted, op.records
     B, T, H = shape.requests, shape.tokens, shape.heads
     D, device = shape.dim, state.device
@@ -217,10 +228,11 @@ def apply_record(S, kg, v_new, a_log, dt_bias, lower_bound):
     return _fma((k * _l2(k))[..., None, :], v_new[..., None], S * decay[..., None, :])
 
 
-@takes(RecoverOperands)
-def recover(*args, **kwargs):
+@takes(RecoverOperands, validate=None)
+def recover(*args, validate=None, **kwargs):
     """Commit the first ``accepted[b]`` tokens of a recorded verify step
-    (arguments: ``kda.operands.RecoverOperands``'s fields; mutates ``state``).
+    (arguments: ``kda.operands.RecoverOperands``'s fields and ``validate`` as ``decode``'s;
+    mutates ``state``).
 
     ``checkpoint`` [B] is the ``accepted`` the verify step took, so the step read its state
     from ``slots[b, checkpoint[b] - 1]``; that state gets the tokens' updates (decay from the
@@ -228,8 +240,9 @@ def recover(*args, **kwargs):
     token t goes to ``slots[b, t]`` when > 0, as a plain verify step writes it. Requests whose
     checkpoint slot is <= 0 (padding) are left alone.
     """
+    full = mode(validate) == "full"
     op = RecoverOperands(*args, **kwargs)
-    shape = check_recover(op)
+    shape = check_recover(op, full=full)
     state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
     a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
     lower_bound = op.lower_bound
@@ -252,8 +265,8 @@ def recover(*args, **kwargs):
         state[targets[keep, t]] = S[keep]
 
 
-@takes(DecodeOperands, ring=None, o_out=None)
-def replay_decode(*args, ring: Ring, o_out=None, **kwargs):
+@takes(DecodeOperands, ring=None, o_out=None, validate=None)
+def replay_decode(*args, ring: Ring, o_out=None, validate=None, **kwargs):
     """One replay decode (T = 1) or verify (T = 2..8) step: ``decode``'s arguments
     (``state`` is the checkpoint pool; ``records`` must be None) plus ``ring``; mutates
     ``ring`` and ``conv_state``, and ``state`` only where a full ring is materialised.
@@ -271,7 +284,10 @@ def replay_decode(*args, ring: Ring, o_out=None, **kwargs):
     Counters ``ring.length[s] = (committed, pending)``: the step first commits pending
     entries (``accepted[b]`` of them; all at T = 1), folds the committed ones into the
     checkpoint when ``committed + T > R``, then writes its T entries after them; a T = 1
-    entry is committed at once, a verify step's stay pending until the next step."""
+    entry is committed at once, a verify step's stay pending until the next step.
+    ``validate`` as ``decode``'s (the checked mode also scans the live slots' pages and
+    ring entries); live slots must be unique across requests."""
+    full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
     if op.records is not None:
         raise ValueError("records must be None in replay decode (the ring holds the records)")
@@ -279,6 +295,9 @@ def replay_decode(*args, ring: Ring, o_out=None, **kwargs):
     B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
     _, slot, offset = step_slots(op.slots, op.accepted, T)
     size = check_ring(ring, op.state, T, slot)
+    if full:
+        check_decode_finite(op, T, op.conv_dim_first, pages=slot)
+        check_ring_finite(ring, slot)
     if o_out is not None:
         check_tensor("o_out", o_out, (torch.float32,), shape=(B * T, D), device=op.state.device)
     device = op.state.device

@@ -1,8 +1,11 @@
 """Argument checks for a KDA decode step, shared by the reference and the kernels.
 
 Every check raises ``ValueError`` naming the argument, before anything is written.
-The value checks (slots, accepted) read the index tensors on the host; kernels call
-them before a launch outside CUDA-graph capture.
+Always: shapes, dtypes, devices and the scalars (``lower_bound`` finite <= 0, ``scale``
+finite > 0, ``eps`` finite >= 0). The value checks (slots in range, ``accepted`` in 1..T,
+no page shared by two live requests) read the index tensors on the host; kernels run them
+outside CUDA-graph capture. The checked mode (``validate="full"``, or ``KDA_VALIDATE=full``
+in the environment) also refuses non-finite values in what the step reads.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpcomm.checks import check_tensor
+from tpcomm.checks import capturing, check_finite, check_real, check_tensor, mode
 
 from .dispatch import CLUSTERS, KERNELS
 from .operands import MAX_RING, MIN_RING, DecodeOperands, RecoverOperands, Ring
@@ -22,6 +25,33 @@ CONV_TAPS = 4
 GATE_RANK = 128
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = [
+    "CONV_TAPS", "GATE_RANK", "HEAD_DIM", "MAX_TOKENS", "DecodeShape", "RecoverShape",
+    "capturing", "check_decode", "check_decode_finite", "check_options", "check_out",
+    "check_pages_shared", "check_recover", "check_ring", "check_ring_finite", "check_scalars",
+    "check_slot_values", "mode", "step_slots",
+]  # fmt: skip
+
+
+def check_pages_shared(reads, writes) -> None:
+    """No page written by one live request is read or written by another: ``reads`` and
+    ``writes`` are per request lists of state pages (a race, and a torn page, otherwise)."""
+    owner: dict[int, int] = {}
+    for b, pages in enumerate(writes):
+        for p in set(pages):
+            if p in owner and owner[p] != b:
+                raise ValueError(
+                    f"slots: requests {owner[p]} and {b} both write state page {p} "
+                    "(live slots must be unique across requests)"
+                )
+            owner[p] = b
+    for b, pages in enumerate(reads):
+        for p in set(pages):
+            if owner.get(p, b) != b:
+                raise ValueError(
+                    f"slots: request {b} reads state page {p} that request {owner[p]} writes "
+                    "(live slots must be unique across requests)"
+                )
 
 
 @dataclass(frozen=True)
@@ -51,12 +81,16 @@ def _tensor(name, t, dtypes, ndim=None, shape=None, device=None):
     check_tensor(name, t, dtypes, shape=shape, ndim=ndim, device=device)
 
 
-def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
-    """Validate a decode step's arguments; returns its ``DecodeShape``."""
+def check_decode(op: DecodeOperands, *, check_values=True, full=False) -> DecodeShape:
+    """Validate a decode step's arguments; returns its ``DecodeShape``. ``full``: the
+    checked mode's non-finite scan of what the step reads (needs ``check_values``)."""
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
     f_a, beta, a_log, dt_bias, slots = op.f_a, op.beta, op.a_log, op.dt_bias, op.slots
     state, gate, norm_weight, f_b = op.state, op.gate, op.norm_weight, op.f_b
     accepted, conv_dim_first, records = op.accepted, op.conv_dim_first, op.records
+    check_scalars(op)
+    if not isinstance(conv_dim_first, bool):
+        raise ValueError(f"conv_dim_first must be a bool; got {conv_dim_first!r}")
     _tensor("state", state, (torch.float32,), ndim=4)
     pages, heads, rows_v, keys = state.shape
     if rows_v != HEAD_DIM or keys != HEAD_DIM:
@@ -124,7 +158,9 @@ def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
         _check_records(*records, requests, heads, tokens, device)
 
     if check_values:
-        check_slot_values(slots, accepted, tokens, pages, conv_pages)
+        check_slot_values(slots, accepted, tokens, pages, conv_pages, record=record)
+        if full:
+            check_decode_finite(op, tokens, conv_dim_first)
     return DecodeShape(
         requests=requests,
         tokens=tokens,
@@ -138,9 +174,14 @@ def check_decode(op: DecodeOperands, *, check_values=True) -> DecodeShape:
     )
 
 
-def check_options(kernel, cluster, gate_mode) -> None:
-    """``kda.decode``'s kernel options: ``kernel`` of ``KERNELS``, ``cluster`` (KdaSplit's
-    CTAs per item) only with ``kernel="split"``, ``gate_mode`` 0, 1 or 2."""
+def check_options(kernel="auto", cluster=None, gate_mode=0, pdl=False, validate=None) -> bool:
+    """The kernels' options (``kda.decode``'s; ``kda.recover`` takes ``pdl`` and
+    ``validate``): ``kernel`` of ``KERNELS``, ``cluster`` (KdaSplit's CTAs per item) only
+    with ``kernel="split"``, ``gate_mode`` 0, 1 or 2, ``pdl`` a bool, ``validate`` a mode
+    (``tpcomm.checks.mode``). Returns whether the checked mode is on."""
+    full = mode(validate) == "full"
+    if not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be a bool; got {pdl!r}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     if cluster is not None and (kernel != "split" or cluster not in CLUSTERS):
@@ -148,8 +189,9 @@ def check_options(kernel, cluster, gate_mode) -> None:
             f"cluster must be None or one of {CLUSTERS} with kernel='split'; "
             f"got cluster={cluster!r}, kernel={kernel!r}"
         )
-    if gate_mode not in (0, 1, 2):
+    if gate_mode not in (0, 1, 2) or isinstance(gate_mode, bool):
         raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode!r}")
+    return full
 
 
 def check_out(out, shape: DecodeShape, device) -> None:
@@ -184,8 +226,38 @@ def _check_records(v_records, kg_records, requests, heads, tokens, device):
     _tensor("kg_records", kg_records, (torch.bfloat16,), shape=shape, device=device)
 
 
-def check_slot_values(slots, accepted, tokens, state_pages, conv_pages):
-    """Range checks of ``accepted`` and every slot value (host read)."""
+def check_scalars(op) -> None:
+    """``lower_bound`` finite <= 0 (a decay <= 1); decode's ``scale`` finite > 0 and
+    ``eps`` finite >= 0."""
+    check_real("lower_bound", op.lower_bound, high=0.0)
+    if isinstance(op, DecodeOperands):
+        check_real("scale", op.scale, low=0.0, low_open=True)
+        check_real("eps", op.eps, low=0.0)
+
+
+def check_decode_finite(op: DecodeOperands, tokens, conv_dim_first, pages=None) -> None:
+    """Checked mode: every value the step reads is finite (live rows and pages only).
+    ``pages`` [B]: the state page each request reads (default ``step_slots``'s)."""
+    slot, conv_slot, _ = step_slots(op.slots, op.accepted, tokens)
+    slot = slot if pages is None else pages
+    live = (slot > 0).nonzero()[:, 0]
+    device = op.state.device
+    rows = (live[:, None] * tokens + torch.arange(tokens)).reshape(-1).to(device)
+    for name in ("x", "f_a", "beta", "gate"):
+        check_finite(name, getattr(op, name).index_select(0, rows))
+    for name in ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b"):
+        check_finite(name, getattr(op, name))
+    check_finite("state", op.state.index_select(0, slot[live].to(device)))
+    _, _, offset = step_slots(op.slots, op.accepted, tokens)
+    for b in live.tolist():  # the three taps the step reads of the conv page
+        page, first = op.conv_state[int(conv_slot[b])], int(offset[b])
+        taps = page[:, first : first + 3] if conv_dim_first else page[first : first + 3]
+        check_finite("conv_state", taps)
+
+
+def check_slot_values(slots, accepted, tokens, state_pages, conv_pages, *, record=False):
+    """Range checks of ``accepted`` and every slot value, and no page of a live request
+    shared with another (host read). ``record``: the step writes no state page."""
     if accepted is not None:
         acc = accepted.detach().to("cpu", torch.int64)
         bad = (acc < 1) | (acc > tokens)
@@ -215,6 +287,22 @@ def check_slot_values(slots, accepted, tokens, state_pages, conv_pages):
         raise ValueError(
             f"slots[{b}, 0] = {int(conv_slot[b])} is past the conv pool ({conv_pages})"
         )
+    live_b = live.nonzero()[:, 0].tolist()
+    conv_owner: dict[int, int] = {}
+    for b in live_b:
+        c = int(conv_slot[b])
+        if c in conv_owner:
+            raise ValueError(
+                f"slots: requests {conv_owner[c]} and {b} both name conv page {c} "
+                "(live slots must be unique across requests)"
+            )
+        conv_owner[c] = b
+    reads = [[int(slot[b])] for b in live_b]
+    if record:
+        writes = [[] for _ in live_b]
+    else:
+        writes = [[p for p in used[b].reshape(-1).tolist() if p > 0] for b in live_b]
+    check_pages_shared(reads, writes)
 
 
 @dataclass(frozen=True)
@@ -227,10 +315,12 @@ class RecoverShape:
     state_pages: int
 
 
-def check_recover(op: RecoverOperands, *, check_values=True) -> RecoverShape:
-    """Validate ``recover``'s arguments (shared by the reference and the kernel)."""
+def check_recover(op: RecoverOperands, *, check_values=True, full=False) -> RecoverShape:
+    """Validate ``recover``'s arguments (shared by the reference and the kernel); ``full``:
+    the checked mode's non-finite scan (needs ``check_values``)."""
     state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
     a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
+    check_scalars(op)
     _tensor("state", state, (torch.float32,), ndim=4)
     pages, heads = state.shape[0], state.shape[1]
     if state.shape[2:] != (HEAD_DIM, HEAD_DIM):
@@ -259,6 +349,20 @@ def check_recover(op: RecoverOperands, *, check_values=True) -> RecoverShape:
         s = slots.detach().cpu().to(torch.int64)[:, :tokens]
         if bool((s >= pages).any()):
             raise ValueError(f"slots values must be below the state pool ({pages})")
+        ckpt = checkpoint.detach().cpu().to(torch.int64)
+        source = s.gather(1, ckpt[:, None] - 1)[:, 0]
+        count = accepted.detach().cpu().tolist()
+        live = [b for b in range(requests) if source[b] > 0]
+        reads = [[int(source[b])] for b in live]
+        writes = [[p for p in s[b, : count[b]].tolist() if p > 0] for b in live]
+        check_pages_shared(reads, writes)
+        if full:
+            for b in live:  # the tokens a request commits
+                check_finite("v_records", v_records[b, :, : count[b]])
+                check_finite("kg_records", kg_records[b, :, : count[b]])
+            check_finite("a_log", a_log)
+            check_finite("dt_bias", dt_bias)
+            check_finite("state", state.index_select(0, source[live].to(device)))
     return RecoverShape(requests=requests, tokens=tokens, heads=heads, state_pages=pages)
 
 
@@ -282,7 +386,10 @@ def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
     if slots is not None:
         live = slots[slots > 0]
         if live.unique().numel() != live.numel():
-            raise ValueError("slots: two live requests name the same state slot")
+            raise ValueError(
+                "slots: two live requests name the same state slot (live slots must be "
+                "unique across requests)"
+            )
         counts = ring.length.cpu()[live]
         bad = (counts < 0).any(1) | (counts.sum(1) > size)
         if bad.any():
@@ -292,3 +399,12 @@ def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
                 f">= 0 with committed + pending <= R = {size}"
             )
     return size
+
+
+def check_ring_finite(ring, slots) -> None:
+    """Checked mode: the ring entries (committed and pending) of the live ``slots`` are
+    finite."""
+    for s in slots[slots > 0].tolist():
+        held = int(ring.length[s].sum())
+        check_finite("ring.v", ring.v[s, :held])
+        check_finite("ring.kg", ring.kg[s, :held])

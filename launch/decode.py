@@ -12,54 +12,104 @@ GPU; both ``launch.gpu``). The last line is ``DECODE OK`` or ``DECODE FAILED: ..
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 
 if __package__ in (None, ""):  # run as a script: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from launch.procs import job_processes, nvshmem_installed
+from launch.layer import MAX_ROWS
+from launch.procs import env_rank, job_processes, nvshmem_installed
+from launch.report import check_json_path
 from tpcomm.host import launcher
 
 HOST_TOKENS = 3  # --tokens default on the host
 GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 8)
+HOST_TIMEOUT = 30.0  # --timeout default on the host (a step there takes well under 1 s)
+GPU_TIMEOUT = 300.0  # --timeout default on the GPU backends (kernel compiles between waits)
+MAX_SEED = 2**63 - 1
+MAX_STEPS = 10**6
+REFUSAL_TICK_S = 2.0  # refusing ranks of a job exit together on this clock's ticks
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line refusal: ``DECODE FAILED: ...`` from rank 0, exit 2."""
+
+    def error(self, message):
+        if env_rank() == 0:
+            print(f"DECODE FAILED: {self.prog}: {message}", flush=True)
+        if job_processes() > 1:  # the launcher stops the other ranks once one exits: every
+            time.sleep(REFUSAL_TICK_S - time.time() % REFUSAL_TICK_S)  # rank leaves on one
+            sys.stdout.flush()  # clock tick, at once (no interpreter teardown)
+            os._exit(2)
+        sys.exit(2)
+
+
+def ranged(kind, low, high=None):
+    """An argparse type: ``kind`` (int or float) within ``low .. high``, finite."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind.__name__}: {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite; got {text!r}")
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}; got {text}")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low} .. {high}; got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def parse_args(argv=None):
     # fmt: off
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add, gpu = p.add_argument, p.add_argument_group("GPU backends").add_argument
     add("--backend", choices=("auto", "host", "loopback", "nvshmem"), default="auto",
         help="auto = loopback with CUDA in one process, nvshmem under torchrun / mpirun "
         "with GPUs and nvshmem4py, host otherwise")
-    add("--tp", type=int, default=None,
+    add("--tp", type=ranged(int, 1, 16), default=None,
         help="TP ranks of the loopback backend (streams of one GPU; default 2); the other "
         "backends take the job's process count")
-    add("--heads", type=int, default=16,
+    add("--heads", type=ranged(int, 1, 4096), default=16,
         help="KDA heads of the whole layer (96 in Kimi-K3); a multiple of the ranks")
-    add("--hidden", type=int, default=1024,
+    add("--hidden", type=ranged(int, 1024, 8192), default=1024,
         help="hidden width, a multiple of 1024 up to 8192 (7168 in Kimi-K3)")
-    add("--requests", type=int, default=4, help="requests per step (B)")
-    add("--tokens", type=int, default=None,
+    add("--requests", type=ranged(int, 1, MAX_ROWS), default=4,
+        help=f"requests per step (B); requests x tokens <= {MAX_ROWS}, and the job's memory "
+        "estimate within the host's")
+    add("--tokens", type=ranged(int, 1, 8), default=None,
         help=f"tokens per request of the verify steps (T, 1..8; 1 = decode only); default "
         f"{HOST_TOKENS} on the host, {GPU_TOKENS} on the GPU (requests x tokens <= 8 there)")
-    add("--blocks", type=int, default=3, help="AttnRes block snapshots (nb, 0..8)")
-    add("--steps", type=int, default=6,
+    add("--blocks", type=ranged(int, 0, 8), default=3, help="AttnRes block snapshots (nb, 0..8)")
+    add("--steps", type=ranged(int, 1, MAX_STEPS), default=6,
         help="steps: one single-token decode step, then verify steps")
-    add("--seed", type=int, default=0, help="seed of weights, pools and inputs")
-    add("--groups", type=int, default=None,
+    add("--seed", type=ranged(int, 0, MAX_SEED), default=0,
+        help="seed of weights, pools and inputs (0 .. 2**63-1)")
+    add("--groups", type=ranged(int, 1, 4), default=None,
         help="consumer polling groups (1..4); default 4 on the host, on the GPU the "
         "o-projection plan's, lowered until all ranks' consumers are co-resident")
-    add("--padding", type=float, default=0.25,
+    add("--padding", type=ranged(float, 0.0, 0.99), default=0.25,
         help="chance that a request is a padding row in a step")
     add("--conv-layout", choices=("dim-first", "window-first"), default="dim-first",
         help="conv cache layout: [S, 3D, W] or [S, W, 3D]")
-    add("--check-every", type=int, default=1,
+    add("--check-every", type=ranged(int, 0), default=1,
         help="rank 0 checks every k-th step against the unsharded layer (0: never)")
-    add("--json", default=None, help="write the report as JSON to this path")
+    add("--json", default=None,
+        help="write the report as JSON to this path (its directory checked at the start)")
+    add("--timeout", type=ranged(float, 0.1, 3600.0), default=None,
+        help=f"seconds a rank may go unheard: the gloo collectives' timeout and the "
+        f"heartbeat limit naming a stopped rank; default {HOST_TIMEOUT:g} on the host, "
+        f"{GPU_TIMEOUT:g} on the GPU backends")
     gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
         help="KDA kernel (auto: kda.dispatch's choice)")
     gpu("--gate-mode", type=int, choices=(0, 1, 2), default=0,
@@ -77,7 +127,11 @@ def parse_args(argv=None):
         help="test hook: the last rank corrupts its output or a state page in step 1, "
         "which the checks must catch")
     # fmt: on
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    why = check_json_path(args.json)
+    if why is not None:
+        p.error(why)
+    return args
 
 
 def resolve_backend(requested: str) -> str:
@@ -103,10 +157,12 @@ def main(argv=None) -> int:
     if backend_name == "host":
         args.tokens = HOST_TOKENS if args.tokens is None else args.tokens
         args.groups = 4 if args.groups is None else args.groups
+        args.timeout = HOST_TIMEOUT if args.timeout is None else args.timeout
         from launch import host
 
         return host.main(args)
     args.tokens = GPU_TOKENS if args.tokens is None else args.tokens
+    args.timeout = GPU_TIMEOUT if args.timeout is None else args.timeout
     from launch import gpu
 
     return gpu.main(args, backend_name, job_processes(), launcher())

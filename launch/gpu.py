@@ -57,7 +57,8 @@ def main(args, backend_name: str, processes: int, launcher: str) -> int:
     from tpcomm.backends import make_backend
 
     if backend_name == "nvshmem":
-        with nvshmem_job(launcher, getattr(args, "multicast", False)) as (backend, procs):
+        multicast, timeout = getattr(args, "multicast", False), getattr(args, "timeout", 300.0)
+        with nvshmem_job(launcher, multicast, timeout) as (backend, procs):
             return run(args, cfg, backend, launcher, procs)
     backend = make_backend("loopback", world=cfg.tp)
     try:

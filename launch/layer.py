@@ -1,10 +1,12 @@
 """The decode job's layer: the model from the seed, the step schedule, a rank's shard and
 the unsharded reference (plain torch).
 
-A ``Model`` is the whole layer (all heads, the full ``w_o``), rebuilt identically from the
-seed on every rank; a rank keeps its head shard and its own pools. A ``Schedule`` draws a
-single-token decode step, then verify steps with the previous step's accepted counts,
-every other one recorded and then recovered, some requests padding in each step.
+A ``Model`` is the layer from the seed, head by head (each head's weights, pools and
+``w_o`` columns from a seed of their own), so a rank builds only its shard and the whole
+layer (``Model.kda``, ``Model.w_o``) is built only where it is used (rank 0's check).
+A ``Schedule`` draws a single-token decode step, then verify steps with the previous
+step's accepted counts, every other one recorded and then recovered, some requests
+padding in each step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from tpcomm.oproj import reference as oref
 
 EPS = 1e-6
 OUT_EPS = 1e-6
+MAX_ROWS = 4096  # requests x tokens of one step
+SEED_MOD = 2**63  # derived generator seeds stay below this
+
+
+def derive(seed: int, *stream: int) -> int:
+    """A generator seed for one stream of the job's random numbers (below 2**63)."""
+    for part in stream:
+        seed = seed * 1_000_003 + part
+    return seed % SEED_MOD
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,13 @@ class Config:
             raise ValueError(f"blocks must be in 0..8; got {self.blocks}")
         if self.requests < 1 or self.steps < 1:
             raise ValueError("requests and steps must be >= 1")
+        if self.requests * self.tokens > MAX_ROWS:
+            raise ValueError(
+                f"requests x tokens = {self.requests * self.tokens} rows per step; at most "
+                f"{MAX_ROWS}"
+            )
+        if not 0 <= self.seed < SEED_MOD:
+            raise ValueError(f"seed must be in 0..2**63-1; got {self.seed}")
         if not 0.0 <= self.padding < 1.0:
             raise ValueError(f"padding must be a fraction in [0, 1); got {self.padding}")
         if self.groups is not None and not 1 <= self.groups <= 4:
@@ -69,6 +87,19 @@ class Config:
     @property
     def pages(self) -> int:
         return 1 + self.requests * self.tokens  # page 0 is never live
+
+
+PROCESS_BYTES = 400 * 2**20  # a process with torch imported, before any tensor
+
+
+def host_bytes(cfg: Config) -> int:
+    """About the host memory of the host job: every rank's shard, rank 0's whole layer,
+    gathered pools and float64 temporaries of a checked step, and the processes."""
+    state = cfg.pages * cfg.heads * HEAD_DIM * HEAD_DIM * 4
+    conv = cfg.pages * 3 * cfg.heads * HEAD_DIM * max(cfg.tokens + 2, 4) * 2
+    w_o = cfg.hidden * cfg.heads * HEAD_DIM * 2
+    temporaries = 6 * cfg.requests * cfg.heads * HEAD_DIM * HEAD_DIM * 4
+    return 3 * (state + conv) + 2 * w_o + temporaries + cfg.tp * PROCESS_BYTES
 
 
 @dataclass
@@ -97,7 +128,7 @@ class Schedule:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1)
+        self.gen = torch.Generator().manual_seed((cfg.seed * 7919 + 1) % SEED_MOD)
         self.accepted = torch.ones(cfg.requests, dtype=torch.int32)
         self.index = 0
 
@@ -121,18 +152,86 @@ class Schedule:
 
 
 class Model:
-    """The whole layer from the seed: KDA weights and pools, ``w_o``, AttnRes gammas."""
+    """The layer from the seed: KDA weights and pools, ``w_o``, AttnRes gammas. Head h's
+    tensors come from seeds of their own, so ``shard`` builds one rank's heads only; the
+    whole layer (``kda``, ``w_o``) is built on first use and kept."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.kda = kt.make_layer(cfg.heads, cfg.pages, window=max(cfg.tokens + 2, 4),
-                                 conv_dim_first=cfg.conv_dim_first, seed=cfg.seed)  # fmt: skip
-        g = torch.Generator().manual_seed(cfg.seed * 31 + 7)
-        D = cfg.heads * HEAD_DIM
-        self.w_o = (torch.randn(cfg.hidden, D, generator=g) * D**-0.5).to(torch.bfloat16)
+        self._kda: kt.Layer | None = None
+        self._w_o: torch.Tensor | None = None
+        g = torch.Generator().manual_seed(derive(cfg.seed, 31, 7))
         self.norm = (1 + 0.1 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
         self.query = (0.2 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
         self.out_norm = (1 + 0.1 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
+        self.norm_weight = (1 + 0.1 * torch.randn(HEAD_DIM, generator=g)).to(torch.bfloat16)
+
+    @property
+    def kda(self) -> kt.Layer:
+        """The whole layer's KDA weights and pools (built on first use)."""
+        if self._kda is None:
+            self._kda = self.layer(0, self.cfg.heads)
+        return self._kda
+
+    @property
+    def w_o(self) -> torch.Tensor:
+        """The whole ``w_o`` [hidden, heads * 128] bf16 (built on first use)."""
+        if self._w_o is None:
+            self._w_o = self.w_o_columns(0, self.cfg.heads)
+        return self._w_o
+
+    def fresh_layer(self) -> kt.Layer:
+        """A whole layer of one's own (a copy of ``kda`` if it was built, so edits made to
+        it carry over; else built anew and not kept)."""
+        return self._kda.clone() if self._kda is not None else self.layer(0, self.cfg.heads)
+
+    def layer(self, first: int, count: int) -> kt.Layer:
+        """KDA weights and pools of heads ``first .. first + count - 1``, head by head."""
+        cfg = self.cfg
+        pages, window, D = cfg.pages, max(cfg.tokens + 2, 4), count * HEAD_DIM
+        out = None
+        for i in range(count):
+            h = kt.make_layer(1, pages, window=window, conv_dim_first=cfg.conv_dim_first,
+                              seed=derive(cfg.seed, 101, first + i))  # fmt: skip
+            if out is None:
+                conv = (pages, 3 * D, window) if cfg.conv_dim_first else (pages, window, 3 * D)
+                out = kt.Layer(
+                    conv_weight=h.conv_weight.new_empty(3, 4, D),
+                    conv_bias=h.conv_bias.new_empty(3 * D), a_log=h.a_log.new_empty(count),
+                    dt_bias=h.dt_bias.new_empty(D), norm_weight=self.norm_weight,
+                    f_b=h.f_b.new_empty(D, h.f_b.shape[1]),
+                    state=h.state.new_empty(pages, count, HEAD_DIM, HEAD_DIM),
+                    conv_state=h.conv_state.new_empty(conv), conv_dim_first=cfg.conv_dim_first,
+                )  # fmt: skip
+            cols = slice(i * HEAD_DIM, (i + 1) * HEAD_DIM)
+            out.conv_weight[:, :, cols] = h.conv_weight
+            out.conv_bias.view(3, D)[:, cols] = h.conv_bias.view(3, HEAD_DIM)
+            out.a_log[i] = h.a_log[0]
+            out.dt_bias[cols] = h.dt_bias
+            out.f_b[cols] = h.f_b
+            out.state[:, i] = h.state[:, 0]
+            if cfg.conv_dim_first:
+                out.conv_state.view(pages, 3, D, window)[:, :, cols] = h.conv_state.view(
+                    pages, 3, HEAD_DIM, window
+                )
+            else:
+                out.conv_state.view(pages, window, 3, D)[..., cols] = h.conv_state.view(
+                    pages, window, 3, HEAD_DIM
+                )
+        return out
+
+    def w_o_columns(self, first: int, count: int) -> torch.Tensor:
+        """``w_o``'s columns of heads ``first .. first + count - 1`` [hidden, count * 128]."""
+        cfg = self.cfg
+        scale = (cfg.heads * HEAD_DIM) ** -0.5
+        out = torch.empty(cfg.hidden, count * HEAD_DIM, dtype=torch.bfloat16)
+        for i in range(count):
+            g = torch.Generator().manual_seed(derive(cfg.seed, 211, first + i))
+            cols = slice(i * HEAD_DIM, (i + 1) * HEAD_DIM)
+            out[:, cols] = (torch.randn(cfg.hidden, HEAD_DIM, generator=g) * scale).to(
+                torch.bfloat16
+            )
+        return out
 
     def consume(self, partials, prefix, blocks, groups=None):
         """The consumer reference with this layer's AttnRes gammas."""
@@ -146,10 +245,18 @@ class Model:
         return rank * per, per
 
     def shard(self, rank: int) -> Rank:
+        """Rank ``rank``'s heads: sliced from the whole layer if it was built, else built."""
         first, count = self.rank_heads(rank)
-        cols = slice(first * HEAD_DIM, (first + count) * HEAD_DIM)
-        layer = kt.shard_layer(self.kda, first, count)
-        return Rank(rank, first, layer, self.w_o[:, cols].contiguous(), self)
+        if self._kda is not None:
+            layer = kt.shard_layer(self._kda, first, count)
+        else:
+            layer = self.layer(first, count)
+        if self._w_o is not None:
+            cols = slice(first * HEAD_DIM, (first + count) * HEAD_DIM)
+            w_o = self._w_o[:, cols].contiguous()
+        else:
+            w_o = self.w_o_columns(first, count)
+        return Rank(rank, first, layer, w_o, self)
 
     def step_inputs(self, plan: StepPlan):
         """The full-model activations of a step, the residual prefix and the blocks."""
@@ -157,10 +264,10 @@ class Model:
         T = plan.tokens
         table = 1 + torch.arange(cfg.requests * cfg.tokens, dtype=torch.int32)
         table = table.view(cfg.requests, cfg.tokens)[:, :T]
-        seed = cfg.seed * 1_000_003 + plan.index
+        seed = derive(cfg.seed, plan.index)
         step = kt.make_step(cfg.requests, T, cfg.heads, pages=cfg.pages, slot_table=table,
                             accepted=plan.accepted, padding=plan.padding, seed=seed)  # fmt: skip
-        g = torch.Generator().manual_seed(seed + 17)
+        g = torch.Generator().manual_seed((seed + 17) % SEED_MOD)
         n = cfg.requests * T
         prefix = torch.randn(n, cfg.hidden, generator=g).to(torch.bfloat16)
         blocks = None
@@ -205,7 +312,7 @@ class Unsharded:
 
     def __init__(self, model: Model):
         self.model = model
-        self.kda = model.kda.clone()
+        self.kda = model.fresh_layer()
 
     def step(self, plan, step, prefix, blocks, groups=None):
         """The whole layer's step; ``groups``: the consumer's (default: the config's)."""

@@ -81,15 +81,15 @@ class Procs:
 
 
 @contextlib.contextmanager
-def nvshmem_job(launcher: str, multicast: bool = False):
-    """One rank in this process: the gloo group (checks, the uid broadcast) first, then
-    the nvshmem PE on the process's GPU; yields (backend, Procs). On exit the backend's
-    teardown frees and finalizes nvshmem, then the group is destroyed."""
+def nvshmem_job(launcher: str, multicast: bool = False, timeout_s: float = 300.0):
+    """One rank in this process: the gloo group (checks, the uid broadcast; ``timeout_s``)
+    first, then the nvshmem PE on the process's GPU; yields (backend, Procs). On exit the
+    backend's teardown frees and finalizes nvshmem, then the group is destroyed."""
     from tpcomm.backends import make_backend
 
     if not multicast:  # no NVLS (cuMulticastCreate) unless asked
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    info = host.init_distributed()
+    info = host.init_distributed(timeout_s=timeout_s)
     try:
         device = info.local_rank % torch.cuda.device_count()
         backend = make_backend("nvshmem", device=device, launcher=launcher)

@@ -9,6 +9,7 @@ writes the JSON, prints the table and the last line, ``DECODE OK`` or ``DECODE F
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import torch
@@ -96,12 +97,45 @@ def print_checks(r):
         print(f"  {mark} {name}: {v['passed']}/{v['of']} steps")
 
 
+def check_json_path(path) -> str | None:
+    """Why ``--json path`` cannot be written (checked at the start), or None."""
+    if path is None:
+        return None
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if os.path.isdir(full):
+        return f"--json {path}: is a directory"
+    if not os.path.isdir(parent):
+        return f"--json {path}: directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        os.path.exists(full) and not os.access(full, os.W_OK)
+    ):
+        return f"--json {path}: not writable"
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM`` of /proc/self/status; 0 if unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def finish(report, failures, json_path, printer) -> int:
-    """Write the JSON, print the table and the last line; the exit status (0 or 1)."""
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    """Print the table, write the JSON, print the last line; the exit status (0 or 1)."""
     printer(report)
+    if json_path:
+        try:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=2)
+        except OSError as e:
+            print(f"DECODE FAILED: --json {json_path}: {e.strerror or e}", flush=True)
+            return 1
     if report["ok"]:
         print("DECODE OK", flush=True)
         return 0
@@ -224,8 +258,9 @@ def print_gpu(r):
     )
 
 
-def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok):
-    """The host job's report (rank 0): ``slowest`` [stage, step] seconds, slowest rank."""
+def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None):
+    """The host job's report (rank 0): ``slowest`` [stage, step] seconds, slowest rank;
+    ``rss``: every rank's peak resident set in bytes (``peak_rss_bytes``)."""
     ms = (slowest * 1e3).tolist()
     lat = {
         name: {"median_ms": percentile(ms[i], 0.5), "p99_ms": percentile(ms[i], 0.99)}
@@ -238,6 +273,7 @@ def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok):
         "checks": checks.as_dict(),
         "worst": worst,
         "ok": ok,
+        "peak_rss_bytes": {"per_rank": list(rss or []), "total": sum(rss or [])},
     }
 
 
@@ -252,3 +288,8 @@ def print_host(r):
         f"  worst error / bound: prefix vs unsharded o-proj {w['prefix']:.3f}, "
         f"output vs fp64 epilogue {w['output']:.3f}"
     )
+    rss = r["peak_rss_bytes"]
+    if rss["per_rank"]:
+        print(f"memory   peak RSS {rss['total'] / 2**30:.2f} GiB over {len(rss['per_rank'])} "
+              f"ranks (rank 0 {rss['per_rank'][0] / 2**30:.2f} GiB, largest other "
+              f"{max(rss['per_rank'][1:], default=0) / 2**30:.2f} GiB)")  # fmt: skip

@@ -187,9 +187,49 @@ def test_bad_ring_refused_nothing_written():
     bad.length[1] = torch.tensor([4, 1])
     refused(r"ring.length\[1\]", ring=bad)
     step.slots[1] = step.slots[0]
-    refused("same state slot", ring=ring)
+    refused("live slots must be unique", ring=ring)
     with pytest.raises(ValueError, match="size"):
         make_ring(state, 1)
     with pytest.raises(ValueError, match="slots must be in"):
         ref.materialize(state, ring, layer.a_log, layer.dt_bias, lower_bound=-5.0,
                         slots=torch.tensor([0]))  # fmt: skip
+
+
+def test_checked_mode_scans_the_ring():
+    """``validate="full"``: a NaN in a held ring entry, the checkpoint page or a live row's
+    input is refused before anything is written; the fast mode gives the same bits."""
+    B, pages = 2, 4
+    layer = kt.make_layer(H, pages, window=3, seed=3)
+    state, conv = layer.state.clone(), layer.conv_state.clone()
+    ring = make_ring(state, 4)
+    call(ref.replay_decode, layer, state, conv, kt.make_step(B, 1, H, pages=pages, seed=0),
+         ring=ring)  # fmt: skip
+    step = kt.make_step(B, 1, H, pages=pages, seed=1)
+    slot = int(step.slots[0])
+    pools = (state, conv, *ring)
+
+    def refused(name, edit):
+        saved = [t.clone() for t in pools]
+        undo = edit()
+        with pytest.raises(ValueError, match=name):
+            call(ref.replay_decode, layer, state, conv, step, ring=ring, validate="full")
+        undo()
+        for a, b in zip(saved, pools, strict=True):
+            assert torch.equal(a, b)
+
+    def nan_at(t, index):
+        def edit():
+            old = t[index].clone()
+            t[index] = float("nan")
+            return lambda: t.__setitem__(index, old)
+
+        return edit
+
+    refused("ring.v", nan_at(ring.v, (slot, 0, 0, 0)))
+    refused("state", nan_at(state, (slot, 0, 0, 0)))
+    refused("x", nan_at(step.x, (0, 0)))
+    fast = [t.clone() for t in pools]
+    out_fast = call(ref.replay_decode, layer, fast[0], fast[1], step, ring=Ring(*fast[2:]))
+    out_full = call(ref.replay_decode, layer, state, conv, step, ring=ring, validate="full")
+    assert torch.equal(out_fast, out_full)
+    assert all(torch.equal(a, b) for a, b in zip(fast, pools, strict=True))

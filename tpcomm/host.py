@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_rendezvous: tuple[str, int] | None = None  # the TCP store init_distributed used (mpirun)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 300.0) -> Process
     """Join (or create) the default process group; returns this process's place in it."""
     from datetime import timedelta
 
+    global _rendezvous
     how = launcher()
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
@@ -57,6 +59,7 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 300.0) -> Process
             rank, world = comm.Get_rank(), comm.Get_size()
             addr = comm.bcast((socket.gethostname(), free_port()) if rank == 0 else None, root=0)
             host = "127.0.0.1" if addr[0] == socket.gethostname() else addr[0]
+            _rendezvous = (host, addr[1])
             dist.init_process_group(
                 backend,
                 init_method=f"tcp://{host}:{addr[1]}",
@@ -76,6 +79,37 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 300.0) -> Process
         or rank
     )
     return ProcessInfo(rank=rank, world=world, local_rank=local, launcher=how)
+
+
+def store_client(timeout_s: float = 300.0):
+    """A new client of the job's rendezvous TCP store (torchrun: its agent's, or rank 0's;
+    mpirun: rank 0's), or None (a single process, or a group made elsewhere)."""
+    if launcher() == "torchrun" and "MASTER_ADDR" in os.environ:
+        where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    elif _rendezvous is not None:
+        where = _rendezvous
+    else:
+        return None
+    from datetime import timedelta
+
+    return dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def store_on_rank0() -> bool:
+    """Whether rank 0's process hosts the rendezvous store (it dies with rank 0)."""
+    return not (
+        launcher() == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )
+
+
+def gather(t: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+    """Every rank's ``t`` stacked in rank order on rank ``dst`` ([world, *t.shape]); None on
+    the other ranks (they send only)."""
+    src = _bits(t)
+    world = dist.get_world_size()
+    parts = [torch.empty_like(src) for _ in range(world)] if dist.get_rank() == dst else None
+    dist.gather(src, parts, dst=dst)
+    return None if parts is None else torch.stack(parts).view(t.dtype)
 
 
 def finalize() -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpcomm.checks import is_int
+
 SENTINEL = 0xFFFFFFFF
 CANONICAL_NAN_WORD = 0x7FC07FC0
 GROUP_ELEMS = 8  # bf16 per 16-byte group
@@ -43,17 +45,17 @@ DEFAULT_BUDGET_NS = 50_000_000  # a poll's budget: far above any healthy step, f
 
 def parity(step: int) -> int:
     """Mailbox half used by ``step`` (0 or 1)."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0; got {step}")
+    if not is_int(step) or step < 0:
+        raise ValueError(f"step must be an int >= 0; got {step!r}")
     return step & 1
 
 
 def _check(tp: int, tokens: int, hid: int) -> None:
-    if not 1 <= tp <= MAX_TP:
-        raise ValueError(f"tp must be in 1..{MAX_TP}; got {tp}")
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"tokens must be in 1..{MAX_TOKENS}; got {tokens}")
-    if hid % COLUMNS_PER_CTA or not 0 < hid <= MAX_HID:
+    if not is_int(tp) or not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
+    if not is_int(hid) or hid % COLUMNS_PER_CTA or not 0 < hid <= MAX_HID:
         raise ValueError(f"hid must be a multiple of {COLUMNS_PER_CTA} up to {MAX_HID}; got {hid}")
 
 

@@ -3,8 +3,9 @@
 There is no load/store access to a peer's memory: ``peer`` of another rank raises, and
 the all-reduce is ``all_gather`` + ``tpcomm.mailbox.rank_order_sum`` on every rank, so
 each rank gets the same bits as the reference. Bootstrap: ``tpcomm.host.init_distributed``
-(torchrun, mpirun or a single process); an existing process group is used as is, and a
-group this backend created is destroyed by ``teardown``.
+(torchrun, mpirun or a single process; ``timeout_s``: the gloo collectives' timeout); an
+existing process group is used as is, and a group this backend created is destroyed by
+``teardown``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from tpcomm.symm import SymmetricBackend
 class HostBackend(SymmetricBackend):
     name = "host"
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = 300.0):
         self._owns_group = not dist.is_initialized()
-        info = host.init_distributed()
+        info = host.init_distributed(timeout_s=timeout_s)
         super().__init__(info.world, (info.rank,))
         self.rank = info.rank
 

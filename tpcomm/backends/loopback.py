@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from tpcomm.checks import is_int
 from tpcomm.symm import SymmetricBackend
 
 MAX_WORLD = 16
@@ -39,10 +40,19 @@ class LoopbackBackend(SymmetricBackend):
     name = "loopback"
 
     def __init__(self, world: int, device=None, *, streams: bool = True):
-        if not 1 <= world <= MAX_WORLD:
-            raise ValueError(f"world must be in 1..{MAX_WORLD}; got {world}")
+        if not is_int(world) or not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"world must be an int in 1..{MAX_WORLD}; got {world!r}")
+        try:
+            where = torch.device("cuda" if device is None else device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must name a torch device; got {device!r} ({e})") from None
+        if where.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {where} is not available (no CUDA); device='cpu' runs the "
+                             "loopback layout on the CPU")  # fmt: skip
+        if where.type not in ("cuda", "cpu", "meta"):  # meta: shapes only (tracing the ops)
+            raise ValueError(f"device must be a CUDA device, the CPU or meta; got {where}")
         super().__init__(world, tuple(range(world)))
-        self.device = torch.device("cuda" if device is None else device)
+        self.device = where
         self.streams = []
         self._owned_streams = []
         if self.device.type == "cuda":

@@ -16,7 +16,8 @@ import contextlib
 
 import torch
 
-from tpcomm.checks import check_device_tensor
+from tpcomm.checks import check_device_tensor, check_is_tensor, check_real, check_stacked, is_int
+from tpcomm.checks import mode as validation_mode
 from tpcomm.mailbox import Mailbox, TwoshotRows
 from tpcomm.oproj import custom_ops
 from tpcomm.oproj.plan import (
@@ -58,11 +59,10 @@ class OprojAllReduce:
         twoshot = plan.twoshot if twoshot is None else bool(twoshot)
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
-        if not isinstance(budget_ns, int) or budget_ns <= 0:
+        if not is_int(budget_ns) or budget_ns <= 0:
             raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")
-        for name, v in (("eps", eps), ("out_eps", out_eps)):
-            if not isinstance(v, int | float) or not v >= 0:
-                raise ValueError(f"{name} must be a float >= 0; got {v!r}")
+        check_real("eps", eps, low=0.0)
+        check_real("out_eps", out_eps, low=0.0)
         self.backend, self.plan = backend, plan
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
@@ -133,16 +133,19 @@ class OprojAllReduce:
 
     @staticmethod
     def _step(step):
-        if not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be a non-negative int; got {step!r}")
         return step
 
-    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, *, launch=True):
+    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, validate=None,
+              *, launch=True):  # fmt: skip
         """ValueError naming the argument unless the consumer can take these tensors
-        (``launch``: and the mailbox is on a GPU; the fake ops check shapes only)."""
+        (``validate="full"``: also refuse non-finite inputs; ``launch``: and the mailbox is
+        on a GPU; the fake ops check shapes only)."""
         _, n, _, nb = check_consume(
             self._probe, prefix, blocks, norm, query, out_norm,
-            groups=self.groups, eps=self.eps, out_eps=self.out_eps,
+            groups=self.groups, eps=self.eps, out_eps=self.out_eps, device=self.device,
+            full=validation_mode(validate) == "full",
         )  # fmt: skip
         if nb != self.nb:
             raise ValueError(
@@ -176,17 +179,18 @@ class OprojAllReduce:
         self._step(step)
         return self._check_projection(attn_out, w_o)
 
-    def check_consume_args(self, prefix, blocks, norm, query, out_norm, output, step, xmoe, rank):
+    def check_consume_args(self, prefix, blocks, norm, query, out_norm, output, step, xmoe, rank,
+                           validate=None):  # fmt: skip
         """``consume``'s checks but the device's (the fake ``kimi::oproj_consume``)."""
         self._rank(rank)
         self._step(step)
-        self.check(prefix, blocks, norm, query, out_norm, output, xmoe, launch=False)
+        self.check(prefix, blocks, norm, query, out_norm, output, xmoe, validate, launch=False)
 
     # --- per-rank launches: the entry points call the ops, the ops the launch_* methods --
     def publish(self, partial, step, rank=None, stream=None):
         """Rank ``rank``'s partial [tokens, HID] into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
-        _tensors(partial=partial)
+        check_is_tensor(partial=partial)
         with _on(stream):
             torch.ops.kimi.oproj_publish(self.handle, rank, step, partial)
 
@@ -198,7 +202,7 @@ class OprojAllReduce:
     def produce(self, attn_out, w_o, step, rank=None, stream=None):
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
         rank, step = self._rank(rank), self._step(step)
-        _tensors(attn_out=attn_out, w_o=w_o)
+        check_is_tensor(attn_out=attn_out, w_o=w_o)
         with _on(stream):
             torch.ops.kimi.oproj_produce(self.handle, rank, step, attn_out, w_o)
 
@@ -208,21 +212,24 @@ class OprojAllReduce:
         self._launch(self._producer(d_local), (attn_out, w_o), rank, step, None)
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
-                rank=None, stream=None, checked=False):  # fmt: skip
-        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``."""
+                rank=None, stream=None, checked=False, validate=None):  # fmt: skip
+        """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``
+        (``validate``: ``check``'s; ``checked``: the caller ran ``check``)."""
         rank, step = self._rank(rank), self._step(step)
-        _tensors(prefix=prefix, norm=norm, query=query, out_norm=out_norm, output=output,
+        validation_mode(validate)
+        check_is_tensor(prefix=prefix, norm=norm, query=query, out_norm=out_norm, output=output,
                  blocks=blocks, xmoe=xmoe, optional=("blocks", "xmoe"))  # fmt: skip
         with _on(stream):
             torch.ops.kimi.oproj_consume(self.handle, rank, step, prefix, blocks, norm, query,
-                                         out_norm, output, xmoe, bool(checked))  # fmt: skip
+                                         out_norm, output, xmoe, bool(checked),
+                                         validate)  # fmt: skip
 
     def launch_consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe,
-                       rank, checked):  # fmt: skip
+                       rank, checked, validate=None):  # fmt: skip
         """``kimi::oproj_consume``'s implementation (``checked``: the caller checked)."""
         rank, step = self._rank(rank), self._step(step)
         if not checked:
-            self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
+            self.check(prefix, blocks, norm, query, out_norm, output, xmoe, validate)
         import cuda.bindings.driver as cuda
 
         stream = torch.cuda.current_stream(self.device)
@@ -334,7 +341,7 @@ class OprojAllReduce:
         count of launches sharing the GPU (``fused_plan``); ``pdl`` launches with
         programmatic dependent launch (waits for the previous kernel in-kernel)."""
         rank, step = self._rank(rank), self._step(step)
-        _tensors(attn_out=attn_out, w_o=w_o, prefix=prefix, norm=norm, query=query,
+        check_is_tensor(attn_out=attn_out, w_o=w_o, prefix=prefix, norm=norm, query=query,
                  out_norm=out_norm, output=output, blocks=blocks, xmoe=xmoe,
                  optional=("blocks", "xmoe"))  # fmt: skip
         with _on(stream):
@@ -458,15 +465,6 @@ class OprojAllReduce:
                                  "consecutive in one allocation")  # fmt: skip
         self._one_launch_checked = True
 
-    def _check_stacked(self, name, t, shape):
-        """Every rank's tensor of ``shape`` stacked ``[TP, *shape]``, contiguous."""
-        want = (self.tp, *shape)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be [TP, ...] = {list(want)}; got {got}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (one launch reads every rank's slice)")
-
     def produce_all(self, attn_outs, w_os, step, *, pdl=False):
         """Every rank's ``bf16(attn_out @ w_o^T)`` into every mailbox in one launch on the
         current stream (grid y = rank): ``attn_outs`` [TP, tokens, D_local], ``w_os``
@@ -479,8 +477,8 @@ class OprojAllReduce:
         if not isinstance(w_os, torch.Tensor) or w_os.dim() != 3:
             raise ValueError("w_os must be a 3-D [TP, HID, D_local] torch.Tensor")
         d_local = self._check_projection(attn_outs[0], w_os[0])
-        self._check_stacked("attn_outs", attn_outs, (self.tokens, d_local))
-        self._check_stacked("w_os", w_os, (self.hid, d_local))
+        check_stacked("attn_outs", attn_outs, (self.tp, self.tokens, d_local))
+        check_stacked("w_os", w_os, (self.tp, self.hid, d_local))
         fn = self._producer(d_local, pdl, ranks=self.tp)
         self._launch(fn, (attn_outs[0], w_os[0]), 0, step, None)
 
@@ -489,7 +487,7 @@ class OprojAllReduce:
         mailbox in one launch on the current stream (grid z = rank)."""
         step = self._step(step)
         self._check_one_launch()
-        self._check_stacked("partials", partials, (self.tokens, self.hid))
+        check_stacked("partials", partials, (self.tp, self.tokens, self.hid))
         check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
                              self.device)  # fmt: skip
         self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
@@ -498,9 +496,9 @@ class OprojAllReduce:
         self._check_one_launch()
         shape = (self.tokens, self.hid)
         for name, t in (("prefixes", prefixes), ("outputs", outputs)):
-            self._check_stacked(name, t, shape)
+            check_stacked(name, t, (self.tp, *shape))
         if xmoes is not None:
-            self._check_stacked("xmoes", xmoes, (self.xmoe_reps, *shape))
+            check_stacked("xmoes", xmoes, (self.tp, self.xmoe_reps, *shape))
         for r in range(self.tp):
             self.check(prefixes[r], blocks, norm, query, out_norm, outputs[r],
                        None if xmoes is None else xmoes[r])  # fmt: skip
@@ -545,14 +543,6 @@ class OprojAllReduce:
         self.errors.zero_()
         self.hint_words.zero_()
         (self.rows if self.twoshot else self.mailbox).arm()
-
-
-def _tensors(optional=(), **named):
-    """ValueError naming the first argument that is not a tensor (``optional``: or None),
-    before an op's schema would refuse it with a TypeError."""
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
-            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
 
 
 def _on(stream):

@@ -56,7 +56,9 @@ _CONSUME += "Tensor(b!) output, Tensor? xmoe"
 _SCHEMAS = {
     "publish": "(int handle, int rank, int step, Tensor partial) -> ()",
     "produce": "(int handle, int rank, int step, Tensor attn_out, Tensor w_o) -> ()",
-    "consume": f"(int handle, int rank, int step, {_CONSUME}, bool checked) -> ()",
+    "consume": (
+        f"(int handle, int rank, int step, {_CONSUME}, bool checked, str? validate=None) -> ()"
+    ),
     "produce_consume": (
         f"(int handle, int rank, int step, Tensor attn_out, Tensor w_o, {_CONSUME}, "
         "int? tiles, bool pdl, int? launches, bool checked) -> ()"
@@ -103,17 +105,19 @@ def oproj_consume(
     output: torch.Tensor,
     xmoe: torch.Tensor | None,
     checked: bool,
+    validate: str | None = None,
 ) -> None:
     """``OprojAllReduce.consume``: ``prefix`` updated in place, ``output`` written."""
     lookup(handle).launch_consume(prefix, blocks, norm, query, out_norm, output, step,
-                                  xmoe=xmoe, rank=rank, checked=checked)  # fmt: skip
+                                  xmoe=xmoe, rank=rank, checked=checked,
+                                  validate=validate)  # fmt: skip
 
 
 @oproj_consume.register_fake
 def _consume_fake(handle, rank, step, prefix, blocks, norm, query, out_norm, output, xmoe,
-                  checked):  # fmt: skip
+                  checked, validate=None):  # fmt: skip
     lookup(handle).check_consume_args(prefix, blocks, norm, query, out_norm, output, step, xmoe,
-                                 rank)  # fmt: skip
+                                      rank, validate)  # fmt: skip
 
 
 @torch.library.custom_op(

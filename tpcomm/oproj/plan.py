@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpcomm.checks import is_int
 from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
 from tpcomm.mailbox import CTA_THREADS, DEFAULT_BUDGET_NS, MAX_TOKENS, MAX_TP, POLL_CHUNK
 from tpcomm.mailbox import MAX_HID as MAX_HIDDEN
@@ -48,13 +49,13 @@ TWOSHOT_MIN_TOKENS = 4
 
 
 def check_hidden(hidden, name="hidden"):
-    if hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
+    if not is_int(hidden) or hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
         raise ValueError(f"{name} ({hidden}) must be a multiple of 1024 in 1024..8192")
 
 
 def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
     """``ranks``: consecutive ranks one launch serves (1; or all ``tp`` on one GPU)."""
-    if not isinstance(ranks, int) or ranks not in (1, tp):
+    if not is_int(ranks) or ranks not in (1, tp):
         raise ValueError(f"ranks must be 1 or tp = {tp} (every rank in one launch); got {ranks!r}")
     if ranks > 1 and twoshot:
         raise ValueError("ranks > 1 (every rank in one launch) is one-shot only: twoshot=False")
@@ -63,11 +64,11 @@ def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
 def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
     """The consumer's compile-time configuration."""
     _check_tp_hid(tp, hid)
-    if not isinstance(nb, int) or not 0 <= nb <= MAX_BLOCKS:
+    if not is_int(nb) or not 0 <= nb <= MAX_BLOCKS:
         raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
-    if not isinstance(groups, int) or not 1 <= groups <= MAX_GROUPS:
+    if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:
         raise ValueError(f"groups must be an int in 1..{MAX_GROUPS}; got {groups!r}")
-    if not isinstance(xmoe_reps, int) or not 0 <= xmoe_reps <= 8:
+    if not is_int(xmoe_reps) or not 0 <= xmoe_reps <= 8:
         raise ValueError(f"xmoe_reps must be an int in 0..8; got {xmoe_reps!r}")
     _check_twoshot(tp, hid, twoshot)
 
@@ -76,17 +77,15 @@ def check_producer(tp, hid, d_local=None, *, twoshot=False, ranks=1):
     """The publisher's (``d_local`` None) or the producer's compile-time configuration."""
     check_ranks(tp, ranks, twoshot)
     _check_tp_hid(tp, hid)
-    if d_local is not None and (
-        not isinstance(d_local, int) or d_local <= 0 or d_local % (K_CHUNK * WARPS)
-    ):
+    if d_local is not None and (not is_int(d_local) or d_local <= 0 or d_local % (K_CHUNK * WARPS)):
         raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
     _check_twoshot(tp, hid, twoshot)
 
 
 def _check_tp_hid(tp, hid):
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+    if not is_int(tp) or not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(hid, int) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
+    if not is_int(hid) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
         raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
 
 
@@ -113,10 +112,10 @@ def choose(tp: int, tokens: int, hid: int, *, twoshot_available: bool = False):
     one-shot's bytes into each rank plus a second hop; it is GPU-tested but chosen only
     with ``twoshot_available`` until an 8-GPU run measures the crossover.
     """
-    if not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+    if not is_int(tp) or not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not isinstance(tokens, int) or not 1 <= tokens <= 8:
-        raise ValueError(f"tokens must be an int in 1..8; got {tokens!r}")
+    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
     check_config(tp, hid, 0, 1, 0)
     groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK))
     reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}"
@@ -287,11 +286,11 @@ def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1,
     ``ValueError`` saying why when none can (a consumer CTA spinning in the slot a
     producer CTA needs would wait until its poll budget ran out)."""
     check_config(tp, hid, nb, groups, xmoe_reps)
-    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
-    if not isinstance(launches, int) or launches < 1:
+    if not is_int(launches) or launches < 1:
         raise ValueError(f"launches must be a positive int; got {launches!r}")
-    if tiles is not None and (not isinstance(tiles, int) or tiles < 1):
+    if tiles is not None and (not is_int(tiles) or tiles < 1):
         raise ValueError(f"tiles must be a positive int; got {tiles!r}")
     ctas_x = hid // SLICE
     threads = GROUP_THREADS * groups

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tpcomm.checks import check_tensor
+from tpcomm.checks import check_finite, check_real, check_tensor, is_int, mode
 from tpcomm.mailbox import grouped_sum
 from tpcomm.oproj.plan import MAX_BLOCKS, MAX_TP, check_hidden
 
@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 
-def _tensor(name, t, dtype, shape=None, ndim=None):
-    check_tensor(name, t, dtype, shape=shape, ndim=ndim)
+def _tensor(name, t, dtype, shape=None, ndim=None, device=None):
+    check_tensor(name, t, dtype, shape=shape, ndim=ndim, device=device)
 
 
 def _dot(a, b):
@@ -52,15 +52,20 @@ def _exp(t):
     return torch.exp(t.double()).float()
 
 
-def project(attn_out, w_o):
-    """A rank's partial ``bf16(attn_out @ w_o^T)``: attn_out [N, D_local], w_o [HID, D_local]."""
+def project(attn_out, w_o, *, validate=None):
+    """A rank's partial ``bf16(attn_out @ w_o^T)``: attn_out [N, D_local], w_o [HID, D_local]
+    on one device; ``validate="full"`` (or ``$KDA_VALIDATE``) refuses non-finite inputs."""
+    full = mode(validate) == "full"
     _tensor("attn_out", attn_out, torch.bfloat16, ndim=2)
-    _tensor("w_o", w_o, torch.bfloat16, ndim=2)
+    _tensor("w_o", w_o, torch.bfloat16, ndim=2, device=attn_out.device)
     if w_o.shape[1] != attn_out.shape[1]:
         raise ValueError(
             f"w_o must be [HID, D_local = {attn_out.shape[1]}]; got {tuple(w_o.shape)}"
         )
     check_hidden(w_o.shape[0], "w_o rows (hidden)")
+    if full:
+        check_finite("attn_out", attn_out)
+        check_finite("w_o", w_o)
     return (attn_out.double() @ w_o.double().T).float().to(torch.bfloat16)
 
 
@@ -83,8 +88,11 @@ def twoshot_gather(partials):
     return torch.cat(shards, dim=1)
 
 
-def check_consume(partials, prefix, blocks, norm, query, out_norm, *, groups, eps, out_eps):
-    """Validate consumer arguments; returns (TP, N, HID, nb)."""
+def check_consume(partials, prefix, blocks, norm, query, out_norm, *, groups, eps, out_eps,
+                  device=None, full=False):  # fmt: skip
+    """Validate consumer arguments; returns (TP, N, HID, nb). ``device``: where every
+    tensor but ``partials`` must be (default: ``partials``'s); ``full``: the checked mode's
+    non-finite scan."""
     _tensor("partials", partials, torch.bfloat16, ndim=3)
     tp, n, hidden = partials.shape
     if not 1 <= tp <= MAX_TP:
@@ -92,10 +100,11 @@ def check_consume(partials, prefix, blocks, norm, query, out_norm, *, groups, ep
     if n < 1:
         raise ValueError("partials must hold at least one token")
     check_hidden(hidden, "partials hidden width")
-    _tensor("prefix", prefix, torch.bfloat16, shape=(n, hidden))
+    device = partials.device if device is None else device
+    _tensor("prefix", prefix, torch.bfloat16, shape=(n, hidden), device=device)
     nb = 0
     if blocks is not None:
-        _tensor("blocks", blocks, torch.bfloat16, ndim=3)
+        _tensor("blocks", blocks, torch.bfloat16, ndim=3, device=device)
         if blocks.shape[0] != n or blocks.shape[2] != hidden:
             raise ValueError(
                 f"blocks must be [N = {n}, nb, HID = {hidden}]; got {tuple(blocks.shape)}"
@@ -104,12 +113,17 @@ def check_consume(partials, prefix, blocks, norm, query, out_norm, *, groups, ep
         if nb > MAX_BLOCKS:
             raise ValueError(f"blocks holds nb = {nb} snapshots; at most 8 are supported")
     for name, t in (("norm", norm), ("query", query), ("out_norm", out_norm)):
-        _tensor(name, t, torch.bfloat16, shape=(hidden,))
-    if not isinstance(groups, int) or not 1 <= groups <= 4:
+        _tensor(name, t, torch.bfloat16, shape=(hidden,), device=device)
+    if not is_int(groups) or not 1 <= groups <= 4:
         raise ValueError(f"groups must be an int in 1..4; got {groups!r}")
-    for name, v in (("eps", eps), ("out_eps", out_eps)):
-        if not isinstance(v, int | float) or not v >= 0:
-            raise ValueError(f"{name} must be a float >= 0; got {v!r}")
+    check_real("eps", eps, low=0.0)
+    check_real("out_eps", out_eps, low=0.0)
+    if full:
+        named = dict(partials=partials, prefix=prefix, blocks=blocks, norm=norm, query=query,
+                     out_norm=out_norm)  # fmt: skip
+        for name, t in named.items():
+            if t is not None and t.device.type != "meta":
+                check_finite(name, t)
     return tp, n, hidden, nb
 
 
@@ -126,16 +140,23 @@ def consume(
     has_delta=True,
     groups=4,
     twoshot=False,
+    validate=None,
 ):
     """The consumer's output [N, HID] bf16 and ``prefix_new`` [N, HID] bf16.
 
     ``prefix`` is not modified. With ``twoshot`` the ranks' partials are first reduced
     shard by shard into the one-slot gather row (``twoshot_gather``), which the consumer
-    then reads as a one-rank mailbox.
+    then reads as a one-rank mailbox. ``validate="full"`` (or ``$KDA_VALIDATE``) refuses
+    non-finite inputs.
     """
+    full = mode(validate) == "full"
+    for name, flag in (("has_delta", has_delta), ("twoshot", twoshot)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
     _, _, hidden, nb = check_consume(
-        partials, prefix, blocks, norm, query, out_norm, groups=groups, eps=eps, out_eps=out_eps
-    )
+        partials, prefix, blocks, norm, query, out_norm, groups=groups, eps=eps,
+        out_eps=out_eps, full=full,
+    )  # fmt: skip
     mailbox = twoshot_gather(partials)[None] if twoshot else partials
     attn = rank_order_sum(mailbox, groups).to(torch.bfloat16)
     prefix_new = (prefix.float() + attn.float()).to(torch.bfloat16) if has_delta else attn
