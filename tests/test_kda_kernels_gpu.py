@@ -53,7 +53,8 @@ def check_output(got, ref, heads, o32):
     are a head's 128 channels. Only where the reference's fp32 ``o`` (``o32``, from
     ``kda.reference.decode(..., o_fp32=)``) lies within a few fp32 ulps of a bf16 midpoint
     may ``o`` round the other way: there one ulp of ``o`` carried through the gated norm
-    (2^-7 of the value) is allowed on top. ``o32``: (fp32 o, sum |S q|) from ``reference``.
+    (2^-7 of the value) and the two sides' roundings are allowed on top, small elements too.
+    ``o32``: (fp32 o, sum |S q|) from ``reference``.
     Returns the fraction of elements exactly equal."""
     g = got.float().view(got.shape[0], heads, 128)
     r = ref.float().view(ref.shape[0], heads, 128)
@@ -62,8 +63,11 @@ def check_output(got, ref, heads, o32):
     rms = r.pow(2).mean(-1, keepdim=True).sqrt()
     err = (g - r).abs()
     big = r.abs() >= rms * 2.0**-10
-    allowed = bf16_ulp(r) + torch.where(near, r.abs() * 2.0**-7 * 1.01, torch.zeros_like(r))
-    ok = torch.where(big, err <= allowed, err <= rms * 2.0**-17)
+    # A flipped o moves the exact output by <= 2^-7 of it; both sides then round (<= 1 ulp
+    # together), on top of the fp32 noise the small-element rule already allows.
+    flip = torch.where(near, r.abs() * 2.0**-7 * 1.01, torch.zeros_like(r))
+    small = rms * 2.0**-17 + torch.where(near, bf16_ulp(r), torch.zeros_like(r))
+    ok = torch.where(big, err <= bf16_ulp(r) + flip, err <= small + flip)
     exact = (err == 0).float().mean().item()
     worst = (err / bf16_ulp(r))[big].max().item() if big.any() else 0.0
     bad = (~ok).nonzero()[:4].tolist()
@@ -203,8 +207,16 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
     ref_records = make_records(B, H, T, device) if record else None
     got_records = make_records(B, H, T, device) if record else None
     ref, o32 = reference(ref_layer, step, records=ref_records, scalars=scalars)
-    got = call_kernel(layer, step, kernel, records=got_records, gate_mode=gate_mode,
-                      cluster=cluster, scalars=scalars)  # fmt: skip
+    conv_before = layer.conv_state.clone()
+    try:
+        got = call_kernel(layer, step, kernel, records=got_records, gate_mode=gate_mode,
+                          cluster=cluster, scalars=scalars)  # fmt: skip
+    except ValueError as e:  # a window past KdaStream's shared memory: refused, untouched
+        if kernel != "stream" or "shared memory" not in str(e):
+            raise
+        assert torch.equal(layer.state, before) and torch.equal(layer.conv_state, conv_before)
+        print(f"H{H} B{B} T{T} stream: refused ({e})")
+        return None
     torch.cuda.synchronize()
     check_state(layer.state, ref_layer.state, before, written_pages(step, ref_records))
     assert torch.equal(layer.conv_state, ref_layer.conv_state), "conv pages differ"

@@ -1,5 +1,7 @@
 """Every refusal of ``launch/decode.py`` reached by its own options, in process (CPU, no
-launcher): exit status 2 and the last line ``DECODE FAILED: <the refusal>``."""
+launcher): exit status 2 and the last line ``DECODE FAILED: <the refusal>``. Values the
+option parser already refuses (ranges) reach the job's own checks as ``{name: value}``
+set after parsing, as a program building the options itself would pass them."""
 
 import pytest
 import torch
@@ -7,25 +9,34 @@ import torch
 from launch import decode
 from launch import gpu as gpu_job
 from launch import host as host_job
-from tpcomm.host import ProcessInfo
 
 GPU_REFUSALS = [  # options, backend, processes, message
     ([], "host", 1, "launch/gpu.py runs loopback or nvshmem, not host"),
     ([], "loopback", 2, "--backend loopback runs every rank in one process; this job has 2"),
     (["--tp", "4"], "nvshmem", 2, "--tp 4 is for the loopback backend; the nvshmem backend"),
     (["--tp", "4", "--heads", "6"], "loopback", 1, "heads (6) must be a positive multiple"),
-    (["--tokens", "9"], "loopback", 1, "tokens must be in 1..8; got 9"),
-    (["--blocks", "9"], "loopback", 1, "blocks must be in 0..8; got 9"),
-    (["--requests", "0"], "loopback", 1, "requests and steps must be >= 1"),
-    (["--steps", "0"], "loopback", 1, "requests and steps must be >= 1"),
-    (["--padding", "1.0"], "loopback", 1, "padding must be a fraction in [0, 1)"),
-    (["--groups", "5"], "loopback", 1, "groups must be in 1..4; got 5"),
+    ({"tokens": 9}, "loopback", 1, "tokens must be in 1..8; got 9"),
+    ({"blocks": 9}, "loopback", 1, "blocks must be in 0..8; got 9"),
+    ({"requests": 0}, "loopback", 1, "requests and steps must be >= 1"),
+    ({"steps": 0}, "loopback", 1, "requests and steps must be >= 1"),
+    ({"padding": 1.0}, "loopback", 1, "padding must be a fraction in [0, 1)"),
+    ({"groups": 5}, "loopback", 1, "groups must be in 1..4; got 5"),
     (["--requests", "3", "--tokens", "3"], "loopback", 1, "at most 8"),
 ]
 
 
+def _parse(argv):
+    """Options from ``argv`` (a list) or defaults overridden by ``argv`` (a dict)."""
+    if isinstance(argv, dict):
+        args = decode.parse_args([])
+        for name, value in argv.items():
+            setattr(args, name, value)
+        return args
+    return decode.parse_args(argv)
+
+
 def _gpu_main(argv, backend, processes, capsys):
-    args = decode.parse_args(argv)
+    args = _parse(argv)
     args.tokens = decode.GPU_TOKENS if args.tokens is None else args.tokens
     status = gpu_job.main(args, backend, processes, "single")
     return status, capsys.readouterr().out.strip().splitlines()[-1]
@@ -53,18 +64,20 @@ def test_gpu_job_needs_cuda_and_nvshmem(monkeypatch, capsys):
 HOST_REFUSALS = [  # options, world, message
     (["--tp", "3"], 2, "--tp 3 is for the loopback backend; the host backend runs one rank"),
     (["--heads", "6"], 4, "heads (6) must be a positive multiple of TP (4)"),
-    (["--tokens", "0"], 1, "tokens must be in 1..8; got 0"),
-    (["--groups", "0"], 1, "groups must be in 1..4; got 0"),
+    ({"tokens": 0}, 1, "tokens must be in 1..8; got 0"),
+    ({"groups": 0}, 1, "groups must be in 1..4; got 0"),
 ]
 
 
 @pytest.mark.parametrize("argv,world,message", HOST_REFUSALS,
                          ids=[str(i) for i in range(len(HOST_REFUSALS))])  # fmt: skip
-def test_host_job_refusals(argv, world, message, capsys):
-    args = decode.parse_args(argv)
+def test_host_job_refusals(argv, world, message, capsys, monkeypatch):
+    args = _parse(argv)
     args.tokens = decode.HOST_TOKENS if args.tokens is None else args.tokens
     args.groups = 4 if args.groups is None else args.groups
-    status = host_job.run(args, ProcessInfo(0, world, 0, "single"), None)
+    args.timeout = decode.HOST_TIMEOUT
+    monkeypatch.setattr(host_job, "job_processes", lambda: world)
+    status = host_job.main(args)  # refused before any process group or backend exists
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 2 and last.startswith("DECODE FAILED: ") and message in last, last
 
@@ -75,4 +88,5 @@ def test_argument_parser_refusals(capsys):
         with pytest.raises(SystemExit) as e:
             decode.parse_args(argv)
         assert e.value.code == 2
-        assert "invalid choice" in capsys.readouterr().err
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith("DECODE FAILED: ") and "invalid choice" in last, last
