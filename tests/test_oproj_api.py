@@ -37,28 +37,12 @@ def test_group_ranks_cover_every_rank_once():
     assert [min_blocks_per_sm(g) for g in range(1, 5)] == [8, 4, 2, 2]
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(tp=0, tokens=1, hid=1024), "tp"),
-        (dict(tp=17, tokens=1, hid=1024), "tp"),
-        (dict(tp=4, tokens=0, hid=1024), "tokens"),
-        (dict(tp=4, tokens=9, hid=1024), "tokens"),
-        (dict(tp=4, tokens=1, hid=1000), "hid"),
-        (dict(tp=4, tokens=1, hid=9216), "hid"),
-    ],
-)
-def test_choose_rejects(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        api.choose(**kwargs)
-
-
 def _comm(nb=2, **kw):
     backend = LoopbackBackend(4, device="cpu")
     return api.OprojAllReduce(backend, 2, 2048, nb, **kw)
 
 
-def _args(nb=2, tokens=2, hid=2048):
+def consumer_args(nb=2, tokens=2, hid=2048):
     bf = dict(dtype=torch.bfloat16)
     return dict(
         prefix=torch.zeros(tokens, hid, **bf),
@@ -103,7 +87,7 @@ def test_constructor_validation():
 )
 def test_consume_validation(change, match):
     comm = _comm()
-    a = dict(_args(), **change)
+    a = dict(consumer_args(), **change)
     with pytest.raises(ValueError, match=match):
         comm.consume(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
                      a["output"], 0, rank=1)  # fmt: skip
@@ -111,7 +95,7 @@ def test_consume_validation(change, match):
 
 def test_step_rank_xmoe_validation():
     comm = _comm()
-    a = _args()
+    a = consumer_args()
     call = (a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"], a["output"])
     with pytest.raises(ValueError, match="step"):
         comm.consume(*call, -1, rank=0)
@@ -142,7 +126,7 @@ def test_twoshot_buffers_and_validation():
     backend = LoopbackBackend(3, device="cpu")
     with pytest.raises(ValueError, match="twoshot"):
         api.OprojAllReduce(backend, 1, 1024, 0, twoshot=True)  # 1024 % 24 != 0
-    a = _args()
+    a = consumer_args()
     with pytest.raises(ValueError, match="CUDA"):
         comm.consume(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
                      a["output"], 0, rank=1)  # fmt: skip
@@ -152,7 +136,7 @@ def test_one_launch_validation():
     """run_ranks(mode="one-launch"): every rank stacked [TP, ...] contiguous, one-shot, all
     ranks; each refusal names its argument before any launch."""
     comm = _comm()
-    a = _args()
+    a = consumer_args()
     bf = dict(dtype=torch.bfloat16)
     stacked = dict(prefixes=torch.zeros(4, 2, 2048, **bf), outputs=torch.zeros(4, 2, 2048, **bf))
     partials = torch.zeros(4, 2, 2048, **bf)
@@ -187,7 +171,7 @@ def test_one_launch_validation():
 def test_one_launch_all_reduce_skips_coresidency_and_refuses_per_rank_runs():
     comm = _comm(one_launch=True)
     assert comm.one_launch
-    a = _args()
+    a = consumer_args()
     with pytest.raises(ValueError, match="one_launch=True"):
         comm.run_ranks(None, None, a["blocks"], a["norm"], a["query"], a["out_norm"], None, 0)
     with pytest.raises(ValueError, match="one-shot"):
@@ -233,7 +217,7 @@ def test_publish_and_consume_all_validate():
         comm.publish_all(_bf(3, 2, 2048), 0)
     with pytest.raises(ValueError, match="partials must be contiguous"):
         comm.publish_all(_bf(8, 2, 2048)[::2], 0)
-    a = _args()
+    a = consumer_args()
     with pytest.raises(ValueError, match=r"prefixes must be \[TP, ...\]"):
         comm.consume_all(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
                          _bf(4, 2, 2048), 0)  # fmt: skip

@@ -3,6 +3,7 @@ co-residency rule and its refusal, and the host API's validation (no DSL, no GPU
 
 import pytest
 import torch
+from test_oproj_api import consumer_args
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import api
@@ -138,12 +139,7 @@ def _args(nb=2, tokens=2, hid=2048, d_local=256):
     return dict(
         attn_out=torch.zeros(tokens, d_local, **bf),
         w_o=torch.zeros(hid, d_local, **bf),
-        prefix=torch.zeros(tokens, hid, **bf),
-        blocks=torch.zeros(tokens, nb, hid, **bf) if nb else None,
-        norm=torch.ones(hid, **bf),
-        query=torch.ones(hid, **bf),
-        out_norm=torch.ones(hid, **bf),
-        output=torch.zeros(tokens, hid, **bf),
+        **consumer_args(nb, tokens, hid),
     )
 
 

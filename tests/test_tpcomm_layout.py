@@ -44,9 +44,12 @@ def test_mailbox_layout_offsets_cover_buffer_once():
         (dict(tp=2, tokens=1, hid=9216), "hid"),
     ],
 )
-def test_layout_rejects_bad_sizes(kwargs, name):
+@pytest.mark.parametrize("build", ["layout", "choose"])
+def test_layout_and_plan_reject_bad_sizes(kwargs, name, build):
+    from tpcomm.oproj.api import choose
+
     with pytest.raises(ValueError, match=name):
-        mb.MailboxLayout(**kwargs)
+        (mb.MailboxLayout if build == "layout" else choose)(**kwargs)
 
 
 def test_layout_rejects_bad_coordinates():
