@@ -50,13 +50,20 @@ def parity(step: int) -> int:
     return step & 1
 
 
-def _check(tp: int, tokens: int, hid: int) -> None:
+def check_tp_hid(tp: int, hid: int) -> None:
+    """TP group size 1..MAX_TP and a hidden width of whole 1024-column slices."""
     if not is_int(tp) or not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
+    if not is_int(hid) or hid % COLUMNS_PER_CTA or not 0 < hid <= MAX_HID:
+        raise ValueError(
+            f"hid must be a multiple of {COLUMNS_PER_CTA} up to {MAX_HID}; got {hid!r}"
+        )
+
+
+def _check(tp: int, tokens: int, hid: int) -> None:
+    check_tp_hid(tp, hid)
     if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
-    if not is_int(hid) or hid % COLUMNS_PER_CTA or not 0 < hid <= MAX_HID:
-        raise ValueError(f"hid must be a multiple of {COLUMNS_PER_CTA} up to {MAX_HID}; got {hid}")
 
 
 @dataclass(frozen=True)

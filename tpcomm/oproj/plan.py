@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from tpcomm.checks import is_int
 from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
-from tpcomm.mailbox import CTA_THREADS, DEFAULT_BUDGET_NS, MAX_TOKENS, MAX_TP, POLL_CHUNK
+from tpcomm.mailbox import (
+    CTA_THREADS,
+    DEFAULT_BUDGET_NS,
+    MAX_TOKENS,
+    MAX_TP,
+    POLL_CHUNK,
+    check_tp_hid,
+)
 from tpcomm.mailbox import MAX_HID as MAX_HIDDEN
 
 __all__ = [
@@ -63,7 +70,7 @@ def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
 
 def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
     """The consumer's compile-time configuration."""
-    _check_tp_hid(tp, hid)
+    check_tp_hid(tp, hid)
     if not is_int(nb) or not 0 <= nb <= MAX_BLOCKS:
         raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
     if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:
@@ -76,17 +83,10 @@ def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
 def check_producer(tp, hid, d_local=None, *, twoshot=False, ranks=1):
     """The publisher's (``d_local`` None) or the producer's compile-time configuration."""
     check_ranks(tp, ranks, twoshot)
-    _check_tp_hid(tp, hid)
+    check_tp_hid(tp, hid)
     if d_local is not None and (not is_int(d_local) or d_local <= 0 or d_local % (K_CHUNK * WARPS)):
         raise ValueError(f"d_local must be a positive multiple of 128; got {d_local!r}")
     _check_twoshot(tp, hid, twoshot)
-
-
-def _check_tp_hid(tp, hid):
-    if not is_int(tp) or not 1 <= tp <= MAX_TP:
-        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not is_int(hid) or hid % SLICE or not SLICE <= hid <= SLICE * MAX_CLUSTER:
-        raise ValueError(f"hid must be a multiple of 1024 in 1024..8192; got {hid!r}")
 
 
 def _check_twoshot(tp, hid, twoshot):
