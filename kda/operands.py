@@ -130,7 +130,8 @@ def make_ring(state: torch.Tensor, size: int) -> Ring:
 
 def takes(operands, **options):
     """Give a function written ``f(*args, **kwargs)`` over ``operands``' fields the signature
-    those fields spell (plus keyword ``options`` with their defaults), for ``help`` and IDEs."""
+    those fields spell (plus keyword ``options`` with their defaults; ``Parameter.empty``:
+    required), for ``help`` and IDEs."""
     import dataclasses
     import inspect
 

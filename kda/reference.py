@@ -24,6 +24,7 @@ when the ring is full).
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -265,7 +266,7 @@ def recover(*args, validate=None, **kwargs):
         state[targets[keep, t]] = S[keep]
 
 
-@takes(DecodeOperands, ring=None, o_out=None, validate=None)
+@takes(DecodeOperands, ring=inspect.Parameter.empty, o_out=None, validate=None)
 def replay_decode(*args, ring: Ring, o_out=None, validate=None, **kwargs):
     """One replay decode (T = 1) or verify (T = 2..8) step: ``decode``'s arguments
     (``state`` is the checkpoint pool; ``records`` must be None) plus ``ring``; mutates
