@@ -197,7 +197,7 @@ class OprojAllReduce:
     def launch_publish(self, partial, step, rank):
         """``kimi::oproj_publish``'s implementation: check, launch on the current stream."""
         self.check_publish_args(partial, step, rank)
-        self._launch(self._publisher(), (partial,), rank, step, None)
+        self._launch(self._publisher(), (partial,), rank, step)
 
     def produce(self, attn_out, w_o, step, rank=None, stream=None):
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
@@ -209,7 +209,7 @@ class OprojAllReduce:
     def launch_produce(self, attn_out, w_o, step, rank):
         """``kimi::oproj_produce``'s implementation: check, launch on the current stream."""
         d_local = self.check_produce_args(attn_out, w_o, step, rank)
-        self._launch(self._producer(d_local), (attn_out, w_o), rank, step, None)
+        self._launch(self._producer(d_local), (attn_out, w_o), rank, step)
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
                 rank=None, stream=None, checked=False, validate=None):  # fmt: skip
@@ -249,15 +249,15 @@ class OprojAllReduce:
         return compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0,
                                  self.fence, pdl, twoshot=self.twoshot, ranks=ranks)  # fmt: skip
 
-    def _launch(self, fn, tensors, rank, step, stream):
+    def _launch(self, fn, tensors, rank, step):
         """A publisher or producer launch: ``tensors`` (partial, or attn_out and w_o) of
-        ``rank``, its peer table, then rank and parity, on ``stream`` (None: current)."""
+        ``rank``, its peer table, then rank and parity, on the current stream."""
         import cuda.bindings.driver as cuda
         from cutlass import Int32, Int64
 
         from tpcomm.cuteutil import to_cute
 
-        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        stream = torch.cuda.current_stream(self.device)
         fn(*(to_cute(t) for t in tensors), to_cute(self.peers[rank], 8),
            Int64(self.multicast_base), Int32(rank), Int32(step & 1),
            cuda.CUstream(stream.cuda_stream))  # fmt: skip
@@ -480,7 +480,7 @@ class OprojAllReduce:
         check_stacked("attn_outs", attn_outs, (self.tp, self.tokens, d_local))
         check_stacked("w_os", w_os, (self.tp, self.hid, d_local))
         fn = self._producer(d_local, pdl, ranks=self.tp)
-        self._launch(fn, (attn_outs[0], w_os[0]), 0, step, None)
+        self._launch(fn, (attn_outs[0], w_os[0]), 0, step)
 
     def publish_all(self, partials, step, *, pdl=False):
         """Every rank's ready partial (``partials`` [TP, tokens, HID], contiguous) into every
@@ -490,7 +490,7 @@ class OprojAllReduce:
         check_stacked("partials", partials, (self.tp, self.tokens, self.hid))
         check_device_tensor("partials", partials[0], (self.tokens, self.hid), torch.bfloat16,
                              self.device)  # fmt: skip
-        self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step, None)
+        self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step)
 
     def _check_all(self, prefixes, blocks, norm, query, out_norm, outputs, xmoes):
         self._check_one_launch()
