@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the project importable
 import torch
 
 from launch.layer import MAX_ROWS
+from launch.liveness import hard_exit
 from launch.procs import env_rank, job_processes, nvshmem_installed
 from launch.report import check_json_path
 from tpcomm.host import launcher
@@ -44,8 +45,7 @@ class Parser(argparse.ArgumentParser):
             print(f"DECODE FAILED: {self.prog}: {message}", flush=True)
         if job_processes() > 1:  # the launcher stops the other ranks once one exits: every
             time.sleep(REFUSAL_TICK_S - time.time() % REFUSAL_TICK_S)  # rank leaves on one
-            sys.stdout.flush()  # clock tick, at once (no interpreter teardown)
-            os._exit(2)
+            hard_exit(2)  # clock tick, at once (no interpreter teardown)
         sys.exit(2)
 
 

@@ -26,6 +26,24 @@ SUSPECT_S = 3.0  # heartbeat limit after a collective failed or the launcher sai
 PREFIX = "decode/live/"
 
 
+def hard_exit(code: int) -> None:
+    """``os._exit(code)`` after flushing stdio and, when coverage measures this process
+    (the test suite's subprocess measurement), saving its data, which ``os._exit`` would
+    drop with the ``atexit`` hooks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    measuring = current() if current is not None else None
+    if measuring is not None:
+        try:
+            measuring.stop()
+            measuring.save()
+        except Exception:  # measurement must never change how the process exits
+            pass
+    os._exit(code)
+
+
 def _proc_gone(pid: int) -> bool:
     """The process ``pid`` (this host) exited: no /proc entry, or a zombie."""
     try:
@@ -101,8 +119,7 @@ class Liveness:
         with self._lock:
             who = "" if rank is None else f"rank {rank} "
             print(f"DECODE FAILED: {who}{why} (seen by rank {self.rank})", flush=True)
-            sys.stderr.flush()
-            os._exit(2)
+            hard_exit(2)
 
     def _terminated(self, signum, frame):
         self._limit = min(self._limit, SUSPECT_S)

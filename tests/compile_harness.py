@@ -7,6 +7,11 @@ when the ``cu13`` extra (nvidia-cutlass-dsl) is not installed.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+
 import pytest
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -38,3 +43,23 @@ def compile_for(arch: str, fn, *args, **kwargs):
         raise ValueError(f"arch must be one of {ARCHS}; got {arch!r}")
     cute = require_dsl()
     return cute.compile(fn, *args, options=f"--gpu-arch {arch}", **kwargs)
+
+
+def ptxas_sm90a(text: str, path) -> str:
+    """Assemble PTX ``text`` (written to ``path``) with ptxas for sm_90a; returns ptxas'
+    ``-v`` report. Skips without a ptxas, or when this ptxas predates the PTX ISA the
+    installed DSL emits (e.g. CUDA 13.0's ptxas and the cu13 libraries' newer ``.version``);
+    any other ptxas failure fails the test with its message."""
+    exe = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+    if not os.path.exists(exe):
+        pytest.skip("no ptxas for the register / spill check")
+    with open(path, "w") as f:
+        f.write(text)
+    p = subprocess.run([exe, "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                       capture_output=True, text=True)  # fmt: skip
+    if p.returncode != 0 and re.search(r"Unsupported \.version", p.stderr):
+        version = re.search(r"^\.version (\S+)", text, re.M)
+        pytest.skip(f"{exe} cannot assemble PTX ISA {version and version.group(1)}: "
+                    f"{p.stderr.strip()[:200]}")  # fmt: skip
+    assert p.returncode == 0, f"ptxas failed ({p.returncode}): {p.stderr[-2000:]}"
+    return p.stderr

@@ -5,6 +5,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these (the
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # GPU machine runs the suite as
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")  # root); mpirun tests inherit
+
 
 def _has_cuda():
     try:

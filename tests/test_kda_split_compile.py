@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from compile_harness import ARCHS, compile_for, require_dsl
+from compile_harness import ARCHS, compile_for, ptxas_sm90a, require_dsl
 from test_kda_compile import fake_args
 
 pytestmark = pytest.mark.compile
@@ -47,17 +47,12 @@ def test_split_config_errors():
         KdaSplit(2, 9, cluster=2)
 
 
-PTXAS = "/usr/local/cuda-13.0/bin/ptxas"
-
-
 @pytest.mark.parametrize(
     "which", ["split-C2-T8", "split-C8-T4-record", "recover-T8"], ids=lambda w: w
 )
 def test_static_resources(which, tmp_path):
     """The PTX has the cluster exchange (split) and ptxas reports no spills (sm_90a)."""
-    import os
     import re
-    import subprocess
 
     require_dsl()
     import cutlass.cute as cute
@@ -79,15 +74,6 @@ def test_static_resources(which, tmp_path):
     if which.startswith("split"):
         for needle in ("st.async", "barrier.cluster.arrive", "barrier.cluster.wait", "mapa"):
             assert needle in text, needle
-    if not os.path.exists(PTXAS):
-        pytest.skip("no ptxas (CUDA 13.0 toolkit) for the spill check")
-    source = tmp_path / "kernel.ptx"
-    source.write_text(text)
-    result = subprocess.run(
-        [PTXAS, "-arch=sm_90a", "-v", str(source), "-o", os.devnull],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
-    assert spills and all(s == ("0", "0") for s in spills), result.stderr
+    report = ptxas_sm90a(text, tmp_path / "kernel.ptx")
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report

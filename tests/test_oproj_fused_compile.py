@@ -1,10 +1,7 @@
 """CPU compile tests: OprojFused (producer + consumer in one launch) for sm_90a and sm_100a."""
 
-import shutil
-import subprocess
-
 import pytest
-from compile_harness import ARCHS, compile_for, require_dsl
+from compile_harness import ARCHS, compile_for, ptxas_sm90a, require_dsl
 
 pytestmark = pytest.mark.compile
 
@@ -90,7 +87,6 @@ def test_fused_consumer_waits_before_polling(tmp_path):
     assert sum(c > consumer_wait for c in copies) == 1
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas")
 @pytest.mark.parametrize("groups, tiles", [(4, 1), (2, 8), (1, 16)])
 def test_fused_fits_its_launch_bound(tmp_path, groups, tiles):
     """ptxas keeps the registers under the launch bound's cap without spilling, so the
@@ -99,10 +95,7 @@ def test_fused_fits_its_launch_bound(tmp_path, groups, tiles):
 
     tp = {1: 4, 2: 8, 4: 16}[groups]
     text = _ptx(tmp_path, tp, 7168, 8, 768, groups=groups, tiles=tiles, pdl=True)
-    path = tmp_path / "fused.ptx"
-    path.write_text(text)
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", "/dev/null"],
-                         capture_output=True, text=True, check=True).stderr  # fmt: skip
+    out = ptxas_sm90a(text, tmp_path / "fused.ptx")
     registers = int(out.split("Used ")[1].split(" registers")[0])
     cap = 65536 // (128 * groups * min_blocks_per_sm(groups))
     assert registers <= cap, out
