@@ -15,7 +15,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a script: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,8 +43,7 @@ class Parser(argparse.ArgumentParser):
         if env_rank() == 0:
             print(f"DECODE FAILED: {self.prog}: {message}", flush=True)
         if job_processes() > 1:  # the launcher stops the other ranks once one exits: every
-            time.sleep(REFUSAL_TICK_S - time.time() % REFUSAL_TICK_S)  # rank leaves on one
-            hard_exit(2)  # clock tick, at once (no interpreter teardown)
+            hard_exit(2, REFUSAL_TICK_S)  # rank leaves on one clock tick, at once
         sys.exit(2)
 
 

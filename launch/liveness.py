@@ -26,12 +26,11 @@ SUSPECT_S = 3.0  # heartbeat limit after a collective failed or the launcher sai
 PREFIX = "decode/live/"
 
 
-def hard_exit(code: int) -> None:
-    """``os._exit(code)`` after flushing stdio and, when coverage measures this process
-    (the test suite's subprocess measurement), saving its data, which ``os._exit`` would
+def hard_exit(code: int, tick_s: float | None = None) -> None:
+    """``os._exit(code)``, at the next multiple of ``tick_s`` on the clock when given (ranks
+    leaving together), after flushing stdio and, when coverage measures this process (the
+    test suite's subprocess measurement), saving its data first, which ``os._exit`` would
     drop with the ``atexit`` hooks."""
-    sys.stdout.flush()
-    sys.stderr.flush()
     coverage = sys.modules.get("coverage")
     current = getattr(getattr(coverage, "Coverage", None), "current", None)
     measuring = current() if current is not None else None
@@ -41,6 +40,10 @@ def hard_exit(code: int) -> None:
             measuring.save()
         except Exception:  # measurement must never change how the process exits
             pass
+    if tick_s:
+        time.sleep(tick_s - time.time() % tick_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

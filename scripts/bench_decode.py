@@ -13,7 +13,9 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
   copy bandwidth measured in this run.
 - ``compiled`` (``--compiled``): the runner's own ``engine.DecodeLayer`` of each rank stepped
   by a ``torch.compile(fullgraph=True, mode="reduce-overhead")`` function (every rank's KDA
-  and producer, then every consumer, on one stream), same shapes, one call per replay.
+  and producer, then every consumer, on one stream), same shapes, one call per replay;
+  ``compiled_alone``: rank 0's layer step compiled, set up as ``alone`` (the engine's case,
+  one rank per GPU; its target: no slower than ``alone``).
 
     python scripts/bench_decode.py [--tp 8 16] [--requests 1 2 4 8] [--replays 50]
                                    [--json PATH] [--quick] [--compiled]
@@ -106,13 +108,63 @@ def layer_step(layers, xs, f_a, betas, gates, slots, prefixes, blocks, outputs, 
         L.consume(prefixes[r], blocks, outputs[r], parity)
 
 
+def rank_step(layer, x, f_a, beta, gate, slots, prefix, blocks, output, attn, choice,
+              parity: int):  # fmt: skip
+    """One rank's T = 1 step through its DecodeLayer (KDA, producer, consumer): what an
+    engine's process compiles with one rank per GPU."""
+    layer.attend(x, f_a, beta, gate, slots, out=attn, choice=choice)
+    layer.produce(attn, parity)
+    layer.consume(prefix, blocks, output, parity)
+
+
+def _compile_checked(step_fn, args, live, outputs, before=lambda: None):
+    """``torch.compile(step_fn, fullgraph=True, mode="reduce-overhead")`` checked against
+    the eager call of ``step_fn(*args)`` (each run after ``before()``, from the same
+    ``live`` tensors: pools, prefixes): RuntimeError on a graph break, a CUDA-graph skip or
+    ``outputs`` that differ from the eager call's. Returns the compiled function."""
+    from torch._dynamo.utils import counters
+
+    start = [t.clone() for t in live]
+
+    def reset():
+        for t, t0 in zip(live, start, strict=True):
+            t.copy_(t0)
+        before()
+
+    reset()
+    step_fn(*args)  # eager: compiles every kernel; the reference result
+    torch.cuda.synchronize()
+    want = [t.clone() for t in outputs]
+    reset()
+    explained = torch._dynamo.explain(step_fn)(*args)
+    if explained.graph_break_count:
+        raise RuntimeError(f"graph breaks: {explained.break_reasons}")
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(step_fn, fullgraph=True, mode="reduce-overhead", dynamic=False)
+    for _ in range(3):  # warm-up, record, replay: each from the same pools and prefixes
+        reset()
+        fn(*args)
+    torch.cuda.synchronize()
+    if counters["inductor"]["cudagraph_skips"]:
+        raise RuntimeError(f"CUDA graphs skipped: {dict(counters['inductor'])}")
+    if not all(torch.equal(a, b) for a, b in zip(outputs, want, strict=True)):
+        raise RuntimeError("the compiled step differs from the eager step")
+    return fn
+
+
+def _static(tensors):
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
+    return tensors
+
+
 def compiled(cfg, model, replays):
     """The runner's DecodeLayers (``Runner.decode_layers``) stepped by ``layer_step`` under
     ``torch.compile(fullgraph=True, mode="reduce-overhead")``: median us per call. Refuses
     (RuntimeError) on a graph break, a CUDA-graph skip, a consumer timeout or a result
     that differs from the eager call's."""
-    from torch._dynamo.utils import counters
-
     from tpcomm.backends.loopback import LoopbackBackend
 
     backend = LoopbackBackend(cfg.tp)
@@ -130,40 +182,55 @@ def compiled(cfg, model, replays):
             attns=[bk.attn[i].clone() for i in range(n)],
         )  # fmt: skip
         for v in bufs.values():
-            for t in v if isinstance(v, list) else [v]:
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
+            _static(v if isinstance(v, list) else [v])
         args = (runner.decode_layers, *bufs.values(), runner.kda_choice(bk), 0)
         live = [t for L in runner.decode_layers for t in (L.shard.state, L.shard.conv_state)]
-        live += bufs["prefixes"]
-        start = [t.clone() for t in live]
-
-        def reset():  # the pools and prefixes as before the first step
-            for t, t0 in zip(live, start, strict=True):
-                t.copy_(t0)
-
-        layer_step(*args)  # eager: compiles every kernel; the reference result
-        torch.cuda.synchronize()
-        want = [t.clone() for t in bufs["outputs"]]
-        reset()
-        explained = torch._dynamo.explain(layer_step)(*args)
-        if explained.graph_break_count:
-            raise RuntimeError(f"graph breaks: {explained.break_reasons}")
-        torch._dynamo.reset()
-        counters.clear()
-        fn = torch.compile(layer_step, fullgraph=True, mode="reduce-overhead", dynamic=False)
-        for _ in range(3):  # warm-up, record, replay: each from the same pools and prefixes
-            reset()
-            fn(*args)
-        torch.cuda.synchronize()
-        if counters["inductor"]["cudagraph_skips"]:
-            raise RuntimeError(f"CUDA graphs skipped: {dict(counters['inductor'])}")
-        if not all(torch.equal(a, b) for a, b in zip(bufs["outputs"], want, strict=True)):
-            raise RuntimeError("the compiled step differs from the eager step")
+        fn = _compile_checked(layer_step, args, live + bufs["prefixes"], bufs["outputs"])
         us = _replays(lambda: fn(*args), replays)  # as ours: the pools move on each step
         errors = bk.comm.errors[:, 0].tolist()
         if any(errors):
             raise RuntimeError(f"consumer timeouts during the replays: {errors}")
+        return us
+    finally:
+        torch._dynamo.reset()
+        backend.teardown()
+
+
+def compiled_alone(cfg, model, replays):
+    """Rank 0's DecodeLayer step (``rank_step``) under ``torch.compile(fullgraph=True,
+    mode="reduce-overhead")``, the other ranks' partials published first by an untimed
+    graph, as ``alone``: the engine's case (one rank per GPU), against ``alone``."""
+    from tpcomm.backends.loopback import LoopbackBackend
+
+    backend = LoopbackBackend(cfg.tp)
+    backend.check_coresident = lambda *args: None  # one rank's consumer runs at a time
+    try:
+        runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
+        plan, step, prefix, blocks = _step(cfg, model)
+        bk = runner.bucket(1, False)
+        choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
+        runner.fill(bk, plan, step, prefix, blocks)
+        partial = torch.randn(bk.rows, cfg.hidden, device=runner.device).to(torch.bfloat16)
+
+        def publish_others():
+            for r in range(1, cfg.tp):
+                bk.comm.publish(partial, 0, rank=r)
+
+        layer = runner.decode_layers[0]
+        bufs = _static([bk.x[0].clone(), bk.f_a, bk.beta[0].clone(), bk.gate[0].clone(),
+                        bk.slots, bk.prefix[0].clone(), bk.blocks, bk.output[0].clone(),
+                        bk.attn[0].clone()])  # fmt: skip
+        args = (layer, *bufs, choice, 0)
+        live = [layer.shard.state, layer.shard.conv_state, bufs[5]]
+        fn = _compile_checked(rank_step, args, live, [bufs[7]], before=publish_others)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        g_pub = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_pub, stream=side):
+            publish_others()
+        us = _replays(lambda: fn(*args), replays, before=g_pub.replay)
+        if int(bk.comm.errors[0, 0]):
+            raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
         return us
     finally:
         torch._dynamo.reset()
@@ -297,7 +364,8 @@ def main(argv=None) -> int:
             variants = [(f"{mode.replace('-', '_')}", lambda c, m, n, mode=mode: ours(
                 c, m, n, oproj_launch=mode)[0]) for mode in OPROJ_LAUNCHES
                 if mode != DEFAULT_OPROJ_LAUNCH]  # fmt: skip
-            extra = [("compiled", compiled)] if args.compiled else []
+            extra = [("compiled", compiled), ("compiled_alone", compiled_alone)] \
+                if args.compiled else []  # fmt: skip
             for name, fn in [("ours", ours), *variants, *extra, ("alone", alone), ("peer", peer)]:
                 try:
                     result = fn(cfg, model, args.replays)
@@ -343,9 +411,12 @@ def _print_table(rows, tbps):
     for r in rows:
         if "compiled_us" in r:  # --compiled
             c, o = r["compiled_us"], r.get("ours_us")
+            ca, a = r.get("compiled_alone_us"), r.get("alone_us")
             vs = "-" if c is None or o is None else f"{c / o:.2f} x ours"
-            print(f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step "
-                  f"{_cell(c).strip()} us ({vs}; target <= 1.00 x)")  # fmt: skip
+            va = "-" if ca is None or a is None else f"{ca / a:.2f} x alone"
+            print(f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step, one rank "
+                  f"(engine, one rank per GPU) {_cell(ca).strip()} us ({va}; target <= 1.00 x); "
+                  f"every rank on one stream {_cell(c).strip()} us ({vs})")  # fmt: skip
     for r in rows:
         modes = ", ".join(f"{m} {r[k]:.2f} us" for m in OPROJ_LAUNCHES
                           if r.get(k := f"{m.replace('-', '_')}_us") is not None)  # fmt: skip
