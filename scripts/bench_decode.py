@@ -9,6 +9,8 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
   ``w_o`` (11 MB at TP 16), which L2 may hold between replays; the others need no rotation.
 - ``peer``: fla conv / ``fused_recurrent_kda`` / ``rms_norm_gated``, torch ``bmm``
   partials, their sum and the epilogue in torch, one stream, one graph (skipped without fla).
+- every time is GPU time (the host enqueues each timed call while the GPU sleeps); the
+  host's dispatch per call is reported for ``alone`` and ``compiled_alone``.
 - ``floor``: (state pages read + written + every rank's ``w_o``) / the device-to-device
   copy bandwidth measured in this run.
 - ``compiled`` (``--compiled``): the runner's own ``engine.DecodeLayer`` of each rank stepped
@@ -28,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
@@ -60,20 +63,41 @@ def _step(cfg, model):
     return plan, step, prefix, blocks
 
 
+HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the timed call meanwhile
+
+
 def _replays(fn, replays, before=None):
-    """Median GPU time (us) of ``fn()`` (one graph launch) over ``replays`` calls, each
-    after an untimed ``before()``."""
+    """Median GPU time (us) of ``fn()`` over ``replays`` calls, each after an untimed
+    ``before()``. The GPU sleeps ~2 ms before the start event, so the host has enqueued the
+    call before the GPU reaches it: the time is the GPU's, not the host's dispatch (see
+    ``_host_us``)."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if before is not None:
             before()
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def _host_us(fn, calls, before=None):
+    """Host time (us) of one ``before(); fn()`` call, the GPU kept busy meanwhile (its
+    sleep covers every call's dispatch, so no call waits for the GPU)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOST_AHEAD_CYCLES * 10)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        if before is not None:
+            before()
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def ours(cfg, model, replays, oproj_launch=None):
@@ -229,9 +253,10 @@ def compiled_alone(cfg, model, replays):
         with torch.cuda.graph(g_pub, stream=side):
             publish_others()
         us = _replays(lambda: fn(*args), replays, before=g_pub.replay)
+        host = _host_us(lambda: fn(*args), replays, before=g_pub.replay)
         if int(bk.comm.errors[0, 0]):
             raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
-        return us
+        return us, host
     finally:
         torch._dynamo.reset()
         backend.teardown()
@@ -270,9 +295,10 @@ def alone(cfg, model, replays):
         with torch.cuda.graph(g_one, stream=side):
             rank0()
         us = _replays(g_one.replay, replays, before=g_pub.replay)
+        host = _host_us(g_one.replay, replays, before=g_pub.replay)
         if int(bk.comm.errors[0, 0]):
             raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
-        return us
+        return us, host
     finally:
         backend.teardown()
 
@@ -375,6 +401,8 @@ def main(argv=None) -> int:
                 if name == "ours":
                     us, row["stages_us"], row["kernel"], row["groups"] = result
                     row["ours_us"] = us
+                elif name in ("alone", "compiled_alone"):  # GPU us, host us per call
+                    row[f"{name}_us"], row[f"{name}_host_us"] = result
                 else:
                     row[f"{name}_us"] = result
                 torch.cuda.empty_cache()
@@ -415,7 +443,9 @@ def _print_table(rows, tbps):
             vs = "-" if c is None or o is None else f"{c / o:.2f} x ours"
             va = "-" if ca is None or a is None else f"{ca / a:.2f} x alone"
             print(f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step, one rank "
-                  f"(engine, one rank per GPU) {_cell(ca).strip()} us ({va}; target <= 1.00 x); "
+                  f"(engine, one rank per GPU) {_cell(ca).strip()} us GPU ({va}; target <= "
+                  f"1.00 x), host dispatch {_cell(r.get('compiled_alone_host_us')).strip()} us "
+                  f"per call (graph replay: {_cell(r.get('alone_host_us')).strip()} us); "
                   f"every rank on one stream {_cell(c).strip()} us ({vs})")  # fmt: skip
     for r in rows:
         modes = ", ".join(f"{m} {r[k]:.2f} us" for m in OPROJ_LAUNCHES

@@ -115,7 +115,9 @@ def test_loopback_checks_catch_a_corrupted_rank(fault, check):
         "--tokens", "2", "--steps", "3", "--fault", fault,
     )  # fmt: skip
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-    assert lines[-1].startswith("DECODE FAILED") and check in lines[-1]
+    assert lines and lines[-1].startswith("DECODE FAILED") and check in lines[-1], (
+        p.stdout[-3000:] + p.stderr[-3000:]
+    )
 
 
 @pytest.mark.gpu

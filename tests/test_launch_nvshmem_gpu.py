@@ -152,8 +152,10 @@ def test_checks_catch_a_corrupted_rank(nproc, fault, check):
 @pytest.mark.gpu
 def test_tp_flag_is_refused(nproc):
     p, lines = torchrun(nproc, SCRIPT, "--backend", "nvshmem", "--tp", str(nproc + 1))
-    assert p.returncode != 0
-    assert any("is for the loopback backend" in x for x in lines), p.stdout[-2000:]
+    assert p.returncode != 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert any("is for the loopback backend" in x for x in lines), (
+        p.stdout[-2000:] + p.stderr[-2000:]
+    )
 
 
 @pytest.mark.gpu

@@ -427,6 +427,8 @@ class OprojAllReduce:
         current = torch.cuda.current_stream(self.device)
         fork = torch.cuda.Event()
         fork.record(current)
+        # every publisher or producer is enqueued before any consumer, so no consumer's
+        # poll budget covers the host's launches of later ranks
         for r in sorted(set(ranks) | set(publishers)):
             streams[r].wait_event(fork)
             x = None if xmoes is None else xmoes[r]
@@ -435,14 +437,15 @@ class OprojAllReduce:
                     self.produce_consume(inputs[r], w_os[r], prefixes[r], blocks, norm, query,
                                          out_norm, outputs[r], step, xmoe=x, rank=r,
                                          stream=streams[r], pdl=pdl, checked=True)  # fmt: skip
-                    continue
-                if r in publishers and w_os is not None:
+                elif r in publishers and w_os is not None:
                     self.produce(inputs[r], w_os[r], step, rank=r, stream=streams[r])
                 elif r in publishers:
                     self.publish(inputs[r], step, rank=r, stream=streams[r])
-                if r in ranks:
-                    self.consume(prefixes[r], blocks, norm, query, out_norm, outputs[r], step,
-                                 xmoe=x, rank=r, stream=streams[r], checked=True)  # fmt: skip
+        for r in () if fused else sorted(ranks):
+            x = None if xmoes is None else xmoes[r]
+            with torch.cuda.stream(streams[r]):
+                self.consume(prefixes[r], blocks, norm, query, out_norm, outputs[r], step,
+                             xmoe=x, rank=r, stream=streams[r], checked=True)  # fmt: skip
         for r in sorted(set(ranks) | set(publishers)):
             current.wait_stream(streams[r])
 
