@@ -167,4 +167,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 2 and job_processes() > 1:  # a refusal: the launcher stops the other ranks
+        hard_exit(2, REFUSAL_TICK_S)  # once one exits, so every rank leaves on one tick
+    sys.exit(status)

@@ -116,6 +116,8 @@ def test_bad_configuration_is_reported():
     p, lines = torchrun(4, "--heads", "6", *SMALL, timeout=300)
     assert p.returncode != 0
     assert any("heads (6) must be a positive multiple of TP (4)" in line for line in lines)
+    # every rank refuses with status 2 on one clock tick: none is stopped by torchrun first
+    assert p.stderr.count("exitcode  : 2") == 4, p.stderr[-3000:]
 
 
 @pytest.mark.distributed
