@@ -26,6 +26,7 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -220,10 +221,12 @@ def compiled(cfg, model, replays):
         backend.teardown()
 
 
-def compiled_alone(cfg, model, replays):
-    """Rank 0's DecodeLayer step (``rank_step``) under ``torch.compile(fullgraph=True,
-    mode="reduce-overhead")``, the other ranks' partials published first by an untimed
-    graph, as ``alone``: the engine's case (one rank per GPU), against ``alone``."""
+@contextlib.contextmanager
+def _lone_rank(cfg, model):
+    """Rank 0 of a loopback backend as one rank of a multi-GPU run: its bucket filled, the
+    KDA kernel a lone rank gets (the whole GPU), and ``publish_others()``, which publishes
+    the other ranks' partials of parity 0. Yields ``(runner, bk, publish_others)``; raises
+    RuntimeError afterwards if rank 0's consumer timed out."""
     from tpcomm.backends.loopback import LoopbackBackend
 
     backend = LoopbackBackend(cfg.tp)
@@ -232,47 +235,6 @@ def compiled_alone(cfg, model, replays):
         runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
         plan, step, prefix, blocks = _step(cfg, model)
         bk = runner.bucket(1, False)
-        choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
-        runner.fill(bk, plan, step, prefix, blocks)
-        partial = torch.randn(bk.rows, cfg.hidden, device=runner.device).to(torch.bfloat16)
-
-        def publish_others():
-            for r in range(1, cfg.tp):
-                bk.comm.publish(partial, 0, rank=r)
-
-        layer = runner.decode_layers[0]
-        bufs = _static([bk.x[0].clone(), bk.f_a, bk.beta[0].clone(), bk.gate[0].clone(),
-                        bk.slots, bk.prefix[0].clone(), bk.blocks, bk.output[0].clone(),
-                        bk.attn[0].clone()])  # fmt: skip
-        args = (layer, *bufs, choice, 0)
-        live = [layer.shard.state, layer.shard.conv_state, bufs[5]]
-        fn = _compile_checked(rank_step, args, live, [bufs[7]], before=publish_others)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        g_pub = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g_pub, stream=side):
-            publish_others()
-        us = _replays(lambda: fn(*args), replays, before=g_pub.replay)
-        host = _host_us(lambda: fn(*args), replays, before=g_pub.replay)
-        if int(bk.comm.errors[0, 0]):
-            raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
-        return us, host
-    finally:
-        torch._dynamo.reset()
-        backend.teardown()
-
-
-def alone(cfg, model, replays):
-    """Rank 0's chain with the other ranks' partials published first (untimed)."""
-    from tpcomm.backends.loopback import LoopbackBackend
-
-    backend = LoopbackBackend(cfg.tp)
-    backend.check_coresident = lambda *args: None  # one rank's consumer runs at a time
-    try:
-        runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
-        plan, step, prefix, blocks = _step(cfg, model)
-        bk = runner.bucket(1, False)
-        # one rank of a multi-GPU run has the whole GPU: the kernel a lone rank gets
         bk.kda_choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
         runner.fill(bk, plan, step, prefix, blocks)
         partial = torch.randn(bk.rows, cfg.hidden, device=runner.device).to(torch.bfloat16)
@@ -281,26 +243,58 @@ def alone(cfg, model, replays):
             for r in range(1, cfg.tp):
                 bk.comm.publish(partial, 0, rank=r)
 
+        yield runner, bk, publish_others
+        if int(bk.comm.errors[0, 0]):
+            raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
+    finally:
+        backend.teardown()
+
+
+def _captured(fn):
+    """``fn()`` (already run once: compiled) captured as a CUDA graph on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        fn()
+    return graph
+
+
+def compiled_alone(cfg, model, replays):
+    """Rank 0's DecodeLayer step (``rank_step``) under ``torch.compile(fullgraph=True,
+    mode="reduce-overhead")``, the other ranks' partials published first by an untimed
+    graph, as ``alone``: the engine's case (one rank per GPU), against ``alone``."""
+    try:
+        with _lone_rank(cfg, model) as (runner, bk, publish_others):
+            layer = runner.decode_layers[0]
+            bufs = _static([bk.x[0].clone(), bk.f_a, bk.beta[0].clone(), bk.gate[0].clone(),
+                            bk.slots, bk.prefix[0].clone(), bk.blocks, bk.output[0].clone(),
+                            bk.attn[0].clone()])  # fmt: skip
+            args = (layer, *bufs, runner.kda_choice(bk), 0)
+            live = [layer.shard.state, layer.shard.conv_state, bufs[5]]
+            fn = _compile_checked(rank_step, args, live, [bufs[7]], before=publish_others)
+            g_pub = _captured(publish_others)
+            us = _replays(lambda: fn(*args), replays, before=g_pub.replay)
+            host = _host_us(lambda: fn(*args), replays, before=g_pub.replay)
+        return us, host
+    finally:
+        torch._dynamo.reset()
+
+
+def alone(cfg, model, replays):
+    """Rank 0's chain with the other ranks' partials published first (untimed)."""
+    with _lone_rank(cfg, model) as (runner, bk, publish_others):
+
         def rank0():
             runner.enqueue(bk, 0, ranks=[0])
 
         publish_others()
         rank0()  # compiles
         torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        g_pub, g_one = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g_pub, stream=side):
-            publish_others()
-        with torch.cuda.graph(g_one, stream=side):
-            rank0()
+        g_pub, g_one = _captured(publish_others), _captured(rank0)
         us = _replays(g_one.replay, replays, before=g_pub.replay)
         host = _host_us(g_one.replay, replays, before=g_pub.replay)
-        if int(bk.comm.errors[0, 0]):
-            raise RuntimeError(f"rank 0's consumer timed out: mask {int(bk.comm.errors[0, 0])}")
-        return us, host
-    finally:
-        backend.teardown()
+    return us, host
 
 
 def peer(cfg, model, replays, device="cuda"):
