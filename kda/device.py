@@ -27,11 +27,11 @@ butterfly-summed over the row's LANES lanes.
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
-from tpcomm.cuteutil import mma_bf16_16816
+from tpcomm.cuteutil import bf16x2_to_f32, ld_global_b32x2, ld_global_nc_b32x2, mma_bf16_16816
 
-from .dispatch import CTAS_PER_SM, has_packed_fma  # noqa: F401  (re-exported to the kernels)
+from .dispatch import CTAS_PER_SM, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
 from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
 
 THREADS = 256  # 8 warps per item
@@ -135,14 +135,89 @@ def quad_sum(r):
 
 def gate_projection(weights, activations, gate_mode: int):
     """A warp's raw gate tile D[16 features, 8 tokens] over K = 128 (eight k16 chunks):
-    ``gate_mode`` 0 one chain of eight MMAs; 1 four chains of two, added in chain order
-    after a leading ``0 +``. Returns the four fp32 accumulators of the thread."""
+    ``gate_mode`` 0 (and 3) one chain of eight MMAs; 1 four chains of two, added in chain
+    order after a leading ``0 +``. Returns the four fp32 accumulators of the thread."""
     zero = Float32(0.0)
     chains = 4 if gate_mode == 1 else 1
     acc = [[zero] * 4 for _ in range(chains)]
     for chunk in range(8):
         chain = chunk // 2 if gate_mode == 1 else 0
         acc[chain] = list(mma_bf16_16816(weights[chunk], activations[chunk], acc[chain]))
-    if gate_mode == 0:
+    if gate_mode != 1:
         return acc[0]
     return [zero + (((acc[0][e] + acc[1][e]) + acc[2][e]) + acc[3][e]) for e in range(4)]
+
+
+# Error bound of mode 0's chain (gate mode 3). mma.sync's fp32 accumulation is not IEEE:
+# the bf16 x bf16 products are exact, but each instruction adds its 16 products to the
+# accumulator c_j with significands aligned to the largest addend and the bits below
+# 24 significant bits of it truncated, then normalises toward zero (tensor-core studies,
+# e.g. Fasi et al. 2021; step sizes 4..16 depending on the generation). Whatever the
+# internal block or tree structure, one instruction makes at most 32 such truncations
+# (<= 16 alignment losses per addition step + one normalisation per step, <= 16 steps
+# counted as 16 + s <= 32), each smaller than 2^-23 times a magnitude bounded by
+# |c_j| + P_j (P_j = sum of the chunk's |products|). So the chain's fp32 result differs
+# from the exact dot by less than
+#     2^-23 * 32 * sum_j (|c_j| + P_j) = 2^-18 * (sum_{j=1..7} |c_j| + sum |f_a f_b|),
+# with c_j the computed accumulators entering chunk j. sum |f_a f_b| comes from the same
+# chain over |f_a|, |f_b| (by the same bound, low by < 8 * 2^-18 = 2^-15 relative: covered
+# by the 1/16 margin, as are the fp32 roundings of the bound and the reference's fp64 sum);
+# GATE_FLOOR covers flushed subnormals (< 2^-126 per step, 8 .. 128 steps).
+GATE_ERROR = 2.0**-18 * (1.0 + 1.0 / 16.0)
+GATE_FLOOR = 2.0**-118
+
+
+def abs_bf16x2(word):
+    """Both bf16 halves of a 32-bit word made non-negative (sign bits cleared)."""
+    return cute.arch.inline_ptx(
+        "and.b32 {$w0}, {$r0}, 0x7fff7fff;", write_only_types=[Uint32], read_only_args=[word]
+    )
+
+
+def gate_projection_bounded(weights, activations):
+    """Mode 0's chain (bitwise its accumulators) and, per accumulator, a bound on its
+    distance from the exact dot (see GATE_ERROR). Returns (accumulators, bounds)."""
+    zero = Float32(0.0)
+    acc = [zero] * 4
+    mag = [zero] * 4
+    spread = [zero] * 4  # sum_j |c_j|
+    for chunk in range(8):
+        if chunk > 0:
+            spread = [spread[e] + cute.math.absf(acc[e]) for e in range(4)]
+        acc = list(mma_bf16_16816(weights[chunk], activations[chunk], acc))
+    for chunk in range(8):
+        magnitudes = [abs_bf16x2(w) for w in weights[chunk]]
+        mag = list(mma_bf16_16816(magnitudes, [abs_bf16x2(w) for w in activations[chunk]], mag))
+    bound = [
+        cute.math.fma(spread[e] + mag[e], Float32(GATE_ERROR), Float32(GATE_FLOOR))
+        for e in range(4)
+    ]
+    return acc, bound
+
+
+def gate_straddles(value, bound):
+    """Whether ``value +- bound`` round to different bf16 (bit patterns, so a sign of zero
+    counts): then the bf16 rounding of the exact dot is not decided by ``value``. Rounding
+    real -> fp32 -> bf16 is monotone, so equal ends decide every point between."""
+    low = f32_bits(to_bf16_f32(value - bound))
+    high = f32_bits(to_bf16_f32(value + bound))
+    return low != high
+
+
+def exact_dot_warp(row_a, row_b):
+    """The exactly rounded fp32 dot of two 128-element bf16 rows at global addresses
+    ``row_a`` and ``row_b`` (uniform across the warp), computed by the whole warp: lane l
+    takes elements 4l..4l+3; the products are exact in fp32, summed in fp64 (as the
+    reference does), rounded once to fp32."""
+    lane = cute.arch.lane_idx()
+    a = ld_global_b32x2(row_a + Int64(lane * 8))
+    b = ld_global_nc_b32x2(row_b + Int64(lane * 8))
+    terms = []
+    for i in range(2):
+        a_low, a_high = bf16x2_to_f32(a[i])
+        b_low, b_high = bf16x2_to_f32(b[i])
+        terms.append(Float64(a_low * b_low) + Float64(a_high * b_high))
+    total = terms[0] + terms[1]
+    for shift in (16, 8, 4, 2, 1):
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=shift)
+    return Float32(total)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 KERNELS = ("auto", "wide", "stream", "split")
 CLUSTERS = (2, 4, 8)
+GATE_MODES = (0, 1, 2, 3)  # raw gate: 0/1 seed mma orders, 2 exact, 3 bounded + exact (default)
 CTAS_PER_SM = 2
 # KdaSplit while its CTAs fit this many per SM (the measured crossover: docs/kda_dispatch.md).
 SPLIT_MAX_CTAS_PER_SM = 1

@@ -43,7 +43,9 @@ class KdaWide:
     accepted [B]); ``record``: RecoverSSM verify (state read from the checkpoint slot,
     not written; records out); ``gate_mode``: the raw gate's reduction (0: mma.sync, one
     chain of eight; 1: mma.sync, four chains of two; 2: fp64 accumulation, the exactly
-    rounded dot, bitwise the reference's raw gate); ``ahead``: L2-prefetch the state page
+    rounded dot, bitwise the reference's raw gate; 3: mode 0's chain with an error bound,
+    and the exact dot only where the bound straddles a bf16 rounding: bitwise the
+    reference's raw gate too); ``ahead``: L2-prefetch the state page
     of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
     ``pdl``: launch with programmatic dependent launch."""
 
@@ -52,7 +54,7 @@ class KdaWide:
         heads,
         tokens=1,
         record=False,
-        gate_mode=0,
+        gate_mode=3,
         has_bias=False,
         ahead=0,
         *,
@@ -63,8 +65,8 @@ class KdaWide:
             raise ValueError(f"KdaWide supports 1-8 tokens per request; got {tokens}")
         if heads < 1:
             raise ValueError(f"heads must be >= 1; got {heads}")
-        if gate_mode not in (0, 1, 2):
-            raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode}")
+        if gate_mode not in dev.GATE_MODES:
+            raise ValueError(f"gate_mode must be 0, 1, 2 or 3; got {gate_mode}")
         if record and tokens == 1:
             raise ValueError("record mode needs tokens > 1")
         if ahead < 0:
@@ -232,21 +234,60 @@ class KdaWide:
 
     @cute.jit
     def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head):
-        """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record."""
+        """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record.
+        ``gate_mode`` 3: where the chain's error bound straddles a bf16 rounding, the warp
+        recomputes that value exactly (``dev.exact_dot_warp``), one value at a time."""
         lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
-        acc = dev.gate_projection(weights, activations, self.gate_mode)
+        if cutlass.const_expr(self.gate_mode == 3):
+            acc, bound = dev.gate_projection_bounded(weights, activations)
+        else:
+            acc = dev.gate_projection(weights, activations, self.gate_mode)
+        raw = [dev.to_bf16_f32(acc[e]) for e in range(4)]
+        if cutlass.const_expr(self.gate_mode == 3):
+            raw = self.settle_gate(op, acc, bound, raw, request, head)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
-            raw_g = dev.to_bf16_f32(acc[e])
+            raw_g = raw[e]
             # s_decay has 8 token rows: columns past T hold unused values.
             s_decay[t, feature] = dev.decay(a, raw_g, dt[e // 2], lower_bound)
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+
+    @cute.jit
+    def settle_gate(self, op, acc, bound, raw, request, head):
+        """The accumulators whose bound straddles a bf16 rounding (tokens < T only)
+        recomputed exactly by the whole warp, lane by lane (lowest first); returns the
+        four raw gates of the lane (``raw`` where the bound decides them)."""
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        pending = []
+        for e in cutlass.range_constexpr(4):
+            t = 2 * (lane % 4) + e % 2
+            flagged = dev.gate_straddles(acc[e], bound[e]) & (t < self.tokens)
+            pending.append(cute.arch.vote_ballot_sync(flagged))
+        lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
+        result = list(raw)
+        while lanes != 0:
+            source = cute.arch.popc((lanes & (0 - lanes)) - 1)
+            f_a0 = Int64(op.f_a.iterator.toint())
+            f_b0 = Int64(op.f_b.iterator.toint())
+            for e in cutlass.range_constexpr(4):
+                if (pending[e] >> source) & 1 != 0:
+                    row = request * self.tokens + 2 * (source % 4) + e % 2
+                    feature = head * HEAD_DIM + 16 * warp + source // 4 + 8 * (e // 2)
+                    exact = dev.exact_dot_warp(
+                        f_a0 + Int64(row) * (HEAD_DIM * 2),
+                        f_b0 + Int64(feature) * (HEAD_DIM * 2),
+                    )
+                    if lane == source:
+                        result[e] = dev.to_bf16_f32(exact)
+            lanes = lanes & (lanes - 1)
+        return result
 
     @cute.jit
     def gate_phase_exact(self, op, fas, s_decay, request, head):

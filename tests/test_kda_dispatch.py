@@ -111,7 +111,7 @@ def test_decode_rejects_bad_arguments_on_cpu():
     with pytest.raises(ValueError, match="cluster"):
         _call(layer, step, kernel="split", cluster=16)
     with pytest.raises(ValueError, match="gate_mode"):
-        _call(layer, step, gate_mode=3)
+        _call(layer, step, gate_mode=4)
     with pytest.raises(ValueError, match="CUDA"):
         _call(layer, step)
     assert torch.equal(layer.state, state0)
