@@ -31,7 +31,7 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
 from tpcomm.cuteutil import bf16x2_to_f32, ld_global_b32x2, ld_global_nc_b32x2, mma_bf16_16816
 
-from .dispatch import CTAS_PER_SM, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
+from .dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
 from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
 
 THREADS = 256  # 8 warps per item
@@ -148,7 +148,8 @@ def gate_projection(weights, activations, gate_mode: int):
     return [zero + (((acc[0][e] + acc[1][e]) + acc[2][e]) + acc[3][e]) for e in range(4)]
 
 
-# Error bound of mode 0's chain (gate mode 3). mma.sync's fp32 accumulation is not IEEE:
+# Error bound of mode 0's chain (gate mode 3; the constants live in kda.dispatch, whose
+# tests model the chain in plain torch). mma.sync's fp32 accumulation is not IEEE:
 # the bf16 x bf16 products are exact, but each instruction adds its 16 products to the
 # accumulator c_j with significands aligned to the largest addend and the bits below
 # 24 significant bits of it truncated, then normalises toward zero (tensor-core studies,
@@ -163,8 +164,6 @@ def gate_projection(weights, activations, gate_mode: int):
 # chain over |f_a|, |f_b| (by the same bound, low by < 8 * 2^-18 = 2^-15 relative: covered
 # by the 1/16 margin, as are the fp32 roundings of the bound and the reference's fp64 sum);
 # GATE_FLOOR covers flushed subnormals (< 2^-126 per step, 8 .. 128 steps).
-GATE_ERROR = 2.0**-18 * (1.0 + 1.0 / 16.0)
-GATE_FLOOR = 2.0**-118
 
 
 def abs_bf16x2(word):
