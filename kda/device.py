@@ -26,6 +26,7 @@ butterfly-summed over the row's LANES lanes.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
@@ -220,3 +221,33 @@ def exact_dot_warp(row_a, row_b):
     for shift in (16, 8, 4, 2, 1):
         total = total + cute.arch.shuffle_sync_bfly(total, offset=shift)
     return Float32(total)
+
+
+@cute.jit
+def settle_gate(bases, acc, bound, raw, token, head, warp, tokens: cutlass.Constexpr):
+    """Gate mode 3 after ``gate_projection_bounded``: a lane's accumulators whose bound
+    straddles a bf16 rounding (tokens < T only) recomputed exactly by the whole warp, lane
+    by lane (lowest first; ``bases``: f_a's and f_b's global addresses, ``token`` the item's
+    first row, ``warp`` the warp's 16-feature tile). Returns the lane's four raw gates
+    (``raw`` where the bound decides them)."""
+    lane = cute.arch.lane_idx()
+    pending = []
+    for e in cutlass.range_constexpr(4):
+        t = 2 * (lane % 4) + e % 2
+        pending.append(cute.arch.vote_ballot_sync(gate_straddles(acc[e], bound[e]) & (t < tokens)))
+    lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
+    result = list(raw)
+    while lanes != 0:
+        source = cute.arch.popc((lanes & (0 - lanes)) - 1)
+        for e in cutlass.range_constexpr(4):
+            if (pending[e] >> source) & 1 != 0:
+                row = token + 2 * (source % 4) + e % 2
+                feature = head * HEAD_DIM + 16 * warp + source // 4 + 8 * (e // 2)
+                exact = exact_dot_warp(
+                    bases[0] + Int64(row) * (HEAD_DIM * 2),
+                    bases[1] + Int64(feature) * (HEAD_DIM * 2),
+                )
+                if lane == source:
+                    result[e] = to_bf16_f32(exact)
+        lanes = lanes & (lanes - 1)
+    return result

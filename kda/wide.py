@@ -247,7 +247,9 @@ class KdaWide:
             acc = dev.gate_projection(weights, activations, self.gate_mode)
         raw = [dev.to_bf16_f32(acc[e]) for e in range(4)]
         if cutlass.const_expr(self.gate_mode == 3):
-            raw = self.settle_gate(op, acc, bound, raw, request, head)
+            bases = (Int64(op.f_a.iterator.toint()), Int64(op.f_b.iterator.toint()))
+            token = request * self.tokens
+            raw = dev.settle_gate(bases, acc, bound, raw, token, head, warp, self.tokens)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
@@ -257,37 +259,6 @@ class KdaWide:
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
-
-    @cute.jit
-    def settle_gate(self, op, acc, bound, raw, request, head):
-        """The accumulators whose bound straddles a bf16 rounding (tokens < T only)
-        recomputed exactly by the whole warp, lane by lane (lowest first); returns the
-        four raw gates of the lane (``raw`` where the bound decides them)."""
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
-        pending = []
-        for e in cutlass.range_constexpr(4):
-            t = 2 * (lane % 4) + e % 2
-            flagged = dev.gate_straddles(acc[e], bound[e]) & (t < self.tokens)
-            pending.append(cute.arch.vote_ballot_sync(flagged))
-        lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
-        result = list(raw)
-        while lanes != 0:
-            source = cute.arch.popc((lanes & (0 - lanes)) - 1)
-            f_a0 = Int64(op.f_a.iterator.toint())
-            f_b0 = Int64(op.f_b.iterator.toint())
-            for e in cutlass.range_constexpr(4):
-                if (pending[e] >> source) & 1 != 0:
-                    row = request * self.tokens + 2 * (source % 4) + e % 2
-                    feature = head * HEAD_DIM + 16 * warp + source // 4 + 8 * (e // 2)
-                    exact = dev.exact_dot_warp(
-                        f_a0 + Int64(row) * (HEAD_DIM * 2),
-                        f_b0 + Int64(feature) * (HEAD_DIM * 2),
-                    )
-                    if lane == source:
-                        result[e] = dev.to_bf16_f32(exact)
-            lanes = lanes & (lanes - 1)
-        return result
 
     @cute.jit
     def gate_phase_exact(self, op, fas, s_decay, request, head):
