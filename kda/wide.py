@@ -243,17 +243,19 @@ class KdaWide:
         group, quarter = lane // 4, lane % 4
         if cutlass.const_expr(self.gate_mode == 3):
             acc, bound = dev.gate_projection_bounded(weights, activations)
-        else:
-            acc = dev.gate_projection(weights, activations, self.gate_mode)
-        raw = [dev.to_bf16_f32(acc[e]) for e in range(4)]
-        if cutlass.const_expr(self.gate_mode == 3):
+            raw = [dev.to_bf16_f32(acc[e]) for e in range(4)]
             bases = (Int64(op.f_a.iterator.toint()), Int64(op.f_b.iterator.toint()))
             token = request * self.tokens
             raw = dev.settle_gate(bases, acc, bound, raw, token, head, warp, self.tokens)
+        else:
+            acc = dev.gate_projection(weights, activations, self.gate_mode)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
-            raw_g = raw[e]
+            if cutlass.const_expr(self.gate_mode == 3):  # noqa: SIM108
+                raw_g = raw[e]
+            else:
+                raw_g = dev.to_bf16_f32(acc[e])
             # s_decay has 8 token rows: columns past T hold unused values.
             s_decay[t, feature] = dev.decay(a, raw_g, dt[e // 2], lower_bound)
             if cutlass.const_expr(self.record):  # noqa: SIM102
