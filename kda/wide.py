@@ -6,7 +6,8 @@ or ``slots[b, accepted[b] - 1]`` for T > 1) is <= 0 gets zero output rows and to
 nothing else. Rounding: bf16 after the SiLU, on the raw gate and on ``o``; all else fp32
 (``kda.device``). PDL: the state page, conv window and weights are read before
 ``griddepcontrol.wait`` (the kernel right before must not write them), x, gate, f_a and
-beta after it; dependents are released once those are read.
+beta after it; dependents are released once those are read (gate mode 3 may re-read f_a
+rows later: a dependent writes f_a only after its own wait, as any PDL kernel must).
 """
 
 from __future__ import annotations
@@ -234,9 +235,8 @@ class KdaWide:
 
     @cute.jit
     def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head):
-        """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record.
-        ``gate_mode`` 3: where the chain's error bound straddles a bf16 rounding, the warp
-        recomputes that value exactly (``dev.exact_dot_warp``), one value at a time."""
+        """Raw gate on mma.sync (bf16 rounded; mode 3: ``dev.settle_gate`` recomputes the
+        undecided ones exactly), decay into shared, the raw-gate record."""
         lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
