@@ -224,30 +224,33 @@ def exact_dot_warp(row_a, row_b):
 
 
 @cute.jit
-def settle_gate(bases, acc, bound, raw, token, head, warp, tokens: cutlass.Constexpr):
-    """Gate mode 3 after ``gate_projection_bounded``: a lane's accumulators whose bound
-    straddles a bf16 rounding (tokens < T only) recomputed exactly by the whole warp, lane
-    by lane (lowest first; ``bases``: f_a's and f_b's global addresses, ``token`` the item's
-    first row, ``warp`` the warp's 16-feature tile). Returns the lane's four raw gates
-    (``raw`` where the bound decides them)."""
+def settle_gate(op, acc, bound, s_decay, request, head, warp, tokens: cutlass.Constexpr,
+                record: cutlass.Constexpr):  # fmt: skip
+    """Gate mode 3, after the fast path wrote its decays (and records): a lane's
+    accumulators whose bound straddles a bf16 rounding (tokens < T only) are recomputed
+    exactly by the whole warp, lane by lane (lowest first, ``warp`` the 16-feature tile),
+    and the owning lane rewrites that decay (and raw-gate record) from the exact raw gate."""
     lane = cute.arch.lane_idx()
     pending = []
     for e in cutlass.range_constexpr(4):
         t = 2 * (lane % 4) + e % 2
         pending.append(cute.arch.vote_ballot_sync(gate_straddles(acc[e], bound[e]) & (t < tokens)))
     lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
-    result = list(raw)
     while lanes != 0:
         source = cute.arch.popc((lanes & (0 - lanes)) - 1)
         for e in cutlass.range_constexpr(4):
             if (pending[e] >> source) & 1 != 0:
-                row = token + 2 * (source % 4) + e % 2
-                feature = head * HEAD_DIM + 16 * warp + source // 4 + 8 * (e // 2)
+                t = 2 * (source % 4) + e % 2
+                feature = 16 * warp + source // 4 + 8 * (e // 2)
                 exact = exact_dot_warp(
-                    bases[0] + Int64(row) * (HEAD_DIM * 2),
-                    bases[1] + Int64(feature) * (HEAD_DIM * 2),
+                    Int64(op.f_a.iterator.toint()) + Int64(request * tokens + t) * (HEAD_DIM * 2),
+                    Int64(op.f_b.iterator.toint())
+                    + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2),
                 )
                 if lane == source:
-                    result[e] = to_bf16_f32(exact)
+                    raw_g = to_bf16_f32(exact)
+                    dt = Float32(op.dt_bias[head * HEAD_DIM + feature])
+                    s_decay[t, feature] = decay(Float32(op.a_log[head]), raw_g, dt, op.lower_bound)
+                    if cutlass.const_expr(record):
+                        op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         lanes = lanes & (lanes - 1)
-    return result

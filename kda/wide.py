@@ -243,24 +243,19 @@ class KdaWide:
         group, quarter = lane // 4, lane % 4
         if cutlass.const_expr(self.gate_mode == 3):
             acc, bound = dev.gate_projection_bounded(weights, activations)
-            raw = [dev.to_bf16_f32(acc[e]) for e in range(4)]
-            bases = (Int64(op.f_a.iterator.toint()), Int64(op.f_b.iterator.toint()))
-            token = request * self.tokens
-            raw = dev.settle_gate(bases, acc, bound, raw, token, head, warp, self.tokens)
         else:
             acc = dev.gate_projection(weights, activations, self.gate_mode)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
-            if cutlass.const_expr(self.gate_mode == 3):  # noqa: SIM108
-                raw_g = raw[e]
-            else:
-                raw_g = dev.to_bf16_f32(acc[e])
+            raw_g = dev.to_bf16_f32(acc[e])
             # s_decay has 8 token rows: columns past T hold unused values.
             s_decay[t, feature] = dev.decay(a, raw_g, dt[e // 2], lower_bound)
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+        if cutlass.const_expr(self.gate_mode == 3):
+            dev.settle_gate(op, acc, bound, s_decay, request, head, warp, self.tokens, self.record)
 
     @cute.jit
     def gate_phase_exact(self, op, fas, s_decay, request, head):
