@@ -52,7 +52,7 @@ class DecodeLayer:
 
     def __init__(self, shard, w_o: torch.Tensor, comms: Mapping[int, OprojAllReduce], *,
                  rank: int, norm: torch.Tensor, query: torch.Tensor, out_norm: torch.Tensor,
-                 kernel: str = "auto", gate_mode: int = 0, pdl: bool = True,
+                 kernel: str = "auto", gate_mode: int = 3, pdl: bool = True,
                  sms: int | None = None, lower_bound: float = kt.LOWER_BOUND,
                  scale: float = kt.SCALE, eps: float = kt.EPS):  # fmt: skip
         if kernel not in dispatch.KERNELS:

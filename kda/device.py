@@ -26,12 +26,13 @@ butterfly-summed over the row's LANES lanes.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
-from tpcomm.cuteutil import mma_bf16_16816
+from tpcomm.cuteutil import bf16x2_to_f32, ld_global_b32x2, ld_global_nc_b32x2, mma_bf16_16816
 
-from .dispatch import CTAS_PER_SM, has_packed_fma  # noqa: F401  (re-exported to the kernels)
+from .dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
 from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
 
 THREADS = 256  # 8 warps per item
@@ -135,14 +136,121 @@ def quad_sum(r):
 
 def gate_projection(weights, activations, gate_mode: int):
     """A warp's raw gate tile D[16 features, 8 tokens] over K = 128 (eight k16 chunks):
-    ``gate_mode`` 0 one chain of eight MMAs; 1 four chains of two, added in chain order
-    after a leading ``0 +``. Returns the four fp32 accumulators of the thread."""
+    ``gate_mode`` 0 (and 3) one chain of eight MMAs; 1 four chains of two, added in chain
+    order after a leading ``0 +``. Returns the four fp32 accumulators of the thread."""
     zero = Float32(0.0)
     chains = 4 if gate_mode == 1 else 1
     acc = [[zero] * 4 for _ in range(chains)]
     for chunk in range(8):
         chain = chunk // 2 if gate_mode == 1 else 0
         acc[chain] = list(mma_bf16_16816(weights[chunk], activations[chunk], acc[chain]))
-    if gate_mode == 0:
+    if gate_mode != 1:
         return acc[0]
     return [zero + (((acc[0][e] + acc[1][e]) + acc[2][e]) + acc[3][e]) for e in range(4)]
+
+
+# Error bound of mode 0's chain (gate mode 3; the constants live in kda.dispatch, whose
+# tests model the chain in plain torch). mma.sync's fp32 accumulation is not IEEE:
+# the bf16 x bf16 products are exact, but each instruction adds its 16 products to the
+# accumulator c_j with significands aligned to the largest addend and the bits below
+# 24 significant bits of it truncated, then normalises toward zero (tensor-core studies,
+# e.g. Fasi et al. 2021; step sizes 4..16 depending on the generation). Whatever the
+# internal block or tree structure, one instruction makes at most 32 such truncations
+# (<= 16 alignment losses per addition step + one normalisation per step, <= 16 steps
+# counted as 16 + s <= 32), each smaller than 2^-23 times a magnitude bounded by
+# |c_j| + P_j (P_j = sum of the chunk's |products|). So the chain's fp32 result differs
+# from the exact dot by less than
+#     2^-23 * 32 * sum_j (|c_j| + P_j) = 2^-18 * (sum_{j=1..7} |c_j| + sum |f_a f_b|),
+# with c_j the computed accumulators entering chunk j. sum |f_a f_b| comes from the same
+# chain over |f_a|, |f_b| (by the same bound, low by < 8 * 2^-18 = 2^-15 relative: covered
+# by the 1/16 margin, as are the fp32 roundings of the bound and the reference's fp64 sum);
+# GATE_FLOOR covers flushed subnormals (< 2^-126 per step, 8 .. 128 steps).
+
+
+def abs_bf16x2(word):
+    """Both bf16 halves of a 32-bit word made non-negative (sign bits cleared)."""
+    return cute.arch.inline_ptx(
+        "and.b32 {$w0}, {$r0}, 0x7fff7fff;", write_only_types=[Uint32], read_only_args=[word]
+    )
+
+
+def gate_projection_bounded(weights, activations):
+    """Mode 0's chain (bitwise its accumulators) and, per accumulator, a bound on its
+    distance from the exact dot (see GATE_ERROR). Returns (accumulators, bounds)."""
+    zero = Float32(0.0)
+    acc = [zero] * 4
+    mag = [zero] * 4
+    spread = [zero] * 4  # sum_j |c_j|
+    for chunk in range(8):
+        if chunk > 0:
+            spread = [spread[e] + cute.math.absf(acc[e]) for e in range(4)]
+        acc = list(mma_bf16_16816(weights[chunk], activations[chunk], acc))
+    for chunk in range(8):
+        magnitudes = [abs_bf16x2(w) for w in weights[chunk]]
+        mag = list(mma_bf16_16816(magnitudes, [abs_bf16x2(w) for w in activations[chunk]], mag))
+    bound = [
+        cute.math.fma(spread[e] + mag[e], Float32(GATE_ERROR), Float32(GATE_FLOOR))
+        for e in range(4)
+    ]
+    return acc, bound
+
+
+def gate_straddles(value, bound):
+    """Whether ``value +- bound`` round to different bf16 (bit patterns, so a sign of zero
+    counts): then the bf16 rounding of the exact dot is not decided by ``value``. Rounding
+    real -> fp32 -> bf16 is monotone, so equal ends decide every point between."""
+    low = f32_bits(to_bf16_f32(value - bound))
+    high = f32_bits(to_bf16_f32(value + bound))
+    return low != high
+
+
+def exact_dot_warp(row_a, row_b):
+    """The exactly rounded fp32 dot of two 128-element bf16 rows at global addresses
+    ``row_a`` and ``row_b`` (uniform across the warp), computed by the whole warp: lane l
+    takes elements 4l..4l+3; the products are exact in fp32, summed in fp64 (as the
+    reference does), rounded once to fp32."""
+    lane = cute.arch.lane_idx()
+    a = ld_global_b32x2(row_a + Int64(lane * 8))
+    b = ld_global_nc_b32x2(row_b + Int64(lane * 8))
+    terms = []
+    for i in range(2):
+        a_low, a_high = bf16x2_to_f32(a[i])
+        b_low, b_high = bf16x2_to_f32(b[i])
+        terms.append(Float64(a_low * b_low) + Float64(a_high * b_high))
+    total = terms[0] + terms[1]
+    for shift in (16, 8, 4, 2, 1):
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=shift)
+    return Float32(total)
+
+
+@cute.jit
+def settle_gate(op, acc, bound, s_decay, request, head, warp, tokens: cutlass.Constexpr,
+                record: cutlass.Constexpr):  # fmt: skip
+    """Gate mode 3, after the fast path wrote its decays (and records): a lane's
+    accumulators whose bound straddles a bf16 rounding (tokens < T only) are recomputed
+    exactly by the whole warp, lane by lane (lowest first, ``warp`` the 16-feature tile),
+    and the owning lane rewrites that decay (and raw-gate record) from the exact raw gate."""
+    lane = cute.arch.lane_idx()
+    pending = []
+    for e in cutlass.range_constexpr(4):
+        t = 2 * (lane % 4) + e % 2
+        pending.append(cute.arch.vote_ballot_sync(gate_straddles(acc[e], bound[e]) & (t < tokens)))
+    lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
+    while lanes != 0:
+        source = cute.arch.popc((lanes & (0 - lanes)) - 1)
+        for e in cutlass.range_constexpr(4):
+            if (pending[e] >> source) & 1 != 0:
+                t = 2 * (source % 4) + e % 2
+                feature = 16 * warp + source // 4 + 8 * (e // 2)
+                exact = exact_dot_warp(
+                    Int64(op.f_a.iterator.toint()) + Int64(request * tokens + t) * (HEAD_DIM * 2),
+                    Int64(op.f_b.iterator.toint())
+                    + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2),
+                )
+                if lane == source:
+                    raw_g = to_bf16_f32(exact)
+                    dt = Float32(op.dt_bias[head * HEAD_DIM + feature])
+                    s_decay[t, feature] = decay(Float32(op.a_log[head]), raw_g, dt, op.lower_bound)
+                    if cutlass.const_expr(record):
+                        op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+        lanes = lanes & (lanes - 1)

@@ -2,8 +2,10 @@
 
 ``kda.reference.decode``'s arguments plus ``kernel`` ("auto": ``kda.dispatch.choose``,
 "wide", "stream", "split"), ``cluster`` (KdaSplit's CTAs per item: 2, 4, 8), ``gate_mode``
-(raw gate reduction: 0 / 1 the seed's mma.sync chains, which may flip a raw gate's bf16
-rounding now and then; 2 the exactly rounded dot, bitwise the reference's), ``pdl`` (the
+(raw gate reduction: 3, the default, the mma.sync chain with an error bound and an exact
+recompute of the rare values the bound leaves undecided, bitwise the reference's raw gate;
+2 the exactly rounded dot for every value, also bitwise; 0 / 1 the seed's mma.sync chains,
+which may flip a raw gate's bf16 rounding now and then), ``pdl`` (the
 kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
 before must not write them), ``out`` (a preallocated ``[B*T, D]`` bf16 output) and
 ``validate`` (``kda.reference.decode``'s: ``"full"`` adds the non-finite scan).
@@ -70,9 +72,9 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     return dispatch.choose(requests, heads, tokens, sms=sms, kernel=kernel, cluster=cluster)
 
 
-@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
+@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
        validate=None)  # fmt: skip
-def decode(*args, kernel="auto", cluster=None, gate_mode=0, pdl=False, out=None,
+def decode(*args, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
            validate=None, **kwargs):  # fmt: skip
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
     ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields. Calls the torch op

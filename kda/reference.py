@@ -106,9 +106,9 @@ class _Prologue(NamedTuple):
     inputs: torch.Tensor  # [L, 3D, T] bf16: the step's x
 
 
-def _prologue(op, shape, lv, conv_l, off_l) -> _Prologue:
+def _prologue(op, shape, lv, conv_l, off_l, raw_gate=None) -> _Prologue:
     """Steps 1-5 of the SPEC for the live requests ``lv``: conv + SiLU, gate, decay, beta,
-    normalised q and k."""
+    normalised q and k; ``raw_gate`` ([B*T, D] bf16, optional) replaces the gate's dot."""
     x, conv_weight, conv_bias, conv_state = op.x, op.conv_weight, op.conv_bias, op.conv_state
     B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
     L, device = lv.numel(), op.state.device
@@ -132,7 +132,10 @@ def _prologue(op, shape, lv, conv_l, off_l) -> _Prologue:
 
     # 2. Gate, beta, normalised q and k.
     fa = op.f_a.view(B, T, -1)[lv]  # [L, T, 128]
-    raw_g = _bf16((fa.double() @ op.f_b.double().T).float()).view(L, T, H, HEAD_DIM)
+    if raw_gate is None:
+        raw_g = _bf16((fa.double() @ op.f_b.double().T).float()).view(L, T, H, HEAD_DIM)
+    else:
+        raw_g = raw_gate.float().view(B, T, H, HEAD_DIM)[lv]
     decay = _decay(raw_g, op.a_log, op.dt_bias, op.lower_bound).transpose(0, 1)
     beta_t = _sigmoid(op.beta.float().view(B, T, H)[lv]).transpose(0, 1)  # [T, L, H]
     q_hat = q * _l2(q) * op.scale
@@ -160,8 +163,8 @@ def _finish(op, shape, lv, conv_l, o, pre: _Prologue, output) -> None:
         conv_state[conv_l, : T + 2, :] = new.transpose(1, 2).to(conv_state.dtype)
 
 
-@takes(DecodeOperands, validate=None, o_fp32=None, o_abs=None)
-def decode(*args, validate=None, o_fp32=None, o_abs=None, **kwargs):
+@takes(DecodeOperands, validate=None, o_fp32=None, o_abs=None, raw_gate=None)
+def decode(*args, validate=None, o_fp32=None, o_abs=None, raw_gate=None, **kwargs):
     """One decode (T = 1) or verify (T = 2..8) step; mutates ``state`` and ``conv_state``.
 
     Arguments: ``kda.operands.DecodeOperands``'s fields (13 tensors, then keywords), and
@@ -171,6 +174,8 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, **kwargs):
     and ``o_abs`` ([B*T, H*128] fp32, optional) receive ``o`` before its bf16 rounding and
     ``sum_k |S[r, k] q^[k]|`` (live rows only): tests use them to tell where a kernel's
     reduction order may flip that rounding (within the sum's error bound of a midpoint).
+    ``raw_gate`` ([B*T, H*128] bf16, optional) is used instead of ``bf16(f_a . f_b)``: tests
+    of the seed-order gate modes feed a kernel's own raw gate (its ``kg_records``).
     """
     full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
@@ -178,6 +183,8 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, **kwargs):
     state, slots, accepted, records = op.state, op.slots, op.accepted, op.records
     B, T, H = shape.requests, shape.tokens, shape.heads
     D, device = shape.dim, state.device
+    if raw_gate is not None:
+        check_tensor("raw_gate", raw_gate, torch.bfloat16, shape=(B * T, D), device=device)
     output = torch.zeros(B * T, D, dtype=torch.bfloat16, device=device)
     slot, conv_slot, offset = step_slots(slots, accepted, T)
     live = (slot > 0).nonzero()[:, 0]
@@ -186,7 +193,7 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, **kwargs):
     L = live.numel()
     lv = live.to(device)
     slot_l, conv_l, off_l = (v[live].to(device) for v in (slot, conv_slot, offset))
-    pre = _prologue(op, shape, lv, conv_l, off_l)
+    pre = _prologue(op, shape, lv, conv_l, off_l, raw_gate)
     q_hat, k_hat, v, k, raw_g, decay, beta_t = pre[:7]
 
     # 3. The recurrence, token by token.

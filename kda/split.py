@@ -54,7 +54,7 @@ class KdaSplit(KdaWide):
         heads,
         tokens=1,
         record=False,
-        gate_mode=0,
+        gate_mode=3,
         has_bias=False,
         cluster=2,
         *,

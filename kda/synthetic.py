@@ -204,7 +204,7 @@ def shard_step(step: Step, heads_total, first, count) -> Step:
 
 
 def run_reference(layer: Layer, step: Step, records=None, *, lower_bound=LOWER_BOUND,
-                  scale=SCALE, eps=EPS, o_fp32=None, o_abs=None):  # fmt: skip
+                  scale=SCALE, eps=EPS, o_fp32=None, o_abs=None, raw_gate=None):  # fmt: skip
     """``kda.reference.decode`` on a layer and a step (mutates the layer's pools)."""
     from .reference import decode
 
@@ -213,4 +213,5 @@ def run_reference(layer: Layer, step: Step, records=None, *, lower_bound=LOWER_B
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
         layer.f_b, lower_bound=lower_bound, scale=scale, eps=eps, accepted=step.accepted,
         conv_dim_first=layer.conv_dim_first, records=records, o_fp32=o_fp32, o_abs=o_abs,
+        raw_gate=raw_gate,
     )  # fmt: skip

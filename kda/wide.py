@@ -6,7 +6,8 @@ or ``slots[b, accepted[b] - 1]`` for T > 1) is <= 0 gets zero output rows and to
 nothing else. Rounding: bf16 after the SiLU, on the raw gate and on ``o``; all else fp32
 (``kda.device``). PDL: the state page, conv window and weights are read before
 ``griddepcontrol.wait`` (the kernel right before must not write them), x, gate, f_a and
-beta after it; dependents are released once those are read.
+beta after it; dependents are released once those are read (gate mode 3 may re-read f_a
+rows later: a dependent writes f_a only after its own wait, as any PDL kernel must).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class KdaWide:
     accepted [B]); ``record``: RecoverSSM verify (state read from the checkpoint slot,
     not written; records out); ``gate_mode``: the raw gate's reduction (0: mma.sync, one
     chain of eight; 1: mma.sync, four chains of two; 2: fp64 accumulation, the exactly
-    rounded dot, bitwise the reference's raw gate); ``ahead``: L2-prefetch the state page
+    rounded dot, bitwise the reference's raw gate; 3: mode 0's chain with an error bound,
+    and the exact dot only where the bound straddles a bf16 rounding: bitwise the
+    reference's raw gate too); ``ahead``: L2-prefetch the state page
     of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
     ``pdl``: launch with programmatic dependent launch."""
 
@@ -52,7 +55,7 @@ class KdaWide:
         heads,
         tokens=1,
         record=False,
-        gate_mode=0,
+        gate_mode=3,
         has_bias=False,
         ahead=0,
         *,
@@ -63,8 +66,8 @@ class KdaWide:
             raise ValueError(f"KdaWide supports 1-8 tokens per request; got {tokens}")
         if heads < 1:
             raise ValueError(f"heads must be >= 1; got {heads}")
-        if gate_mode not in (0, 1, 2):
-            raise ValueError(f"gate_mode must be 0, 1 or 2; got {gate_mode}")
+        if gate_mode not in dev.GATE_MODES:
+            raise ValueError(f"gate_mode must be 0, 1, 2 or 3; got {gate_mode}")
         if record and tokens == 1:
             raise ValueError("record mode needs tokens > 1")
         if ahead < 0:
@@ -232,12 +235,16 @@ class KdaWide:
 
     @cute.jit
     def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head):
-        """Raw gate on mma.sync (bf16 rounded), decay into shared, the raw-gate record."""
+        """Raw gate on mma.sync (bf16 rounded; mode 3: ``dev.settle_gate`` recomputes the
+        undecided ones exactly), decay into shared, the raw-gate record."""
         lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
-        acc = dev.gate_projection(weights, activations, self.gate_mode)
+        if cutlass.const_expr(self.gate_mode == 3):
+            acc, bound = dev.gate_projection_bounded(weights, activations)
+        else:
+            acc = dev.gate_projection(weights, activations, self.gate_mode)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
@@ -247,6 +254,8 @@ class KdaWide:
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+        if cutlass.const_expr(self.gate_mode == 3):
+            dev.settle_gate(op, acc, bound, s_decay, request, head, warp, self.tokens, self.record)
 
     @cute.jit
     def gate_phase_exact(self, op, fas, s_decay, request, head):

@@ -110,8 +110,10 @@ def parse_args(argv=None):
         f"{GPU_TIMEOUT:g} on the GPU backends")
     gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
         help="KDA kernel (auto: kda.dispatch's choice)")
-    gpu("--gate-mode", type=int, choices=(0, 1, 2), default=0,
-        help="KDA raw-gate reduction (0/1: the seed's mma.sync orders, 2: exactly rounded)")
+    gpu("--gate-mode", type=int, choices=(0, 1, 2, 3), default=3,
+        help="KDA raw-gate reduction (3: mma.sync with an exact recompute where its error "
+             "bound leaves the bf16 rounding open, 2: exactly rounded, 0/1: the seed's "
+             "mma.sync orders)")
     gpu("--pdl", action=argparse.BooleanOptionalAction, default=True,
         help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
         "with --oproj-launch consumer / both, of the consumer behind the producer)")

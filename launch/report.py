@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from kda.validate import HEAD_DIM
+from launch.checks import SEED_GATE_MODES
 
 MAX_SHOWN = 8  # failures spelled out on the last line
 COPY_TBPS = 4.16  # H200 device-to-device copy, bytes read + written (../shared/H200.md)
@@ -199,7 +200,7 @@ def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, w
         "groups_chosen": {str(n): c.groups for n, c in sorted(runner.comms.items())},
         "publish": "multicast" if multicast else "per peer",
         "oproj_launch": runner.oproj_launch,
-        "exact_gate_grids": True,
+        "exact_gate_grids": args.gate_mode in SEED_GATE_MODES,
     }
     report = {
         "config": config(cfg, runner.backend.name, launcher, **extra),

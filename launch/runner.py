@@ -99,7 +99,7 @@ class Runner:
     """The TP ranks hosted by ``backend`` (all of them on loopback, one on nvshmem); steps
     as CUDA-graph replays. ``procs``: the job's processes (default: this one alone)."""
 
-    def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=0,
+    def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=3,
                  pdl=True, budget_ns=None, procs: Procs | None = None,
                  oproj_launch: str | None = None):  # fmt: skip
         check_rows(cfg.requests, cfg.tokens)

@@ -87,7 +87,7 @@ def setup(H, B, T, rotations, seed=0):
     return layer, steps
 
 
-def ours(layer, steps, kernel, gate_mode=0, cluster=None):
+def ours(layer, steps, kernel, gate_mode=3, cluster=None):
     import kda
 
     out = torch.empty_like(steps[0].gate)
@@ -179,7 +179,7 @@ def diagnose():
     H, B, T = 96, 130, 4
     pages = 1 + B * T
     for kernel in ("wide", "stream"):
-        for gate_mode in (2, 0):
+        for gate_mode in (3, 2, 0):
             layer = kt.make_layer(H, pages, window=T + 2, seed=1, device="cuda")
             step = kt.make_step(B, T, H, pages=pages, seed=2, device="cuda")
             ref_layer = layer.clone()
@@ -220,7 +220,7 @@ def main():
         "--small", action="store_true", help="small batches: H 6, 12; B 1..8; split included"
     )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
-    parser.add_argument("--gate-mode", type=int, default=0, choices=(0, 1, 2))
+    parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 2, 3))
     args = parser.parse_args()
     if args.diag:
         diagnose()

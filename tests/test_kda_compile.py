@@ -50,6 +50,8 @@ WIDE_CASES = [
     (2, 8, True, 2, False, 264, True),
     (3, 4, False, 1, False, 264, True),
     (2, 8, True, 0, True, 0, True),
+    (2, 1, False, 3, True, 0, False),
+    (3, 4, True, 3, False, 264, True),
 ]
 
 
@@ -73,6 +75,8 @@ STREAM_CASES = [
     (2, 2, True, 1, False, True, 6),
     (2, 3, True, 2, False, True, 6),
     (3, 1, False, 2, True, False, 3),
+    (2, 1, False, 3, True, True, 4),
+    (3, 3, True, 3, False, False, 6),
 ]
 
 

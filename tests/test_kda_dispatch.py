@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -111,7 +113,7 @@ def test_decode_rejects_bad_arguments_on_cpu():
     with pytest.raises(ValueError, match="cluster"):
         _call(layer, step, kernel="split", cluster=16)
     with pytest.raises(ValueError, match="gate_mode"):
-        _call(layer, step, gate_mode=3)
+        _call(layer, step, gate_mode=4)
     with pytest.raises(ValueError, match="CUDA"):
         _call(layer, step)
     assert torch.equal(layer.state, state0)
@@ -131,3 +133,25 @@ def test_recover_rejects_bad_arguments_on_cpu():
     with pytest.raises(ValueError, match="CUDA"):
         kda.recover(layer.state, *args, lower_bound=kt.LOWER_BOUND)
     assert torch.equal(layer.state, state0)
+
+
+def test_default_gate_mode_is_the_exactly_rounded_one():
+    """Every entry's default raw gate is mode 3 (bounded mma + exact recompute)."""
+    import inspect
+
+    from engine.layer import DecodeLayer
+    from kda.ops import decode as ops_decode
+    from kda.validate import check_options
+    from launch import decode
+    from launch.runner import Runner
+
+    entries = [ops_decode, check_options, DecodeLayer, Runner]
+    if importlib.util.find_spec("cutlass") is not None:
+        from kda.split import KdaSplit
+        from kda.wide import KdaWide
+
+        entries += [KdaWide, KdaSplit]
+    for entry in entries:
+        assert inspect.signature(entry).parameters["gate_mode"].default == 3, entry
+    assert decode.parse_args([]).gate_mode == 3
+    assert dispatch.GATE_MODES == (0, 1, 2, 3)

@@ -123,6 +123,8 @@ def written_pages(step, records):
 
 def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False, cluster=None,
                 scalars=SCALARS[0], out=None):  # fmt: skip
+    """``kda.decode`` on a layer and a step into a poisoned (or the given) output;
+    ``gate_mode=None`` leaves ``kda.decode``'s default."""
     import kda
 
     rows, dim = step.x.shape[0], layer.heads * 128
@@ -134,18 +136,20 @@ def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False, clust
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
         layer.f_b, lower_bound=lower_bound, scale=scale, eps=eps,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, records=records,
-        kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl, out=out,
+        kernel=kernel, cluster=cluster, pdl=pdl, out=out,
+        **({} if gate_mode is None else {"gate_mode": gate_mode}),
     )  # fmt: skip
     return out
 
 
-def reference(layer, step, records=None, scalars=SCALARS[0]):
-    """``kt.run_reference`` with ``scalars``; returns (output, (fp32 o, sum |S q|))."""
+def reference(layer, step, records=None, scalars=SCALARS[0], raw_gate=None):
+    """``kt.run_reference`` with ``scalars`` (and ``raw_gate``: a kernel's own raw gate fed
+    in place of the dot); returns (output, (fp32 o, sum |S q|))."""
     o32 = torch.zeros(step.x.shape[0], layer.heads * 128, device=step.x.device)
     o_abs = torch.zeros_like(o32)
     lower_bound, scale, eps = scalars
     out = kt.run_reference(layer, step, records=records, lower_bound=lower_bound, scale=scale,
-                           eps=eps, o_fp32=o32, o_abs=o_abs)  # fmt: skip
+                           eps=eps, o_fp32=o32, o_abs=o_abs, raw_gate=raw_gate)  # fmt: skip
     return out, (o32, o_abs)
 
 
@@ -204,7 +208,7 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
                           bias=bias, conv_dtype=conv_dtype, seed=seed, device=device)  # fmt: skip
     step = kt.make_step(B, T, H, pages=pages, padding=padding, seed=seed + 1, device=device)
     small_rows(layer, step)
-    if gate_mode in (0, 1):
+    if gate_mode in (0, 1):  # the seed orders on unquantised inputs: test_kda_gate_gpu.py
         quantize_gate_inputs(layer, step)
     if holes and T > 1:
         # A token whose state is not kept: the last slot of requests that accept < T.
@@ -256,6 +260,12 @@ CASES = [
     (12, 130, 4, False, False, True, (2,), 1, torch.bfloat16, False),
     (96, 3, 8, True, True, False, (), 0, torch.float32, True),
     (1, 130, 3, False, True, False, (1,), 1, torch.bfloat16, True),
+    # The default gate (mode 3, bounded mma + exact recompute) on unquantised inputs: the
+    # raw gate records bitwise the reference's (check_records), state within 1e-5.
+    (96, 130, 1, True, True, False, (7,), 3, torch.bfloat16, False),
+    (96, 130, 4, False, True, True, (5,), 3, torch.bfloat16, False),
+    (12, 64, 8, True, False, True, (0,), 3, torch.float32, False),
+    (6, 130, 2, False, True, False, (3,), 3, torch.bfloat16, True),
 ]
 KERNELS = ["wide", "stream"]
 # (kernel, cluster) for the tests that every kernel must pass (KdaSplit at each cluster size)

@@ -222,6 +222,31 @@ def test_record_and_recover_equal_direct_verify(T):
             assert torch.equal(recorded.state[page], layer.state[page])
 
 
+def test_raw_gate_input():
+    """``raw_gate=``: the recorded raw gate fed back gives the same bits as the dot; one
+    raw gate moved by a bf16 ulp moves that head's state; a bad one raises before writes."""
+    B, H, T = 3, 2, 3
+    layer, step = _inputs(T, B, H, padding=(1,))
+    kg = torch.full((B, H, T, 256), float("nan"), dtype=torch.bfloat16)
+    kt.run_reference(layer.clone(), step, records=(torch.zeros(B, H, T, 128), kg))
+    raw = kg[..., 128:].permute(0, 2, 1, 3).reshape(B * T, H * 128).contiguous()
+    plain, fed = layer.clone(), layer.clone()
+    out_p = kt.run_reference(plain, step)
+    out_f = kt.run_reference(fed, step, raw_gate=raw)
+    assert torch.equal(out_p, out_f) and torch.equal(plain.state, fed.state)
+    moved = raw.clone()
+    moved[0, 130] = (moved[0, 130].float() * (1 + 2.0**-7)).to(torch.bfloat16)
+    other = layer.clone()
+    kt.run_reference(other, step, raw_gate=moved)
+    slot = int(step.slots[0, 0])
+    assert not torch.equal(other.state[slot, 1], plain.state[slot, 1])
+    assert torch.equal(other.state[slot, 0], plain.state[slot, 0])
+    bad = layer.clone()
+    with pytest.raises(ValueError, match="raw_gate"):
+        kt.run_reference(bad, step, raw_gate=raw.float())
+    assert torch.equal(bad.state, layer.state) and torch.equal(bad.conv_state, layer.conv_state)
+
+
 def test_padding_and_untouched_pages_bitwise():
     T, B, H = 3, 4, 2
     layer, step = _inputs(T, B, H, padding=(0, 3))

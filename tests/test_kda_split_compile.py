@@ -16,7 +16,7 @@ def _cases():
         for tokens, record in ((1, False), (4, False), (4, True), (8, False), (8, True)):
             i = len(cases)
             # gate_mode, has_bias, conv_dim_first, pdl
-            cases.append((cluster, tokens, record, i % 3, i % 2 == 0, i % 4 < 2, i % 3 == 1))
+            cases.append((cluster, tokens, record, i % 4, i % 2 == 0, i % 4 < 2, i % 3 == 1))
     return cases
 
 
@@ -48,10 +48,13 @@ def test_split_config_errors():
 
 
 @pytest.mark.parametrize(
-    "which", ["split-C2-T8", "split-C8-T4-record", "recover-T8"], ids=lambda w: w
+    "which",
+    ["split-C2-T8", "split-C8-T4-record", "split-C2-T8-g3", "split-C8-T4-record-g3", "recover-T8"],
+    ids=lambda w: w,
 )
 def test_static_resources(which, tmp_path):
-    """The PTX has the cluster exchange (split) and ptxas reports no spills (sm_90a)."""
+    """The PTX has the cluster exchange (split) and ptxas reports no spills (sm_90a), with
+    the seed's gate (mode 0) and the default bounded one (``-g3``)."""
     import re
 
     require_dsl()
@@ -65,9 +68,9 @@ def test_static_resources(which, tmp_path):
 
         kernel, args = KdaRecover(6, 8), recover_args(6, 8)
     else:
-        cluster, tokens = (2, 8) if which == "split-C2-T8" else (8, 4)
-        record = which.endswith("record")
-        kernel = KdaSplit(6, tokens, record, 0, True, cluster)
+        cluster, tokens = (2, 8) if which.startswith("split-C2-T8") else (8, 4)
+        record = "record" in which
+        kernel = KdaSplit(6, tokens, record, 3 if which.endswith("g3") else 0, True, cluster)
         args = fake_args(6, tokens, record=record)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     text = cute.compile(kernel, *args, options=options).__ptx__

@@ -40,6 +40,10 @@ CASES = [
     (6, 2, 1, True, True, False, (), 0, torch.bfloat16, False),
     (6, 4, 4, False, False, True, (1,), 1, torch.bfloat16, False),
     (12, 1, 8, True, True, False, (), 0, torch.float32, True),
+    # The default gate (mode 3) on unquantised inputs: raw gate records bitwise.
+    (96, 2, 1, True, True, False, (), 3, torch.bfloat16, False),
+    (12, 4, 4, False, False, True, (1,), 3, torch.bfloat16, False),
+    (6, 3, 8, True, True, True, (), 3, torch.float32, False),
 ]
 
 

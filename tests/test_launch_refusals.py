@@ -83,7 +83,7 @@ def test_host_job_refusals(argv, world, message, capsys, monkeypatch):
 
 
 def test_argument_parser_refusals(capsys):
-    for argv in (["--kernel", "fast"], ["--gate-mode", "3"], ["--conv-layout", "x"],
+    for argv in (["--kernel", "fast"], ["--gate-mode", "4"], ["--conv-layout", "x"],
                  ["--backend", "mpi"], ["--oproj-launch", "all"]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             decode.parse_args(argv)

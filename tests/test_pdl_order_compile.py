@@ -53,6 +53,9 @@ KDA_CASES = [  # kernel, heads, tokens, record, gate_mode, has_bias, dim_first
     ("stream", 2, 3, True, 0, False, False),
     ("split", 2, 1, False, 2, True, True),
     ("split", 3, 2, True, 1, False, False),
+    ("wide", 2, 2, True, 3, True, True),
+    ("stream", 2, 1, False, 3, True, False),
+    ("split", 2, 3, False, 3, True, True),
 ]
 
 
