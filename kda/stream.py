@@ -83,8 +83,7 @@ def reload_shared_f32x4(shared: Int32, *, loc=None, ip=None):
         has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
     )  # fmt: skip
     return tuple(
-        Float32(llvm.extractvalue(Float32.mlir_type, result, [e], loc=loc, ip=ip))
-        for e in range(4)
+        Float32(llvm.extractvalue(Float32.mlir_type, result, [e], loc=loc, ip=ip)) for e in range(4)
     )
 
 
@@ -335,6 +334,17 @@ class KdaStream(KdaWide):
                     b = Float32(beta[request * self.tokens + tid, head])
                     s_beta[parity, tid] = dev.sigmoid(b)
 
+    @cute.jit
+    def stage_next(self, op, buffers, head, request, total, parity):
+        """Stage the item after (head, request) into ``parity`` if it is in this CTA's
+        range (derived here, not held across the item's work)."""
+        requests = op.output.shape[0] // self.tokens
+        item = opaque(head) * requests + opaque(request) + 1
+        if item < ((fresh_index("%ctaid.x") + 1) * total) // self.ctas:
+            h, r = item // requests, item % requests
+            self.stage_item(op, buffers, h, r, parity, False)
+            self.stage_item(op, buffers, h, r, parity, True)
+
     @cute.kernel
     def kernel(self, op):
         T, H = self.tokens, self.heads
@@ -389,16 +399,9 @@ class KdaStream(KdaWide):
             channel, section = tid % 128, tid // 128
             group, quarter = lane // 4, lane % 4
             parts = (2 * section, 1)
-            cta_now = fresh_index("%ctaid.x")
-            i = item - (cta_now * total) // self.ctas
-            count = ((cta_now + 1) * total) // self.ctas - (cta_now * total) // self.ctas
+            parity = (item - (fresh_index("%ctaid.x") * total) // self.ctas) % 2
             head, request = item // requests, item % requests
-            wrap = request + 1 == requests
-            next_head = head + Int32(cutlass.select_(wrap, Int32(1), Int32(0)))
-            next_request = Int32(cutlass.select_(wrap, Int32(0), request + 1))
             token = request * T
-            parity = i % 2
-            has_next = i + 1 < count
             slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
@@ -407,9 +410,7 @@ class KdaStream(KdaWide):
                     for t in cutlass.range_constexpr(T):
                         op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
                 cute.arch.barrier()
-                if has_next:
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
+                self.stage_next(op, buffers, head, request, total, 1 - parity)
                 cute.arch.cp_async_commit_group()
             else:
                 # Per-head parameters (L2-resident weights).
@@ -463,9 +464,7 @@ class KdaStream(KdaWide):
                 history = self.load_history(staged)
                 cute.arch.barrier()  # the stage is free: item n + 1 streams in
 
-                if has_next:
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
+                self.stage_next(op, buffers, head, request, total, 1 - parity)
                 cute.arch.cp_async_commit_group()
 
                 beta_now = s_beta[parity, None]
@@ -479,6 +478,5 @@ class KdaStream(KdaWide):
                 # the output gate from its staged rows (no global read on the item's tail);
                 # the norm weight read per item (L1), not held across the recurrence
                 nw = Float32(op.norm_weight[channel])
-                self.write_output(s_o, out_sums, (gs, i % 2), nw, op.eps, op.output, token, head)
-            item = head * requests + request + 1
-
+                self.write_output(s_o, out_sums, (gs, parity), nw, op.eps, op.output, token, head)
+            item = opaque(head) * requests + opaque(request) + 1
