@@ -256,6 +256,11 @@ CASES = [
     (12, 130, 4, False, False, True, (2,), 1, torch.bfloat16, False),
     (96, 3, 8, True, True, False, (), 0, torch.float32, True),
     (1, 130, 3, False, True, False, (1,), 1, torch.bfloat16, True),
+    # T = 6, 7 (with 2..5 and 8 above: every verify length), several items per stream CTA.
+    (12, 130, 6, True, True, True, (4, 129), 2, torch.bfloat16, False),
+    (12, 130, 7, False, False, False, (0,), 2, torch.bfloat16, True),
+    (6, 130, 6, False, True, False, (), 2, torch.float32, False),
+    (6, 130, 7, True, False, True, (2,), 2, torch.bfloat16, False),
 ]
 KERNELS = ["wide", "stream"]
 # (kernel, cluster) for the tests that every kernel must pass (KdaSplit at each cluster size)
