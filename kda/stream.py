@@ -94,6 +94,23 @@ def reload_shared_f32x4(shared: Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=None):
+    """4-byte global store of ``value`` when ``lane == 0`` (predicated, no branch)."""
+    operands = [
+        Int64(address).ir_value(loc=loc, ip=ip),
+        Float32(value).ir_value(loc=loc, ip=ip),
+        Int32(lane).ir_value(loc=loc, ip=ip),
+    ]
+    llvm.inline_asm(
+        None,
+        operands,
+        "{ .reg .pred p; setp.eq.s32 p, $2, 0; @p st.global.f32 [$0], $1; }",
+        "l,f,r",
+        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, ip=None):
     operands = [Int64(address).ir_value(loc=loc, ip=ip)]
     operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
@@ -280,9 +297,11 @@ class KdaStream(KdaWide):
                 value_row = base_row + 64 * r
                 v = (s_v[t, value_row] - dot) * beta_t
                 v_new.append(v)
-                if cutlass.const_expr(self.record):  # noqa: SIM102
-                    if lane_in == 0:
-                        v_records[request, head, t, value_row] = v
+                if cutlass.const_expr(self.record):
+                    # one lane per row writes v: a predicated store, no branch
+                    index = cute.crd2idx((request, head, t, value_row), v_records.layout)
+                    address = Int64(v_records.iterator.toint()) + Int64(index) * 4
+                    st_global_f32_if_zero(address, v, lane_in)
             if cutlass.const_expr(not self.record):
                 target = slot
                 if cutlass.const_expr(self.tokens > 1):
