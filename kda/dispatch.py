@@ -15,7 +15,7 @@ CTAS_PER_SM = 2
 # KdaSplit while its CTAs fit this many per SM (the measured crossover: docs/kda_dispatch.md).
 SPLIT_MAX_CTAS_PER_SM = 1
 # KdaStream for several waves up to this many tokens, KdaWide past it. 1 (decode only) was
-# measured when Stream spilled registers; it no longer does at T = 2, 3, 4, 8 (gate modes
+# measured when Stream spilled registers; it no longer does at T = 2, 3, 4 (gate modes
 # 0 / 1). What must be measured before raising this: docs/kda_dispatch.md.
 STREAM_MAX_TOKENS = 1
 H200_SMS = 132

@@ -12,7 +12,7 @@ item's page and window are staged before ``griddepcontrol.wait``, all else after
 Registers (128 per thread, 64 of them the state): nothing but the item index is carried
 through the item loop (per-item values re-derived from it, ``%tid.x`` and ``%ctaid.x``),
 and the recurrence writes the state chunk by chunk from fresh registers; ptxas reports no
-spills at T = 1, 2, 3, 4, 8 (gate modes 0 / 1): docs/kda_dispatch.md.
+spills at T = 1..4 and T = 8 without record (gate modes 0 / 1): docs/kda_dispatch.md.
 """
 
 from __future__ import annotations
