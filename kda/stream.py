@@ -112,6 +112,9 @@ def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=No
 
 @dsl_user_op
 def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, ip=None):
+    """16-byte global store of four fp32 when ``target > 0`` (predicated, no branch). The
+    words go through ``xor`` with ``target >> 31`` (zero whenever the store happens) into
+    fresh registers: the long-lived state values need not sit in an aligned quad."""
     operands = [Int64(address).ir_value(loc=loc, ip=ip)]
     operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
     operands.append(Int32(target).ir_value(loc=loc, ip=ip))
