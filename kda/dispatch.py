@@ -19,6 +19,10 @@ GATE_FLOOR = 2.0**-118
 CTAS_PER_SM = 2
 # KdaSplit while its CTAs fit this many per SM (the measured crossover: docs/kda_dispatch.md).
 SPLIT_MAX_CTAS_PER_SM = 1
+# KdaStream for several waves up to this many tokens, KdaWide past it. 1 (decode only) was
+# measured when Stream spilled registers; it no longer does at T = 2, 3, 4 (gate modes
+# 0 / 1). What must be measured before raising this: docs/kda_dispatch.md.
+STREAM_MAX_TOKENS = 1
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 
@@ -94,17 +98,18 @@ def choose(
             )
         elif items <= resident:
             kernel, why = "wide", f"{items} items fit one wave of {resident} resident CTAs: wide"
-        elif tokens == 1:
+        elif tokens <= STREAM_MAX_TOKENS:
             kernel = "stream"
             why = (
-                f"{items} items are {waves} waves of {resident} resident CTAs, T = 1: stream "
-                "overlaps each next item's state load with the current recurrence"
+                f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens}: "
+                "stream overlaps each next item's state load with the current recurrence"
             )
         else:
             kernel = "wide"
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs but T = {tokens}"
-                " > 1: wide (stream spills registers at T >= 4), L2 prefetch one wave ahead"
+                f" > {STREAM_MAX_TOKENS}: wide (stream not measured ahead there), L2 prefetch"
+                " one wave ahead"
             )
     else:
         why = f"kernel={kernel!r} requested ({items} items, {waves} wave(s) of {resident})"

@@ -8,6 +8,11 @@ the operands' source differs (conv taps, x, the output gate and f_a staged in sh
 memory, both conv-cache layouts by 16-byte copies; ``conv_dim_first`` says which layout is
 behind the ``[S, 3D, W]`` view). Padding items write zero outputs only. PDL: the first
 item's page and window are staged before ``griddepcontrol.wait``, all else after it.
+
+Registers (128 per thread, 64 of them the state): nothing but the item index is carried
+through the item loop (per-item values re-derived from it, ``%tid.x`` and ``%ctaid.x``),
+and the recurrence writes the state chunk by chunk from fresh registers; ptxas reports no
+spills at T = 1..4 and T = 8 without record (gate modes 0 / 1): docs/kda_dispatch.md.
 """
 
 from __future__ import annotations
@@ -15,11 +20,21 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T as IR
+from cutlass.cutlass_dsl import dsl_user_op
 
-from tpcomm.cuteutil import cp_async_16, launch, ld_shared_b32x2, smem_tensor
+from tpcomm.cuteutil import (
+    cp_async_16,
+    launch,
+    ld_shared_b32x2,
+    ld_shared_f32x4,
+    smem_tensor,
+    xor_sum,
+)
 
 from . import device as dev
-from .device import CTAS_PER_SM, HEAD_DIM, KCHUNKS, ROWS, THREADS
+from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 from .wide import KdaWide
 
 GRANULE = 16  # bytes per cp.async
@@ -33,6 +48,85 @@ def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
     inputs = tokens * 6 * HEAD_DIM * 2  # x (3 rows), f_a, the output gate twice (parity)
     work = (4 * tokens + 8) * HEAD_DIM * 4 + 16 * 4 + tokens * 12 * 4
     return conv + staged + inputs + work
+
+
+@dsl_user_op
+def fresh_index(register: str = "%tid.x", *, loc=None, ip=None) -> Int32:
+    """``%tid.x`` (or ``%ctaid.x``) through a volatile asm: what is derived from it is
+    computed per item, not hoisted out of the item loop and held in registers across the
+    recurrence."""
+    return Int32(
+        llvm.inline_asm(IR.i32(), [], f"mov.u32 $0, {register};", "=r",
+                        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
+    )  # fmt: skip
+
+
+@dsl_user_op
+def opaque(value: Int32, *, loc=None, ip=None) -> Int32:
+    """``value`` through a volatile asm: an expression of it is recomputed where used,
+    not merged with an earlier one and held in registers."""
+    return Int32(
+        llvm.inline_asm(IR.i32(), [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
+                        "=r,r", has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
+    )  # fmt: skip
+
+
+def fresh_tid():
+    """This thread's index, read per use (``fresh_index``)."""
+    return fresh_index("%tid.x")
+
+
+@dsl_user_op
+def reload_shared_f32x4(shared: Int32, *, loc=None, ip=None):
+    """A 16-byte shared load that ptxas neither merges with an earlier load of the same
+    address nor moves across another (volatile): the recurrence reads k twice rather than
+    holding 32 keys in registers."""
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([Float32.mlir_type] * 4),
+        [Int32(shared).ir_value(loc=loc, ip=ip)],
+        "ld.volatile.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,r",
+        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
+    )  # fmt: skip
+    return tuple(
+        Float32(llvm.extractvalue(Float32.mlir_type, result, [e], loc=loc, ip=ip)) for e in range(4)
+    )
+
+
+@dsl_user_op
+def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=None):
+    """4-byte global store of ``value`` when ``lane == 0`` (predicated, no branch)."""
+    operands = [
+        Int64(address).ir_value(loc=loc, ip=ip),
+        Float32(value).ir_value(loc=loc, ip=ip),
+        Int32(lane).ir_value(loc=loc, ip=ip),
+    ]
+    llvm.inline_asm(
+        None,
+        operands,
+        "{ .reg .pred p; setp.eq.s32 p, $2, 0; @p st.global.f32 [$0], $1; }",
+        "l,f,r",
+        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, ip=None):
+    """16-byte global store of four fp32 when ``target > 0`` (predicated, no branch). The
+    words go through ``xor`` with ``target >> 31`` (zero whenever the store happens) into
+    fresh registers: the long-lived state values need not sit in an aligned quad."""
+    operands = [Int64(address).ir_value(loc=loc, ip=ip)]
+    operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    operands.append(Int32(target).ir_value(loc=loc, ip=ip))
+    llvm.inline_asm(
+        None,
+        operands,
+        "{ .reg .pred p; .reg .b32 z, a, b, c, d; setp.gt.s32 p, $5, 0; shr.s32 z, $5, 31; "
+        "xor.b32 a, $1, z; xor.b32 b, $2, z; xor.b32 c, $3, z; xor.b32 d, $4, z; "
+        "@p st.global.v4.b32 [$0], {a, b, c, d}; }",
+        "l,f,f,f,f,r",
+        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
+    )  # fmt: skip
 
 
 class KdaStream(KdaWide):
@@ -82,7 +176,7 @@ class KdaStream(KdaWide):
     def stage_conv(self, conv_state, convs, head, conv_slot, offset):
         """cp.async the item's conv window: dim-first ``convs[part, channel * W + j]``
         (the whole window), window-first ``convs[part, tap * 128 + channel]``."""
-        tid, _, _ = cute.arch.thread_idx()
+        tid = fresh_tid()
         dim = self.heads * HEAD_DIM
         size = conv_state.element_type.width // 8
         per = GRANULE // size
@@ -118,7 +212,7 @@ class KdaStream(KdaWide):
     def stage_inputs(self, x, gate, f_a, xs, gs, fas, head, request, parity):
         """cp.async the item's projection rows: x (q, k, v), the output gate (into
         ``gs[parity]``: item n's gate is read after item n + 1's rows are staged), f_a."""
-        tid, _, _ = cute.arch.thread_idx()
+        tid = fresh_tid()
         T = self.tokens
         dim = self.heads * HEAD_DIM
         token = request * T
@@ -149,13 +243,114 @@ class KdaStream(KdaWide):
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
     @cute.jit
+    def stage_state(self, state, staged, head, slot):
+        """KdaWide's ``stage_state`` with the thread index read per item (``fresh_tid``)."""
+        tid = fresh_tid()
+        base_row, lane_in = tid // LANES, tid % LANES
+        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        source0 = Int64(state.iterator.toint()) + page * 4
+        shared0 = Int32(staged.iterator.toint())
+        for r in cutlass.range_constexpr(ROWS):
+            for c in cutlass.range_constexpr(KCHUNKS):
+                key = 4 * (lane_in + LANES * c)
+                offset = (base_row + 64 * r) * HEAD_DIM + key
+                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
+                cp_async_16(shared, source0 + Int64(offset) * 4)
+
+    @cute.jit
+    def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
+        """KdaWide's delta rule, element for element (same operations, same order), with
+        fewer registers live: k is read again for the second pass (``reload_shared_f32x4``)
+        and the state after token t goes to its page chunk by chunk as the second pass
+        updates it (a predicated store; the page's slot is read before that pass)."""
+        slots, state, v_records = op.slots, op.state, op.v_records
+        rows = tuple(range(ROWS))
+        tid = fresh_tid()
+        base_row, lane_in = tid // LANES, tid % LANES
+        s_q, s_k, s_v, s_decay = shared
+        packed = self.packed
+        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
+        d0 = Int32(s_decay.iterator.toint())
+        state0 = Int64(state.iterator.toint())
+        for t in cutlass.range_constexpr(self.tokens):
+            chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
+            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
+            for c in cutlass.range_constexpr(KCHUNKS):
+                d4 = reload_shared_f32x4(d0 + chunk_offset[c])
+                k4 = reload_shared_f32x4(k0 + chunk_offset[c])
+                for i in cutlass.range_constexpr(len(rows)):
+                    for p in cutlass.range_constexpr(2):
+                        j = (2 * c + p) % ACCUMULATORS
+                        h = history[i][c]
+                        pair = dev.mul2(
+                            (h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed
+                        )
+                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                        acc = dev.fma2(
+                            pair,
+                            (k4[2 * p], k4[2 * p + 1]),
+                            (dots[i][2 * j], dots[i][2 * j + 1]),
+                            packed,
+                        )
+                        dots[i][2 * j], dots[i][2 * j + 1] = acc[0], acc[1]
+            beta_t = s_beta[t]
+            v_new = []
+            for i, r in enumerate(rows):
+                dot = xor_sum(dev.tree_sum(dots[i]), LANES)
+                value_row = base_row + 64 * r
+                v = (s_v[t, value_row] - dot) * beta_t
+                v_new.append(v)
+                if cutlass.const_expr(self.record):
+                    # one lane per row writes v: a predicated store, no branch
+                    index = cute.crd2idx((request, head, t, value_row), v_records.layout)
+                    address = Int64(v_records.iterator.toint()) + Int64(index) * 4
+                    st_global_f32_if_zero(address, v, lane_in)
+            if cutlass.const_expr(not self.record):
+                target = slot
+                if cutlass.const_expr(self.tokens > 1):
+                    target = Int32(slots[request, t])
+                tid_t = fresh_tid()
+                page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
+                key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
+                row0 = state0 + (page + Int64(key0)) * 4
+            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
+            for c in cutlass.range_constexpr(KCHUNKS):
+                k4 = reload_shared_f32x4(k0 + chunk_offset[c])
+                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
+                for i in cutlass.range_constexpr(len(rows)):
+                    for p in cutlass.range_constexpr(2):
+                        j = (2 * c + p) % ACCUMULATORS
+                        h = history[i][c]
+                        pair = dev.fma2(
+                            (k4[2 * p], k4[2 * p + 1]),
+                            (v_new[i], v_new[i]),
+                            (h[2 * p], h[2 * p + 1]),
+                            packed,
+                        )
+                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                        acc = dev.fma2(
+                            pair,
+                            (q4[2 * p], q4[2 * p + 1]),
+                            (outs[i][2 * j], outs[i][2 * j + 1]),
+                            packed,
+                        )
+                        outs[i][2 * j], outs[i][2 * j + 1] = acc[0], acc[1]
+                    if cutlass.const_expr(not self.record):
+                        offset = (64 * rows[i] * HEAD_DIM + 4 * LANES * c) * 4
+                        st_global_f32x4_masked(row0 + offset, history[i][c], target)
+            for i, r in enumerate(rows):
+                o = xor_sum(dev.tree_sum(outs[i]), LANES)
+                if lane_in == 0:
+                    s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
+
+    @cute.jit
     def stage_item(self, op, buffers, head, request, parity, with_inputs):
         """Stage an item (state page, conv window, and with ``with_inputs`` its rows and
         sigmoid(beta) into ``s_beta[parity]``); nothing for a padding item."""
         x, conv_state, f_a, beta, gate = op.x, op.conv_state, op.f_a, op.beta, op.gate
         slots, state, accepted = op.slots, op.state, op.accepted
         staged, convs, xs, gs, fas, s_beta = buffers
-        tid, _, _ = cute.arch.thread_idx()
+        tid = fresh_tid()
         slot, conv_slot, offset = self.item_slots(slots, accepted, request)
         if slot > 0:
             if cutlass.const_expr(not with_inputs):
@@ -166,6 +361,17 @@ class KdaStream(KdaWide):
                 if tid < self.tokens:
                     b = Float32(beta[request * self.tokens + tid, head])
                     s_beta[parity, tid] = dev.sigmoid(b)
+
+    @cute.jit
+    def stage_next(self, op, buffers, head, request, total, parity):
+        """Stage the item after (head, request) into ``parity`` if it is in this CTA's
+        range (derived here, not held across the item's work)."""
+        requests = op.output.shape[0] // self.tokens
+        item = opaque(head) * requests + opaque(request) + 1
+        if item < ((fresh_index("%ctaid.x") + 1) * total) // self.ctas:
+            h, r = item // requests, item % requests
+            self.stage_item(op, buffers, h, r, parity, False)
+            self.stage_item(op, buffers, h, r, parity, True)
 
     @cute.kernel
     def kernel(self, op):
@@ -198,7 +404,6 @@ class KdaStream(KdaWide):
         sums = smem_tensor(smem, Float32, (T, 2, 8))
         out_sums = smem_tensor(smem, Float32, (T, 4))
         buffers = (staged, convs, xs, gs, fas, s_beta)
-        nw = Float32(op.norm_weight[channel])
         parts = (2 * section, 1)
 
         # Prologue: the first item's page and window (predecessor-independent), its rows.
@@ -213,13 +418,18 @@ class KdaStream(KdaWide):
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
 
-        for i in cutlass.range(count, unroll=1):
-            wrap = request + 1 == requests
-            next_head = head + Int32(cutlass.select_(wrap, Int32(1), Int32(0)))
-            next_request = Int32(cutlass.select_(wrap, Int32(0), request + 1))
+        item = first
+        while item < ((fresh_index("%ctaid.x") + 1) * total) // self.ctas:
+            # Everything per item is derived afresh from the item, %tid.x and %ctaid.x:
+            # nothing else is carried in registers across the recurrence.
+            tid = fresh_tid()
+            lane, warp = tid % 32, tid // 32
+            channel, section = tid % 128, tid // 128
+            group, quarter = lane // 4, lane % 4
+            parts = (2 * section, 1)
+            parity = (item - (fresh_index("%ctaid.x") * total) // self.ctas) % 2
+            head, request = item // requests, item % requests
             token = request * T
-            parity = i % 2
-            has_next = i + 1 < count
             slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
@@ -228,9 +438,7 @@ class KdaStream(KdaWide):
                     for t in cutlass.range_constexpr(T):
                         op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
                 cute.arch.barrier()
-                if has_next:
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
+                self.stage_next(op, buffers, head, request, total, 1 - parity)
                 cute.arch.cp_async_commit_group()
             else:
                 # Per-head parameters (L2-resident weights).
@@ -284,9 +492,7 @@ class KdaStream(KdaWide):
                 history = self.load_history(staged)
                 cute.arch.barrier()  # the stage is free: item n + 1 streams in
 
-                if has_next:
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, False)
-                    self.stage_item(op, buffers, next_head, next_request, 1 - parity, True)
+                self.stage_next(op, buffers, head, request, total, 1 - parity)
                 cute.arch.cp_async_commit_group()
 
                 beta_now = s_beta[parity, None]
@@ -297,6 +503,8 @@ class KdaStream(KdaWide):
                 if section == 0:
                     self.norm_sums(s_o, out_sums)
                 cute.arch.barrier()
-                # the output gate from its staged rows (no global read on the item's tail)
-                self.write_output(s_o, out_sums, (gs, i % 2), nw, op.eps, op.output, token, head)
-            head, request = next_head, next_request
+                # the output gate from its staged rows (no global read on the item's tail);
+                # the norm weight read per item (L1), not held across the recurrence
+                nw = Float32(op.norm_weight[channel])
+                self.write_output(s_o, out_sums, (gs, parity), nw, op.eps, op.output, token, head)
+            item = opaque(head) * requests + opaque(request) + 1

@@ -16,7 +16,10 @@ measured in the same run (bytes read + written).
 {1, 4}) with KdaSplit (each cluster size) beside Wide, Stream and the peers; plot it with
 ``scripts/plot_kda.py``.
 
-Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small] [--diag]
+``--verify``: verify steps (H in {12, 96}, B in {32, 128}, T in {2, 4, 8}), Wide beside
+Stream, for ``STREAM_MAX_TOKENS`` in ``kda/dispatch.py`` (docs/kda_dispatch.md).
+
+Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify] [--diag]
 """
 
 from __future__ import annotations
@@ -219,6 +222,9 @@ def main():
     parser.add_argument(
         "--small", action="store_true", help="small batches: H 6, 12; B 1..8; split included"
     )
+    parser.add_argument(
+        "--verify", action="store_true", help="verify steps: H 12, 96; B 32, 128; T 2, 4, 8"
+    )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
     parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 2, 3))
     args = parser.parse_args()
@@ -232,6 +238,8 @@ def main():
         shapes = [(6, 1, 1), (12, 128, 1), (96, 128, 1), (96, 128, 4), (12, 128, 4)]
     if args.small:
         shapes = [(H, B, T) for T in (1, 4) for H in (6, 12) for B in (1, 2, 4, 8)]
+    if args.verify:
+        shapes = [(H, B, T) for T in (2, 4, 8) for H in (12, 96) for B in (32, 128)]
     rows = []
     header = (f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} {'%copy':>6} "
               f"{'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} {'fla comp':>9} "

@@ -29,6 +29,18 @@ def test_several_waves_verify_picks_wide_with_prefetch():
     assert "T = 4" in choice.reason
 
 
+def test_stream_token_limit_is_the_switch(monkeypatch):
+    """Stream serves several waves up to STREAM_MAX_TOKENS (1 until measured otherwise)."""
+    assert dispatch.STREAM_MAX_TOKENS == 1
+    assert dispatch.choose(128, 12, 2, sms=132).kernel == "wide"
+    monkeypatch.setattr(dispatch, "STREAM_MAX_TOKENS", 8)
+    for tokens in range(1, 9):
+        choice = dispatch.choose(128, 12, tokens, sms=132)
+        assert choice.kernel == "stream" and choice.ctas == 264, tokens
+        assert f"T = {tokens}" in choice.reason
+    assert dispatch.choose(8, 12, 4, sms=132).kernel == "wide"  # one wave: still wide
+
+
 def test_boundary_is_resident_ctas():
     assert dispatch.choose(22, 12, 1, sms=132).kernel == "wide"  # 264 items
     assert dispatch.choose(23, 12, 1, sms=132).kernel == "stream"  # 276 items

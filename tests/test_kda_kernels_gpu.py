@@ -266,6 +266,11 @@ CASES = [
     (96, 130, 4, False, True, True, (5,), 3, torch.bfloat16, False),
     (12, 64, 8, True, False, True, (0,), 3, torch.float32, False),
     (6, 130, 2, False, True, False, (3,), 3, torch.bfloat16, True),
+    # T = 6, 7 (with 2..5 and 8 above: every verify length), several items per stream CTA.
+    (12, 130, 6, True, True, True, (4, 129), 2, torch.bfloat16, False),
+    (12, 130, 7, False, False, False, (0,), 2, torch.bfloat16, True),
+    (6, 130, 6, False, True, False, (), 2, torch.float32, False),
+    (6, 130, 7, True, False, True, (2,), 2, torch.bfloat16, False),
 ]
 KERNELS = ["wide", "stream"]
 # (kernel, cluster) for the tests that every kernel must pass (KdaSplit at each cluster size)
@@ -432,7 +437,7 @@ HOST_BAD = [  # message, change of kda.decode's keyword arguments
     ("kernel must be one of", lambda k: k.update(kernel="fast")),
     ("cluster must be None or one of", lambda k: k.update(kernel="wide", cluster=2)),
     ("cluster must be None or one of", lambda k: k.update(kernel="split", cluster=3)),
-    ("gate_mode must be 0, 1 or 2", lambda k: k.update(gate_mode=3)),
+    ("gate_mode must be 0, 1, 2 or 3", lambda k: k.update(gate_mode=4)),
     (r"accepted\[0\] = 3 is outside", lambda k: k["accepted"].__setitem__(0, 3)),
     ("past the state pool", lambda k: k["slots"].__setitem__((1, 1), 99)),
 ]  # fmt: skip
