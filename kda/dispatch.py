@@ -21,7 +21,8 @@ CTAS_PER_SM = 2
 SPLIT_MAX_CTAS_PER_SM = 1
 # KdaStream for several waves up to this many tokens, KdaWide past it. 1 (decode only) was
 # measured when Stream spilled registers; it no longer does at T = 2, 3, 4 (gate modes
-# 0 / 1). What must be measured before raising this: docs/kda_dispatch.md.
+# 0 / 1; the default mode 3 still spills 8 B at T = 2, 3: tests/test_kda_stream_resources.py).
+# What must be measured before raising this: docs/kda_dispatch.md.
 STREAM_MAX_TOKENS = 1
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
