@@ -19,11 +19,10 @@ GATE_FLOOR = 2.0**-118
 CTAS_PER_SM = 2
 # KdaSplit while its CTAs fit this many per SM (the measured crossover: docs/kda_dispatch.md).
 SPLIT_MAX_CTAS_PER_SM = 1
-# KdaStream for several waves up to this many tokens, KdaWide past it. 1 (decode only) was
-# measured when Stream spilled registers; it no longer does at T = 2, 3, 4 (gate modes
-# 0 / 1; the default mode 3 still spills 8 B at T = 2, 3: tests/test_kda_stream_resources.py).
-# What must be measured before raising this: docs/kda_dispatch.md.
-STREAM_MAX_TOKENS = 1
+# KdaStream for several waves up to this many tokens, KdaWide past it. Measured on the H200
+# with the default gate (bench_kda.py --verify, docs/kda_dispatch.md): Stream ahead of Wide
+# on every row at T = 2 and 4 (3-10%), behind at T = 8 (up to 1.5x: T = 5..8 still spill).
+STREAM_MAX_TOKENS = 4
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 
@@ -109,7 +108,7 @@ def choose(
             kernel = "wide"
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs but T = {tokens}"
-                f" > {STREAM_MAX_TOKENS}: wide (stream not measured ahead there), L2 prefetch"
+                f" > {STREAM_MAX_TOKENS}: wide (stream measured behind there), L2 prefetch"
                 " one wave ahead"
             )
     else:

@@ -24,15 +24,16 @@ def test_several_waves_pick_stream_for_decode():
 
 
 def test_several_waves_verify_picks_wide_with_prefetch():
-    choice = dispatch.choose(128, 96, 4, sms=132)
+    choice = dispatch.choose(128, 96, 8, sms=132)
     assert choice.kernel == "wide" and choice.ahead == 264 and choice.ctas == 128 * 96
-    assert "T = 4" in choice.reason
+    assert "T = 8" in choice.reason
 
 
 def test_stream_token_limit_is_the_switch(monkeypatch):
-    """Stream serves several waves up to STREAM_MAX_TOKENS (1 until measured otherwise)."""
-    assert dispatch.STREAM_MAX_TOKENS == 1
-    assert dispatch.choose(128, 12, 2, sms=132).kernel == "wide"
+    """Stream serves several waves up to STREAM_MAX_TOKENS (4, as measured), Wide past it."""
+    assert dispatch.STREAM_MAX_TOKENS == 4
+    assert dispatch.choose(128, 12, 4, sms=132).kernel == "stream"
+    assert dispatch.choose(128, 12, 5, sms=132).kernel == "wide"
     monkeypatch.setattr(dispatch, "STREAM_MAX_TOKENS", 8)
     for tokens in range(1, 9):
         choice = dispatch.choose(128, 12, tokens, sms=132)

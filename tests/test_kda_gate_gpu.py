@@ -39,7 +39,7 @@ FA_SCALES = (1.0, 0.03, 9.0)
 
 def sizes(kernel):
     """(heads, requests): model-sized for the per-item kernels, few requests for KdaSplit."""
-    return (96, 130) if kernel in ("wide", "stream") else (12, 4)
+    return (96, 48) if kernel in ("wide", "stream") else (12, 4)
 
 
 def gate_inputs(H, B, T, seed, fa_scale):
