@@ -9,8 +9,8 @@ of ``repeats`` replays, us per step):
 - ``oneshot_1l_cublas``: the same with the cuBLAS producer at <= 8 rows (the other
   producer where both can run);
 - ``oneshot_chunks`` / ``twoshot_chunks``: per-rank launches on the rank streams
-  (``RowChunks``: chunks whose consumers fit the GPU together): one-shot and twoshot
-  under the same launch structure, which gives the measured twoshot crossover;
+  (``RowChunks``: chunks whose consumers and publishers fit the GPU together): one-shot
+  and twoshot under the same launch structure, which gives the measured twoshot crossover;
 - ``peer``: torch ``bmm`` partials, their fp32 sum and the epilogue in torch ops.
 
 Floor: max(HBM bytes / the copy bandwidth, GEMM FLOPs / a large cuBLAS GEMM's rate), both

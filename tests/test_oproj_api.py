@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tpcomm.backends.loopback import LoopbackBackend
+from tpcomm.backends.loopback import LoopbackBackend, coresident_capacity
 from tpcomm.oproj import api, plan
 from tpcomm.oproj.plan import group_ranks, min_blocks_per_sm, per_group
 
@@ -334,6 +334,76 @@ def test_row_chunks():
     with pytest.raises(ValueError, match="stream per rank"):  # CPU: refused before any launch
         chunks.run_ranks(t, t.clone(), a["blocks"], a["norm"], a["query"], a["out_norm"], t, 0)
     backend.teardown()
+
+
+class H200(LoopbackBackend):
+    """The loopback co-residency rule of an H200 (132 SMs, 2048 threads an SM) on the CPU."""
+
+    def check_coresident(self, ctas, threads, min_blocks_per_sm):
+        capacity = coresident_capacity(132, threads, min_blocks_per_sm, 2048)
+        if ctas * self.world > capacity:
+            raise ValueError(f"{self.world} ranks x {ctas} CTAs cannot all be resident")
+
+
+@pytest.mark.parametrize(
+    "tp, rows, twoshot, chunk",
+    [
+        (8, 1024, False, 4),  # 2 groups, 528 fit: 8 x 14 x 8 = 896 > 528 >= 8 x 14 x 4
+        (8, 1024, True, 8),  # 1 group, 1056 fit: 8 x 14 x 16 > 1056 >= 8 x 14 x 8
+        (8, 10, False, 3),  # 10, 5 (8 x 14 x 5 = 560 > 528), 3
+        (16, 16, True, 4),  # 16 x 14 x 8 = 1792 > 1056 >= 16 x 14 x 4
+        (4, 64, False, 16),  # 1 group: 4 x 14 x 32 = 1792 > 1056 >= 4 x 14 x 16
+    ],
+)
+def test_row_chunks_leave_room_for_the_publishers(tp, rows, twoshot, chunk):
+    """RowChunks' chunk: every rank's consumer CTAs and the publisher CTAs they wait on
+    (``chunk_ctas``: 2 x HID / 1024 a row) resident together, halved from ``rows`` until
+    they fit. In each case the consumers alone would fit twice the chunk (the old rule):
+    that chunk, asked for, is refused naming the publishers, nothing allocated."""
+    from tpcomm.oproj.rows import RowChunks, chunk_ctas
+
+    hid = 7168
+    backend = H200(tp, device="cpu")
+    chunks = RowChunks(backend, rows, hid, 0, twoshot=twoshot)
+    assert chunks.chunk == chunk and chunks.parts[-1][1] == rows
+    assert all(b - a <= chunk for a, b, _ in chunks.parts)
+    assert chunk_ctas(hid, chunk) == 2 * 7 * chunk
+    assert backend.allocated == chunks.bytes  # no refused try allocated anything
+    if 2 * chunk <= rows:
+        g = chunks.groups
+        backend.check_coresident(7 * 2 * chunk, 128 * g, min_blocks_per_sm(g))  # consumers
+        with pytest.raises(ValueError, match="publisher CTAs they wait on"):
+            RowChunks(backend, rows, hid, 0, twoshot=twoshot, chunk=2 * chunk)
+        assert backend.allocated == chunks.bytes
+    backend.teardown()
+
+
+def test_row_chunks_refuse_before_any_launch():
+    """Every chunk size's consumer arguments and every producer's are checked before the
+    first chunk's launches (a CPU backend with stand-in streams: nothing can launch)."""
+    from tpcomm.oproj.rows import RowChunks
+
+    backend = LoopbackBackend(4, device="cpu")
+    backend.streams = [None] * 4
+    chunks = RowChunks(backend, 10, 1024, 1, chunk=4)  # sizes 4 and 2
+    a = consumer_args(nb=1, tokens=10, hid=1024)
+    t = torch.zeros(4, 10, 1024, dtype=torch.bfloat16)
+    attn = torch.zeros(4, 10, 128, dtype=torch.bfloat16)
+    w_os = torch.zeros(4, 1024, 128, dtype=torch.bfloat16)
+    args = (t.clone(), a["blocks"], a["norm"], a["query"])
+    with pytest.raises(ValueError, match="out_norm"):
+        chunks.run_ranks(t, *args, a["norm"][:512], t, 0)
+    with pytest.raises(ValueError, match="w_o"):
+        chunks.run_ranks(attn, *args, a["out_norm"], t, 0, w_os=w_os[:, :512])
+    with pytest.raises(ValueError, match="step"):
+        chunks.run_ranks(attn, *args, a["out_norm"], t, -1, w_os=w_os)
+    with pytest.raises(ValueError, match="partial"):
+        chunks.run_ranks(t[:, :, :512], *args, a["out_norm"], t, 0)
+    with pytest.raises(ValueError, match="inputs must be given"):
+        chunks.run_ranks(None, *args, a["out_norm"], t, 0)
+    with pytest.raises(ValueError, match="CUDA"):  # the first launch, on the CPU: refused
+        chunks.run_ranks(attn, *args, a["out_norm"], t, 0, w_os=w_os)
+    assert chunks.armed()
 
 
 def test_measured_twoshot_is_not_the_default_on_one_gpu(monkeypatch):
