@@ -10,8 +10,9 @@ o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` lau
 
 ``xmoe`` > 0: the consumer also writes that many latent copies of each output row and
 its ready hints; a waiting kernel (``tpcomm.oproj.hints``, the MoE dispatch's stand-in) on
-a stream of its own, forked at the step's start, acquires each rank's hints and only then
-reads the copies (into ``moe_in``); the step joins it at the end.
+a stream of its own, forked at the step's start but enqueued after the consumers (its
+poll budget runs from its start), acquires each rank's hints and only then reads the
+copies (into ``moe_in``); the step joins it at the end.
 
 A bucket is a step shape (tokens, record): buffers allocated once, one CUDA graph per
 mailbox parity (``step & 1``) captured once and replayed. Its first use also runs it
@@ -269,14 +270,24 @@ class Runner:
         bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
                             bk.output, parity, xmoes=bk.xmoe, pdl=self.pdl)  # fmt: skip
 
-    def _moe_fork(self, bk: Bucket) -> None:
-        """``xmoe``: the hint waiters of the hosted ranks on the MoE stream, forked from the
-        current stream (they spin until the consumers' hints, then read the copies)."""
+    def _moe_mark(self):
+        """``xmoe``: where the MoE waiters fork (an event on the current stream), or None."""
         if not self.xmoe:
+            return None
+        fork = torch.cuda.Event()
+        fork.record(torch.cuda.current_stream(self.device))
+        return fork
+
+    def _moe_launch(self, bk: Bucket, fork) -> None:
+        """``xmoe``: the hint waiters of the hosted ranks on the MoE stream, forked at
+        ``fork`` but enqueued after the consumers they wait for: a waiter spins against its
+        poll budget from its start, which must not cover the host's consumer launches. Its
+        few CTAs (8 a rank) cannot starve a consumer, which never waits on a waiter."""
+        if fork is None:
             return
         from tpcomm.oproj.hints import wait_hints
 
-        self.moe_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.moe_stream.wait_event(fork)
         with torch.cuda.stream(self.moe_stream):
             if self.oproj_launch != "per-rank":  # every rank of this GPU in one launch
                 wait_hints(bk.comm, bk.xmoe, bk.moe_in, every_rank=True)
@@ -348,12 +359,13 @@ class Runner:
             bk.comm.functions()  # the consumer compiled before anyone polls
             self._on_ranks(ranks, chain)
             self.sync_all()
-            self._moe_fork(bk)
+            fork = self._moe_mark()
             self._on_ranks(ranks, consume)
+            self._moe_launch(bk, fork)
             self._moe_join()
             return
-        if not eager:  # replays: the waiters spin from the step's start (eager: compiles)
-            self._moe_fork(bk)
+        # replays: the waiters spin from the step's start; eager (compiles): after the step
+        fork = None if eager else self._moe_mark()
         if all_at_once:  # per rank stream, joined; then (one producer and) one consumer
             self._on_ranks(ranks, chain)
             if produce_all:
@@ -361,8 +373,7 @@ class Runner:
             self._consume_all(bk, parity)
         else:
             self._on_ranks(ranks, chain, consume, join=True)
-        if eager:
-            self._moe_fork(bk)
+        self._moe_launch(bk, self._moe_mark() if eager else fork)
         self._moe_join()
 
     def _stage(self, bk: Bucket, name: str, parity: int):
@@ -377,11 +388,12 @@ class Runner:
         if name == "consume":  # with the MoE waiters (xmoe)
 
             def consume():
-                self._moe_fork(bk)
+                fork = self._moe_mark()
                 if self.oproj_launch != "per-rank":
                     self._consume_all(bk, parity)
                 else:
                     self._on_ranks(self.ranks, fns[name])
+                self._moe_launch(bk, fork)
                 self._moe_join()
 
             return consume

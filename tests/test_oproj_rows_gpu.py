@@ -270,10 +270,13 @@ def test_dead_rank_twoshot_chunks():
 
 @pytest.mark.parametrize("rows", [64, 1024])
 def test_xmoe_hints_gate_every_read(rows):
-    """The waiter (another stream, launched first and spinning, the consumer held back by a
-    sleep) reads every copy only after its hint: the copies are poisoned before each step,
-    so a read before the hint would land poison in ``dests``. Three steps (the quota taken
-    back each time), then a waiter with no consumer times out and reads nothing."""
+    """The waiter (another stream, forked before a sleep that holds the consumer back,
+    enqueued after the consumer so its budget never covers the host's launches) spins
+    before any copy is written and reads every copy only after its hint: the copies are
+    poisoned before each step, so a read before the hint would land poison in ``dests``.
+    Three steps (the quota taken back each time; in at least one the host enqueued the
+    waiter while the sleep still ran), then a waiter with no consumer times out and reads
+    nothing."""
     from tpcomm.oproj.hints import hint_quota, wait_hints
 
     nb, reps = 3, 2
@@ -293,16 +296,21 @@ def test_xmoe_hints_gate_every_read(rows):
     torch.cuda.synchronize()
     assert comm.hint_words[:TP, :3].abs().sum() == 0, comm.hint_words[:TP]
     side = torch.cuda.Stream()
+    early = []  # per step: the sleep still ran when the host had enqueued the waiter
     for step in range(1, 4):
         poison(xmoes)
         poison(dests)
         main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            wait_hints(comm, xmoes, dests, every_rank=True)
-        torch.cuda._sleep(20_000_000)  # the waiter spins before any copy is written
+        fork, slept = torch.cuda.Event(), torch.cuda.Event()
+        fork.record(main)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the consumer held back
+        slept.record(main)
         comm.run_ranks(a["partials"], prefixes, *args, outputs, step, xmoes=xmoes,
                        mode="one-launch")  # fmt: skip
+        side.wait_event(fork)  # the waiter after the consumer on the host, before it on the GPU
+        with torch.cuda.stream(side):  # its budget covers the rest of the sleep
+            wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=2_000_000_000)
+        early.append(not slept.query())
         main.wait_stream(side)
         torch.cuda.synchronize()
         assert int(comm.errors.abs().sum()) == 0
@@ -311,6 +319,7 @@ def test_xmoe_hints_gate_every_read(rows):
         for r in range(TP):
             for rep in range(reps):
                 assert torch.equal(_bits(dests[r, rep]), _bits(outputs[r])), (step, r, rep)
+    assert any(early), "the host took longer than the sleep: no waiter spun before the copies"
     # no consumer: the waiter times out within its budget, reads nothing
     poison(dests)
     start = time.perf_counter()

@@ -9,7 +9,10 @@ and only then its threads read their share of the copies (plain loads, not the
 non-coherent path) into ``dest``. The last CTA to finish takes the quota back off the
 counter (and clears its own done count), so each step starts from zero and graph replays
 need no host state; the next step's consumer must be ordered after the waiter (join its
-stream). A budget that runs out sets the waiter's error word and the CTA reads nothing.
+stream). A budget that runs out sets the waiter's error word and the CTA reads nothing;
+the budget runs from the waiter's start, so enqueue it after the consumers it waits for
+(forked from before them): launched first, it would spin while the host still launches
+them. Its few CTAs cannot starve a consumer, which never waits on the waiter.
 
 Hint row of a rank (int32 [4], ``WORD_ROW_BYTES`` apart per rank): word 0 the counter,
 word 1 the waiter CTAs done, word 2 the waiter's error word.
