@@ -120,11 +120,13 @@ class DecodeLayer:
         """This rank's partial ``bf16(attn @ w_o^T)`` into every rank's mailbox."""
         self.comm(attn.shape[0]).produce(attn, self.w_o, parity, rank=self.rank)
 
-    def consume(self, prefix, blocks, output, parity: int) -> None:
-        """The all-reduce, residual (``prefix`` in place), AttnRes and norm into ``output``."""
+    def consume(self, prefix, blocks, output, parity: int, xmoe=None) -> None:
+        """The all-reduce, residual (``prefix`` in place), AttnRes and norm into ``output``
+        (and its MoE latent copies into ``xmoe``, with ready hints, when the all-reduce has
+        ``xmoe_reps``)."""
         comm = self.comm(prefix.shape[0])
         comm.consume(prefix, blocks, self.norm, self.query, self.out_norm, output, parity,
-                     rank=self.rank)  # fmt: skip
+                     xmoe=xmoe, rank=self.rank)  # fmt: skip
 
     # --- the step --------------------------------------------------------------------
     def step(self, x, f_a, beta, gate, slots, prefix, blocks, parity: int, *, accepted=None,

@@ -28,7 +28,7 @@ from launch.report import check_json_path
 from tpcomm.host import launcher
 
 HOST_TOKENS = 3  # --tokens default on the host
-GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 8)
+GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 1024)
 HOST_TIMEOUT = 30.0  # --timeout default on the host (a step there takes well under 1 s)
 GPU_TIMEOUT = 300.0  # --timeout default on the GPU backends (kernel compiles between waits)
 MAX_SEED = 2**63 - 1
@@ -87,7 +87,7 @@ def parse_args(argv=None):
         "estimate within the host's")
     add("--tokens", type=ranged(int, 1, 8), default=None,
         help=f"tokens per request of the verify steps (T, 1..8; 1 = decode only); default "
-        f"{HOST_TOKENS} on the host, {GPU_TOKENS} on the GPU (requests x tokens <= 8 there)")
+        f"{HOST_TOKENS} on the host, {GPU_TOKENS} on the GPU (requests x tokens <= 1024 there)")
     add("--blocks", type=ranged(int, 0, 8), default=3, help="AttnRes block snapshots (nb, 0..8)")
     add("--steps", type=ranged(int, 1, MAX_STEPS), default=6,
         help="steps: one single-token decode step, then verify steps")
@@ -120,6 +120,10 @@ def parse_args(argv=None):
     gpu("--oproj-launch", choices=("per-rank", "consumer", "both"), default=None,
         help="loopback: o-projection launches; both (default): one producer and one consumer "
         "launch for all ranks; consumer: producers per rank, one consumer launch; per-rank")
+    gpu("--xmoe", type=ranged(int, 0, 8), default=0,
+        help="MoE latent copies of each output row (0..8): the consumer writes them and a "
+        "ready hint per warp; a waiting kernel on another stream (the MoE dispatch's "
+        "stand-in) acquires the hints and only then reads the copies; checked bitwise")
     gpu("--multicast", action=argparse.BooleanOptionalAction, default=False,
         help="nvshmem: allow NVLink multicast (NVLS); off sets NVSHMEM_DISABLE_NVLS=1 unless "
         "the environment says otherwise, and publishing goes to each peer")
@@ -155,6 +159,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend_name = resolve_backend(args.backend)
     if backend_name == "host":
+        if args.xmoe:
+            from launch.report import refuse
+
+            return refuse("--xmoe runs on the GPU backends (loopback, nvshmem), not host")
         args.tokens = HOST_TOKENS if args.tokens is None else args.tokens
         args.groups = 4 if args.groups is None else args.groups
         args.timeout = HOST_TIMEOUT if args.timeout is None else args.timeout

@@ -200,6 +200,15 @@ def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, w
         "groups_chosen": {str(n): c.groups for n, c in sorted(runner.comms.items())},
         "publish": "multicast" if multicast else "per peer",
         "oproj_launch": runner.oproj_launch,
+        "oproj_plan": {
+            str(n): {
+                "producer": c.plan.producer,
+                "bytes_per_rank": c.bytes,
+                "reason": c.plan.reason,
+            }
+            for n, c in sorted(runner.comms.items())
+        },  # fmt: skip
+        "xmoe": runner.xmoe,
         "exact_gate_grids": args.gate_mode in SEED_GATE_MODES,
     }
     report = {

@@ -21,6 +21,15 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
 
     python scripts/bench_decode.py [--tp 8 16] [--requests 1 2 4 8] [--replays 50]
                                    [--json PATH] [--quick] [--compiled]
+
+``--rows``: requests {1, 8, 32, 128, 256} x tokens {1, 4} (verify steps for 4, every
+request live), ``ours`` (the default o-projection launches) and ``peer`` (T = 1 only: the
+fla composition decodes one token) per (TP, requests, tokens); floor = max((state + w_o +
+the exchange's mailbox bytes) / copy bandwidth, o-projection GEMM FLOPs / a large cuBLAS
+GEMM's rate), both measured in the run; the plan's choice per rows bucket. Plot:
+``python scripts/plot_rows.py docs/decode_rows.json --out docs/decode_rows.png``.
+
+    python scripts/bench_decode.py --rows [--tp 8 16] [--json docs/decode_rows.json]
 """
 
 from __future__ import annotations
@@ -53,16 +62,21 @@ BUDGET_NS = 5_000_000  # a rank that cannot be resident errors quickly instead o
 GRIDS = Runner.__init__.__kwdefaults__["gate_mode"] in SEED_GATE_MODES
 
 
-def _config(tp, requests, args):
-    cfg = Config(tp=tp, heads=args.heads, hidden=args.hidden, requests=requests, tokens=1,
-                 blocks=args.blocks, steps=1, seed=tp * 100 + requests, groups=None,
+def _config(tp, requests, args, tokens=1):
+    cfg = Config(tp=tp, heads=args.heads, hidden=args.hidden, requests=requests, tokens=tokens,
+                 blocks=args.blocks, steps=2, seed=tp * 100 + requests, groups=None,
                  padding=0.0)  # fmt: skip
     cfg.validate()
     return cfg
 
 
 def _step(cfg, model):
-    plan = Schedule(cfg).next()
+    """The first step of ``cfg.tokens``: decode (T = 1), else the first verify step (not
+    recorded)."""
+    schedule = Schedule(cfg)
+    plan = schedule.next()
+    if cfg.tokens > 1:
+        plan = schedule.next()
     step, prefix, blocks = model.step_inputs(plan)
     if GRIDS:
         exact_gate_inputs(step)
@@ -115,7 +129,7 @@ def ours(cfg, model, replays, oproj_launch=None):
     try:
         runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS, oproj_launch=oproj_launch)
         plan, step, prefix, blocks = _step(cfg, model)
-        bk = runner.bucket(1, False)
+        bk = runner.bucket(plan.tokens, plan.record)
         runner.fill(bk, plan, step, prefix, blocks)
         graph, _, _ = runner.graph(bk, 0)
         us = _replays(graph.replay, replays)
@@ -368,7 +382,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="requests 8 only, 20 replays")
     p.add_argument("--compiled", action="store_true",
                    help="also the compiled DecodeLayer step (column 'compiled')")  # fmt: skip
+    p.add_argument(
+        "--rows",
+        action="store_true",
+        help="requests {1, 8, 32, 128, 256} x tokens {1, 4}: ours, peer, floor",
+    )
     args = p.parse_args(argv)
+    if args.rows:
+        return rows_main(args)
     if args.quick:
         args.requests, args.replays = [8], 20
     from bench_kda import copy_bandwidth
@@ -411,6 +432,68 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "copy_tbps": tbps, "rows": rows}, f, indent=2)
+    return 0
+
+
+ROWS_REQUESTS = (1, 8, 32, 128, 256)
+ROWS_TOKENS = (1, 4)
+
+
+def rows_main(args) -> int:
+    """The rows sweep: one line per (TP, requests, tokens), JSON for ``plot_rows.py``."""
+    from bench_kda import copy_bandwidth
+    from oproj_rows import gemm_tflops
+
+    from tpcomm.oproj.plan import choose
+
+    tbps, tflops = copy_bandwidth(), gemm_tflops()
+    device = torch.cuda.get_device_name()
+    print(f"{device}: copy {tbps:.2f} TB/s, cuBLAS bf16 GEMM {tflops:.0f} TFLOP/s")
+    out = []
+    for tp in args.tp:
+        for tokens in ROWS_TOKENS:
+            for requests in ROWS_REQUESTS:
+                rows = requests * tokens
+                cfg = _config(tp, requests, args, tokens)
+                model = Model(cfg)
+                exact_gate_weights(model.kda)
+                b = step_bytes(cfg, "decode" if tokens == 1 else "verify", tokens)
+                plan = choose(tp, rows, cfg.hidden)
+                exchange = tp * plan.bytes // 2  # every rank's mailbox, one parity
+                hbm = b["state"] + b["w_o"] + exchange
+                flops = 2 * rows * cfg.hidden * cfg.heads * 128
+                floor = max(hbm / (tbps * 1e6), flops / (tflops * 1e6))
+                row = dict(tp=tp, requests=requests, tokens=tokens, rows=rows,
+                           state_bytes=b["state"], w_o_bytes=b["w_o"], exchange_bytes=exchange,
+                           gemm_flops=flops, floor_us=floor,
+                           plan=dict(producer=plan.producer, twoshot=plan.twoshot,
+                                     reason=plan.reason))  # fmt: skip
+                for name, fn in (("ours", ours), ("peer", peer)):
+                    if name == "peer" and tokens > 1:
+                        row["peer_us"], row["peer_skipped"] = None, "the fla peer is T = 1"
+                        continue
+                    try:
+                        result = fn(cfg, model, args.replays)
+                    except (ImportError, ValueError, RuntimeError) as e:
+                        row[f"{name}_us"] = None
+                        row[f"{name}_skipped"] = f"{type(e).__name__}: {e}"
+                        continue
+                    if name == "ours":
+                        row["ours_us"], row["stages_us"], row["kernel"], _ = result
+                    else:
+                        row["peer_us"] = result
+                    torch.cuda.empty_cache()
+                out.append(row)
+                ours_us, peer_us = row["ours_us"], row["peer_us"]
+                print(f"TP{tp:>3} B{requests:>4} T{tokens}: rows {rows:>5} ours {_cell(ours_us)} "
+                      f"peer {_cell(peer_us)} floor {_cell(floor)} "
+                      f"x floor {_cell(None if ours_us is None else ours_us / floor)} | "
+                      f"{plan.reason}", flush=True)  # fmt: skip
+                _print_row(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops}
+            json.dump(dict(summary, rows=out), f, indent=2)
     return 0
 
 

@@ -29,6 +29,12 @@ once (``run_ranks(mode="fused")``), skipped where the plan refuses them (co-resi
 floor as ``prod+cons all``. The plan's tiles per producer group (T) are reported.
 
     python scripts/bench_oproj.py [--quick] [--json PATH]
+
+Rows sweep (``scripts/oproj_rows.py``: one-shot one launch, each producer, one-shot and
+twoshot per-rank chunks, the torch peer, the floor, the plan's choice per bucket):
+
+    python scripts/bench_oproj.py --rows [--tp 8 16] [--json docs/oproj_rows.json]
+                                  [--write-crossovers]
 """
 
 import argparse
@@ -246,7 +252,24 @@ def main():
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", default="1,4,8", help="comma-separated token counts")
+    parser.add_argument("--rows", action="store_true", help="the 1..1024 rows sweep")
+    parser.add_argument("--tp", type=int, nargs="+", default=[8, 16], help="--rows: TP")
+    parser.add_argument(
+        "--row-counts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--rows: rows per step (default 1 4 8 32 128 256 512 1024)",
+    )
+    parser.add_argument("--heads", type=int, default=96, help="--rows: heads of the layer")
+    parser.add_argument(
+        "--write-crossovers",
+        action="store_true",
+        help="--rows: rewrite tpcomm/oproj/crossovers.json from the sweep",
+    )
     args = parser.parse_args()
+    if args.rows:
+        return rows_main(args)
     hid = 7168
     tokens = [int(t) for t in args.tokens.split(",")]
     grid = [(16, 1, 8), (16, 1, 0), (8, 1, 8), (16, 8, 8)] if args.quick else [
@@ -288,6 +311,24 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def rows_main(args):
+    import oproj_rows
+    from bench_kda import copy_bandwidth
+
+    tbps = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    iters = 10 if args.quick else args.iters
+    rows = oproj_rows.ROWS if args.row_counts is None else tuple(args.row_counts)
+    out, tflops = oproj_rows.sweep(args.tp, rows, 7168, 8, args.heads, iters, args.repeats, tbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops,
+                       "crossovers": oproj_rows.crossovers(out)}  # fmt: skip
+            json.dump(dict(summary, rows=out), f, indent=1)
+    if args.write_crossovers:
+        oproj_rows.write_crossovers(out, device)
 
 
 if __name__ == "__main__":

@@ -280,7 +280,7 @@ def test_project_refuses(name, edit, extra):
         ("tp", lambda: mb.MailboxLayout(0, 1, 1024)),
         ("tp", lambda: mb.MailboxLayout(True, 1, 1024)),
         ("tp", lambda: mb.MailboxLayout(17, 1, 1024)),
-        ("tokens", lambda: mb.MailboxLayout(2, mb.MAX_TOKENS + 1, 1024)),
+        ("tokens", lambda: mb.MailboxLayout(2, mb.MAX_ROWS + 1, 1024)),
         ("tokens", lambda: mb.MailboxLayout(2, 1.0, 1024)),
         ("hid", lambda: mb.MailboxLayout(2, 1, 1000)),
         ("hid", lambda: mb.MailboxLayout(2, 1, 2**20)),

@@ -122,9 +122,55 @@ def test_loopback_checks_catch_a_corrupted_rank(fault, check):
 
 @pytest.mark.gpu
 def test_loopback_refuses_too_many_rows():
-    p, lines = run_decode("--backend", "loopback", "--tp", "2", "--requests", "4", "--tokens", "3")
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--requests", "257", "--tokens", "4"
+    )  # fmt: skip
     assert p.returncode == 2
-    assert "--requests x --tokens = 4 x 3 = 12" in lines[-1]
+    assert "--requests x --tokens = 257 x 4 = 1028" in lines[-1] and "at most 1024" in lines[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches", ["per-rank", "consumer", "both"])
+def test_loopback_rows_beyond_eight(tmp_path, launches):
+    """16 and 24 rows per step (the cuBLAS producer + publisher) in every launch mode:
+    decode, verify, record and recover steps with padding rows, every check passing."""
+    out = tmp_path / "rows.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "8", "--hidden", "2048",
+        "--requests", "12", "--tokens", "2", "--blocks", "3", "--steps", "6",
+        "--json", str(out), "--oproj-launch", launches,
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["steps"]["verify+record+recover"] >= 1
+    assert set(report["config"]["groups_chosen"]) == {"12", "24"}
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_loopback_issue_example_sixteen_requests(tmp_path):
+    """The issue's refused command: TP 8, 96 heads, HID 7168, 16 requests x 1 token."""
+    out = tmp_path / "b16.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "8", "--heads", "96", "--hidden", "7168",
+        "--requests", "16", "--tokens", "1", "--steps", "4", "--json", str(out),
+    )  # fmt: skip
+    assert_ok(p, lines, out)
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_loopback_large_batch(tmp_path):
+    """512 rows per verify step (128 requests x 4 tokens) at TP 8 with Kimi's hidden width:
+    the one-launch o-projection, padding rows, verify + record + recover, every check."""
+    out = tmp_path / "b512.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "8", "--heads", "48", "--hidden", "7168",
+        "--requests", "128", "--tokens", "4", "--blocks", "8", "--steps", "3",
+        "--check-every", "1", "--json", str(out), timeout=420,
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["steps"]["verify+record+recover"] >= 1
+    print(p.stdout)
 
 
 # --- CPU: the plain-Python parts -------------------------------------------------------------
@@ -132,9 +178,10 @@ def test_loopback_refuses_too_many_rows():
 
 def test_check_rows():
     runner.check_rows(8, 1)
-    runner.check_rows(2, 4)
-    with pytest.raises(ValueError, match=r"--requests x --tokens = 3 x 3 = 9 .* at most 8"):
-        runner.check_rows(3, 3)
+    runner.check_rows(256, 4)
+    runner.check_rows(1024, 1)
+    with pytest.raises(ValueError, match=r"--requests x --tokens = 129 x 8 = 1032 .* at most 1024"):
+        runner.check_rows(129, 8)
 
 
 def test_shard_inputs_matches_shard_step():
@@ -205,8 +252,10 @@ def test_auto_is_host_without_cuda(monkeypatch):
 def test_loopback_without_cuda_fails_clearly(capsys):
     assert decode.main(["--backend", "loopback", "--tp", "2"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
-    assert decode.main(["--backend", "loopback", "--requests", "3", "--tokens", "3"]) == 2
-    assert "at most 8" in capsys.readouterr().out
+    assert decode.main(["--backend", "loopback", "--requests", "300", "--tokens", "4"]) == 2
+    assert "at most 1024" in capsys.readouterr().out
+    assert decode.main(["--backend", "host", "--xmoe", "1"]) == 2
+    assert "--xmoe runs on the GPU backends" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend nvshmem")
@@ -215,3 +264,21 @@ def test_nvshmem_without_cuda_fails_clearly(capsys):
     assert "needs a CUDA GPU per process" in capsys.readouterr().out
     assert decode.main(["--backend", "nvshmem", "--tp", "4"]) == 2
     assert "--tp 4 is for the loopback backend" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches", ["per-rank", "both"])
+def test_loopback_xmoe_hints(tmp_path, launches):
+    """--xmoe 2: the consumer's latent copies and hints; the MoE stand-in waits for each
+    rank's hints on its own stream, then reads the copies; copies poisoned before every
+    step, what it read bitwise the output (no row read before its hint)."""
+    out = tmp_path / "xmoe.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "4", "--heads", "8", "--hidden", "2048",
+        "--requests", "16", "--tokens", "2", "--blocks", "2", "--steps", "5", "--xmoe", "2",
+        "--json", str(out), "--oproj-launch", launches,
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    moe = report["checks"]["MoE copies read after their hints == output (bitwise)"]
+    assert moe["of"] == 5 and report["config"]["xmoe"] == 2
+    print(p.stdout)

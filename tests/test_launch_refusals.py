@@ -21,7 +21,7 @@ GPU_REFUSALS = [  # options, backend, processes, message
     ({"steps": 0}, "loopback", 1, "requests and steps must be >= 1"),
     ({"padding": 1.0}, "loopback", 1, "padding must be a fraction in [0, 1)"),
     ({"groups": 5}, "loopback", 1, "groups must be in 1..4; got 5"),
-    (["--requests", "3", "--tokens", "3"], "loopback", 1, "at most 8"),
+    (["--requests", "129", "--tokens", "8"], "loopback", 1, "1032 rows per step; the o-"),
 ]
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj import api
+from tpcomm.backends.loopback import LoopbackBackend, coresident_capacity
+from tpcomm.oproj import api, plan
 from tpcomm.oproj.plan import group_ranks, min_blocks_per_sm, per_group
 
 
@@ -16,13 +16,46 @@ def test_groups_poll_at_most_four_slots(tp, groups):
 
 
 def test_twoshot_choice():
-    assert "not available" in api.choose(16, 8, 7168).reason
+    assert "no measured" in api.choose(16, 8, 7168).reason
     assert not api.choose(16, 8, 7168).twoshot
     assert api.choose(16, 8, 7168, twoshot_available=True).twoshot
     assert api.choose(8, 4, 7168, twoshot_available=True).twoshot
     assert not api.choose(8, 3, 7168, twoshot_available=True).twoshot
     assert not api.choose(4, 8, 7168, twoshot_available=True).twoshot
     assert api.choose(16, 8, 1024, twoshot_available=True).twoshot
+
+
+def test_choose_reads_measured_crossovers():
+    data = plan.load_crossovers()
+    assert "source" in data and set(data["twoshot_from_rows"]) == {"8", "16"}
+    measured = dict(data, twoshot_from_rows={"8": 64, "16": 32})
+    for tp, rows, want in ((8, 63, False), (8, 64, True), (16, 32, True), (16, 31, False),
+                           (4, 1024, False)):  # fmt: skip
+        got = api.choose(tp, rows, 7168, crossovers=measured)
+        assert got.twoshot == want, (tp, rows, got)
+        assert got.bytes == plan.buffer_bytes(tp, rows, 7168, want)
+        assert ("measured crossover" in got.reason) == want
+    assert api.choose(12, 64, 6144, crossovers=measured).twoshot  # TP 8's entry
+    # a crossover the hidden width cannot split stays one-shot
+    assert not api.choose(12, 64, 7168, crossovers=measured).twoshot
+
+
+ROWS_PRODUCERS = [(1, "mma"), (8, "mma"), (9, "cublas"), (1024, "cublas")]
+
+
+@pytest.mark.parametrize("rows, producer", ROWS_PRODUCERS)
+def test_choose_every_rows_count(rows, producer):
+    p = api.choose(16, rows, 7168)
+    assert p.producer == producer and ("cuBLAS" in p.reason) == (producer == "cublas")
+    assert f"{p.bytes} B per rank" in p.reason
+    assert p.bytes == 2 * 16 * rows * 7168 * 2  # the one-shot mailbox of this bucket
+
+
+def test_load_crossovers_rejects_bad_data(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text('{"twoshot_from_rows": {"8": "many"}, "expected_from_rows": {}}')
+    with pytest.raises(ValueError, match="twoshot_from_rows"):
+        plan.load_crossovers(str(bad))
 
 
 def test_group_ranks_cover_every_rank_once():
@@ -228,3 +261,156 @@ def test_publish_and_consume_all_validate():
     with pytest.raises(ValueError, match="one-shot only"):
         twoshot.publish_all(_bf(4, 2, 2048), 0)
     assert comm.armed()
+
+
+def test_rows_beyond_eight():
+    """Up to 1024 rows: buffers sized per rows bucket, the GEMM producer refused on the
+    CPU before any launch, and more than 1024 rows refused with the limit."""
+    backend = LoopbackBackend(4, device="cpu")
+    comm = api.OprojAllReduce(backend, 100, 1024, 1, one_launch=True)
+    assert comm.mailbox.layout.shape == (2, 4, 100, 1024)
+    assert comm.bytes == comm.plan.bytes == 2 * 4 * 100 * 1024 * 2
+    assert comm.plan.producer == "cublas" and not comm.twoshot
+    bf = dict(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        comm.produce(torch.zeros(100, 128, **bf), torch.zeros(1024, 128, **bf), 0, rank=1)
+    with pytest.raises(ValueError, match="attn_out"):
+        comm.produce(torch.zeros(8, 128, **bf), torch.zeros(1024, 128, **bf), 0, rank=1)
+    with pytest.raises(ValueError, match="1..1024"):
+        api.OprojAllReduce(backend, 1025, 1024, 1, one_launch=True)
+    with pytest.raises(ValueError, match="producer"):
+        api.OprojAllReduce(backend, 9, 1024, 1, one_launch=True, producer="mma")
+    assert api.OprojAllReduce(backend, 8, 1024, 1, producer="cublas").producer == "cublas"
+    two = api.OprojAllReduce(backend, 64, 1024, 0, twoshot=True)
+    assert two.bytes == 2 * 64 * 1024 * 2 * 2
+    backend.teardown()
+
+
+def test_buffers_that_do_not_fit_are_refused_before_allocation():
+    class Small(LoopbackBackend):
+        def symmetric_limit(self):
+            return 1 << 20
+
+    backend = Small(8, device="cpu")
+    with pytest.raises(ValueError, match=r"7340032 B .* 1048576 B") as e:
+        api.OprojAllReduce(backend, 32, 896 * 8, 0, one_launch=True)
+    assert "32 rows" in str(e.value) and backend.allocated == 0
+    api.OprojAllReduce(backend, 4, 1024, 0, one_launch=True)  # 131072 B fit
+    assert backend.allocated == 2 * 8 * 4 * 1024 * 2
+    backend.teardown()
+
+
+def test_nvshmem_heap_setting():
+    from tpcomm.backends.nvshmem import heap_bytes
+
+    assert heap_bytes(None) == 1 << 30 and heap_bytes("") == 1 << 30
+    assert heap_bytes("2G") == 2 << 30 and heap_bytes("512m") == 512 << 20
+    assert heap_bytes("4096") == 4096 and heap_bytes("1kb") == 1024
+    with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE"):
+        heap_bytes("lots")
+
+
+def test_row_chunks():
+    from tpcomm.oproj.rows import RowChunks
+
+    backend = LoopbackBackend(4, device="cpu")
+    chunks = RowChunks(backend, 10, 1024, 1, chunk=3, twoshot=True)
+    assert [(a, b) for a, b, _ in chunks.parts] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert all(c.twoshot and c.tokens == b - a for a, b, c in chunks.parts)
+    assert chunks.bytes == 2 * 10 * 1024 * 2 * 2  # one 10-row bucket's twoshot buffers
+    assert chunks.armed() and chunks.error_masks() == [0, 0, 0, 0]
+    assert RowChunks(backend, 10, 1024, 1).chunk == 10  # no co-residency rule on the CPU
+    with pytest.raises(ValueError, match="chunk"):
+        RowChunks(backend, 10, 1024, 1, chunk=11)
+    with pytest.raises(ValueError, match="rows"):
+        RowChunks(backend, 1025, 1024, 1)
+    with pytest.raises(ValueError, match="xmoe"):
+        RowChunks(backend, 10, 1024, 1, xmoe_reps=1)
+    bf = dict(dtype=torch.bfloat16)
+    t = torch.zeros(4, 10, 1024, **bf)
+    with pytest.raises(ValueError, match="prefixes"):
+        chunks.run_ranks(t, t[:, :9], None, None, None, None, t, 0)
+    a = consumer_args(nb=1, tokens=10, hid=1024)
+    with pytest.raises(ValueError, match="stream per rank"):  # CPU: refused before any launch
+        chunks.run_ranks(t, t.clone(), a["blocks"], a["norm"], a["query"], a["out_norm"], t, 0)
+    backend.teardown()
+
+
+class H200(LoopbackBackend):
+    """The loopback co-residency rule of an H200 (132 SMs, 2048 threads an SM) on the CPU."""
+
+    def check_coresident(self, ctas, threads, min_blocks_per_sm):
+        capacity = coresident_capacity(132, threads, min_blocks_per_sm, 2048)
+        if ctas * self.world > capacity:
+            raise ValueError(f"{self.world} ranks x {ctas} CTAs cannot all be resident")
+
+
+@pytest.mark.parametrize(
+    "tp, rows, twoshot, chunk",
+    [
+        (8, 1024, False, 4),  # 2 groups, 528 fit: 8 x 14 x 8 = 896 > 528 >= 8 x 14 x 4
+        (8, 1024, True, 8),  # 1 group, 1056 fit: 8 x 14 x 16 > 1056 >= 8 x 14 x 8
+        (8, 10, False, 3),  # 10, 5 (8 x 14 x 5 = 560 > 528), 3
+        (16, 16, True, 4),  # 16 x 14 x 8 = 1792 > 1056 >= 16 x 14 x 4
+        (4, 64, False, 16),  # 1 group: 4 x 14 x 32 = 1792 > 1056 >= 4 x 14 x 16
+    ],
+)
+def test_row_chunks_leave_room_for_the_publishers(tp, rows, twoshot, chunk):
+    """RowChunks' chunk: every rank's consumer CTAs and the publisher CTAs they wait on
+    (``chunk_ctas``: 2 x HID / 1024 a row) resident together, halved from ``rows`` until
+    they fit. In each case the consumers alone would fit twice the chunk (the old rule):
+    that chunk, asked for, is refused naming the publishers, nothing allocated."""
+    from tpcomm.oproj.rows import RowChunks, chunk_ctas
+
+    hid = 7168
+    backend = H200(tp, device="cpu")
+    chunks = RowChunks(backend, rows, hid, 0, twoshot=twoshot)
+    assert chunks.chunk == chunk and chunks.parts[-1][1] == rows
+    assert all(b - a <= chunk for a, b, _ in chunks.parts)
+    assert chunk_ctas(hid, chunk) == 2 * 7 * chunk
+    assert backend.allocated == chunks.bytes  # no refused try allocated anything
+    if 2 * chunk <= rows:
+        g = chunks.groups
+        backend.check_coresident(7 * 2 * chunk, 128 * g, min_blocks_per_sm(g))  # consumers
+        with pytest.raises(ValueError, match="publisher CTAs they wait on"):
+            RowChunks(backend, rows, hid, 0, twoshot=twoshot, chunk=2 * chunk)
+        assert backend.allocated == chunks.bytes
+    backend.teardown()
+
+
+def test_row_chunks_refuse_before_any_launch():
+    """Every chunk size's consumer arguments and every producer's are checked before the
+    first chunk's launches (a CPU backend with stand-in streams: nothing can launch)."""
+    from tpcomm.oproj.rows import RowChunks
+
+    backend = LoopbackBackend(4, device="cpu")
+    backend.streams = [None] * 4
+    chunks = RowChunks(backend, 10, 1024, 1, chunk=4)  # sizes 4 and 2
+    a = consumer_args(nb=1, tokens=10, hid=1024)
+    t = torch.zeros(4, 10, 1024, dtype=torch.bfloat16)
+    attn = torch.zeros(4, 10, 128, dtype=torch.bfloat16)
+    w_os = torch.zeros(4, 1024, 128, dtype=torch.bfloat16)
+    args = (t.clone(), a["blocks"], a["norm"], a["query"])
+    with pytest.raises(ValueError, match="out_norm"):
+        chunks.run_ranks(t, *args, a["norm"][:512], t, 0)
+    with pytest.raises(ValueError, match="w_o"):
+        chunks.run_ranks(attn, *args, a["out_norm"], t, 0, w_os=w_os[:, :512])
+    with pytest.raises(ValueError, match="step"):
+        chunks.run_ranks(attn, *args, a["out_norm"], t, -1, w_os=w_os)
+    with pytest.raises(ValueError, match="partial"):
+        chunks.run_ranks(t[:, :, :512], *args, a["out_norm"], t, 0)
+    with pytest.raises(ValueError, match="inputs must be given"):
+        chunks.run_ranks(None, *args, a["out_norm"], t, 0)
+    with pytest.raises(ValueError, match="CUDA"):  # the first launch, on the CPU: refused
+        chunks.run_ranks(attn, *args, a["out_norm"], t, 0, w_os=w_os)
+    assert chunks.armed()
+
+
+def test_measured_twoshot_is_not_the_default_on_one_gpu(monkeypatch):
+    data = dict(plan.load_crossovers(), twoshot_from_rows={"8": 4, "16": 4})
+    monkeypatch.setattr(plan, "load_crossovers", lambda path=None: data)
+    backend = LoopbackBackend(8, device="cpu")
+    comm = api.OprojAllReduce(backend, 16, 1024, 0)
+    assert comm.plan.twoshot and not comm.twoshot and comm.mailbox is not None
+    assert api.OprojAllReduce(backend, 16, 1024, 0, twoshot=True).twoshot
+    backend.teardown()

@@ -39,7 +39,7 @@ def test_mailbox_layout_offsets_cover_buffer_once():
         (dict(tp=0, tokens=1, hid=1024), "tp"),
         (dict(tp=17, tokens=1, hid=1024), "tp"),
         (dict(tp=2, tokens=0, hid=1024), "tokens"),
-        (dict(tp=2, tokens=9, hid=1024), "tokens"),
+        (dict(tp=2, tokens=1025, hid=1024), r"tokens.* 1\.\.1024"),
         (dict(tp=2, tokens=1, hid=1000), "hid"),
         (dict(tp=2, tokens=1, hid=9216), "hid"),
     ],
@@ -48,8 +48,20 @@ def test_mailbox_layout_offsets_cover_buffer_once():
 def test_layout_and_plan_reject_bad_sizes(kwargs, name, build):
     from tpcomm.oproj.api import choose
 
+    if build == "choose":  # choose counts the step's rows (requests x tokens)
+        kwargs = dict(tp=kwargs["tp"], rows=kwargs["tokens"], hid=kwargs["hid"])
+        name = name.replace("tokens", "rows")
     with pytest.raises(ValueError, match=name):
         (mb.MailboxLayout if build == "layout" else choose)(**kwargs)
+
+
+def test_layouts_sized_per_rows_bucket():
+    for rows in (1, 8, 9, 64, 1024):
+        one = mb.MailboxLayout(16, rows, 7168)
+        assert one.nbytes == 2 * 16 * rows * 7168 * 2
+        two = mb.TwoshotLayout(16, rows, 7168)
+        recv = 2 * 16 * rows * (7168 // 16) * 2
+        assert two.nbytes == recv + 2 * rows * 7168 * 2
 
 
 def test_layout_rejects_bad_coordinates():

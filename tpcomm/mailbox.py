@@ -1,7 +1,8 @@
 """Mailbox and twoshot layouts: every byte offset of the protocol is defined here.
 
 Mailbox (one-shot all-reduce)
-    ``[2 parity, TP, tokens, HID]`` bf16 in symmetric memory on every rank; slot
+    ``[2 parity, TP, rows, HID]`` bf16 in symmetric memory on every rank (rows: the
+    step's tokens, 1..``MAX_ROWS``; every buffer is sized per rows bucket); slot
     ``[p, r]`` holds rank r's partial for a step of parity ``p = step & 1``. The unit of
     publication is a 16-byte group (8 bf16 = four 32-bit words): a group is *published*
     when none of its words equals ``SENTINEL`` (0xFFFFFFFF); an empty (armed) mailbox is
@@ -37,7 +38,8 @@ COLUMNS_PER_CTA = 1024  # 128 threads x one group each
 CTA_THREADS = COLUMNS_PER_CTA // GROUP_ELEMS
 ALLREDUCE_BLOCKS_PER_SM = 8  # the all-reduce kernel's launch bound (<= 64 registers a thread)
 MAX_TP = 16
-MAX_TOKENS = 8
+MAX_ROWS = 1024  # rows (tokens) of one step: mailboxes, receive views, gather rows
+MAX_TOKENS = 8  # rows the mma.sync producer (N = 8) and the fused kernel take
 MAX_HID = 8192
 POLL_CHUNK = 4  # mailbox slots a thread polls together (registers: 16 words)
 DEFAULT_BUDGET_NS = 50_000_000  # a poll's budget: far above any healthy step, far below a hang
@@ -62,8 +64,8 @@ def check_tp_hid(tp: int, hid: int) -> None:
 
 def _check(tp: int, tokens: int, hid: int) -> None:
     check_tp_hid(tp, hid)
-    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
+    if not is_int(tokens) or not 1 <= tokens <= MAX_ROWS:
+        raise ValueError(f"tokens (rows) must be an int in 1..{MAX_ROWS}; got {tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class TwoshotLayout:
 
     def columns(self, rank: int) -> slice:
         return slice(rank * self.shard, (rank + 1) * self.shard)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on every rank: receive view plus gather row (both ``2 * tokens * HID``)."""
+        return 2 * (2 * self.tokens * self.hid) * 2
 
 
 # --- host-side word operations (the device does the same in tpcomm.protocol) ------------

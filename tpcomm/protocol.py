@@ -96,6 +96,12 @@ def store16_relaxed_sys(address, words, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def store16_relaxed_gpu(address, words, *, loc=None, ip=None):
+    """Relaxed, gpu scope: 16-byte store a later kernel on this GPU reads after a hint."""
+    _store4("st.relaxed.gpu.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def store16_release_sys(address, words, *, loc=None, ip=None):
     """Release, sys scope: 16-byte store; this thread's earlier accesses are ordered before it."""
     _store4("st.release.sys.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
@@ -207,6 +213,30 @@ def release_increment(address: Int64):
     """Release, gpu scope: add 1 to a hint counter that the next kernel polls."""
     ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
     cute.arch.red(ptr.llvm_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+
+
+@cute.jit
+def wait_count(address: Int64, target: Int32, budget_ns: Int64, error_address: Int64) -> Int32:
+    """Acquire, gpu scope: bounded spin until the counter at ``address`` is >= ``target``;
+    1 when it is (later accesses of this thread ordered after the load that saw it), 0 when
+    the ``globaltimer`` budget ran out (then the error word at ``error_address`` |= 1)."""
+    ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
+    reached = Int32(0)
+    if cute.arch.load(ptr.llvm_ptr, Int32, sem="acquire", scope="gpu") >= target:
+        reached = Int32(1)
+    if reached == 0:
+        deadline = cute.arch.globaltimer() + budget_ns
+        waiting = Int32(1)
+        while waiting != 0:
+            if cute.arch.load(ptr.llvm_ptr, Int32, sem="acquire", scope="gpu") >= target:
+                reached = Int32(1)
+                waiting = Int32(0)
+            if waiting != 0:  # noqa: SIM102
+                if cute.arch.globaltimer() > deadline:
+                    waiting = Int32(0)
+        if reached == 0:
+            raise_error(error_address, Int32(1))
+    return reached
 
 
 @cute.jit

@@ -6,7 +6,8 @@ A backend hosts one or more ranks of a TP group of size ``world``: ``allocate(sh
 dtype)``, ``local(t, rank)``, ``peer(t, peer, rank)``, ``multicast(t)`` (or None),
 ``peer_pointers(t, rank)`` (int64 device tensor of peer base addresses), ``barrier()``,
 ``teardown()`` (idempotent), ``ranks``, ``world``, ``single_device``,
-``check_coresident(ctas, threads, min_blocks_per_sm)``. Needs only torch.
+``check_coresident(ctas, threads, min_blocks_per_sm)``, ``check_fits(nbytes, what)`` (a
+buffer set refused before allocation when it does not fit). Needs only torch.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class SymmetricBackend(abc.ABC):
         self.ranks = tuple(ranks)
         self._tensors: list[SymmetricTensor] = []
         self._closed = False
+        self.allocated = 0  # bytes per rank allocated so far
 
     # --- allocation and views ---------------------------------------------------------
     def allocate(self, shape, dtype=torch.bfloat16) -> SymmetricTensor:
@@ -51,7 +53,22 @@ class SymmetricBackend(abc.ABC):
         handle = SymmetricTensor(shape, dtype, len(self._tensors))
         handle.payload = self._allocate(shape, dtype)
         self._tensors.append(handle)
+        self.allocated += dtype.itemsize * _numel(shape)
         return handle
+
+    def symmetric_limit(self) -> int | None:
+        """Bytes one rank may still allocate in symmetric memory (None: no fixed heap)."""
+        return None
+
+    def check_fits(self, nbytes: int, what: str) -> None:
+        """ValueError with the limit and the bytes unless ``nbytes`` more per rank fit."""
+        limit = self.symmetric_limit()
+        if limit is not None and nbytes > limit:
+            raise ValueError(
+                f"{what}: {nbytes} B of symmetric memory per rank do not fit the "
+                f"{limit} B left on {self.name} ({self.allocated} B already allocated); use "
+                "fewer rows per step or a larger heap"
+            )
 
     def local(self, t: SymmetricTensor, rank: int | None = None) -> torch.Tensor:
         """This rank's own copy of ``t``."""
@@ -88,6 +105,7 @@ class SymmetricBackend(abc.ABC):
                 self._free(t)
                 t.payload = None
             self._tensors.clear()
+            self.allocated = 0
         finally:
             self._shutdown()
 
@@ -138,3 +156,10 @@ class SymmetricBackend(abc.ABC):
     def _require_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.name} backend was torn down")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -101,6 +101,13 @@ class LoopbackBackend(SymmetricBackend):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def symmetric_limit(self) -> int | None:
+        """Every rank's copy lives on this GPU: free device memory / ``world`` per rank."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free // self.world
+
     def check_coresident(self, ctas: int, threads: int, min_blocks_per_sm: int) -> None:
         """Refuse unless ``world`` launches of ``ctas`` CTAs each can be resident at once."""
         if self.device.type != "cuda":

@@ -44,6 +44,26 @@ def _device_class():
     return Device
 
 
+DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE's default
+
+
+def heap_bytes(setting: str | None) -> int:
+    """``NVSHMEM_SYMMETRIC_SIZE`` in bytes: an integer with an optional k/m/g/t suffix
+    (powers of 1024, as NVSHMEM reads it); unset: 1 GiB."""
+    if setting is None or not setting.strip():
+        return DEFAULT_HEAP
+    text = setting.strip().lower().removesuffix("b")
+    scale = 1
+    if text and text[-1] in "kmgt":
+        scale = 1024 ** ("kmgt".index(text[-1]) + 1)
+        text = text[:-1]
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"NVSHMEM_SYMMETRIC_SIZE={setting!r} is not a size") from None
+    return int(value * scale)
+
+
 class TorchStream:
     """A torch stream in the CUDA stream protocol that nvshmem4py accepts."""
 
@@ -101,6 +121,11 @@ class NvshmemBackend(SymmetricBackend):
     @property
     def single_device(self) -> bool:
         return self.world == 1
+
+    def symmetric_limit(self) -> int | None:
+        """The heap (``NVSHMEM_SYMMETRIC_SIZE``, NVSHMEM's default 1 GiB) less what this
+        backend allocated (NVSHMEM's own reservations come on top)."""
+        return heap_bytes(os.environ.get("NVSHMEM_SYMMETRIC_SIZE")) - self.allocated
 
     def _allocate(self, shape, dtype):
         nv = _nvshmem()

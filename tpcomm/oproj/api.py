@@ -1,15 +1,12 @@
 """Host API of the o-projection all-reduce + AttnRes: buffers, checks and launches.
 
-``OprojAllReduce`` holds one double-buffered ``Mailbox`` (or, with ``twoshot``, the
-``TwoshotRows``) on a ``tpcomm.symm`` backend, the error words and hint counters, and
-launches the kernels of ``tpcomm.oproj``: per rank ``publish`` (a ready partial),
-``produce`` (the o-projection GEMM), ``consume`` and ``produce_consume`` (one fused
-launch); every rank of a one-GPU backend in one launch ``publish_all``, ``produce_all``,
-``consume_all``; ``run_ranks`` drives every loopback rank. ``publish``, ``produce``,
-``consume`` and ``produce_consume`` call the torch ops of ``tpcomm.oproj.custom_ops``
-(``kimi::oproj_*``, the all-reduce passed as a handle), so ``torch.compile`` traces them
-without a graph break; the ops' implementations are the ``launch_*`` methods. Validation
-raises ``ValueError`` naming the argument before any launch. Imports without the CuTe DSL.
+``OprojAllReduce`` holds the mailboxes (or twoshot rows), error words and hint counters of
+one shape and launches the kernels: per rank ``publish``, ``produce``, ``consume``,
+``produce_consume`` (through the ``kimi::oproj_*`` torch ops, whose implementations are the
+``launch_*`` methods); every rank of a one-GPU backend at once ``publish_all``,
+``produce_all``, ``consume_all``; ``run_ranks`` drives every loopback rank. Rows 1..
+``MAX_ROWS``: above ``MAX_TOKENS`` the producer is cuBLAS (fp32 sums, one rounding) into a
+staging partial, then the publisher. ``ValueError`` before any launch; no CuTe DSL import.
 """
 
 import contextlib
@@ -23,10 +20,12 @@ from tpcomm.oproj import custom_ops
 from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
     GROUP_THREADS,
+    MAX_TOKENS,
     SLICE,
     WORD_ROW_BYTES,
     DeviceLimits,
     Plan,
+    buffer_bytes,
     check_config,
     choose,
     min_blocks_per_sm,
@@ -40,34 +39,47 @@ RUN_MODES = ("per-rank", "fused", "one-launch")
 
 
 class OprojAllReduce:
-    """Mailbox, error words and hints for one (TP, tokens, HID, nb) shape on ``backend``.
+    """Mailbox, error words and hints for one (TP, rows, HID, nb) shape on ``backend``.
 
-    ``step`` picks the mailbox parity: consecutive calls use consecutive steps. A rank's
-    error word (``error(rank)``) holds the mask of ranks it never heard from within
-    ``budget_ns``; after an error call ``reset()``. ``hints(rank)`` counts the consumer's
-    release increments (4 per CTA and step when ``xmoe_reps`` > 0). ``groups`` and
-    ``twoshot`` default to ``choose``'s plan; ``fence`` (a sys fence before each publish)
-    defaults to on unless every rank shares one GPU. ``one_launch``: built for the
-    ``*_all`` launches only (every partial published before one consumer launch starts),
-    so the ranks' consumers need not be resident together; per-rank runs are refused.
+    ``step`` picks the mailbox parity (consecutive calls, consecutive steps). ``error(rank)``
+    holds the mask of ranks it never heard from within ``budget_ns`` (then ``reset()``);
+    ``hints(rank)`` counts the consumer's release increments (4 per CTA and step with
+    ``xmoe_reps``). ``groups``, ``twoshot`` and ``producer`` default to ``choose``'s plan;
+    ``fence`` (a sys fence before each publish) to on unless every rank shares one GPU.
+    ``one_launch``: for the ``*_all`` launches only (no co-residency of the ranks'
+    consumers needed; no twoshot unless asked). Buffers (``plan.bytes`` per rank) that do
+    not fit the symmetric memory are refused before allocation.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None, one_launch=False):  # fmt: skip
+                 fence=None, twoshot=None, one_launch=False, producer=None):  # fmt: skip
         plan = choose(backend.world, tokens, hid)
-        twoshot = plan.twoshot if twoshot is None else bool(twoshot)
+        producer = plan.producer if producer is None else producer
+        if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
+            raise ValueError(f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
+                             f"got {producer!r} for {tokens} rows")  # fmt: skip
+        if twoshot is None:  # one GPU: twoshot only when asked for (per-rank, RowChunks)
+            twoshot = plan.twoshot and not one_launch and not backend.single_device
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not is_int(budget_ns) or budget_ns <= 0:
             raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")
         check_real("eps", eps, low=0.0)
         check_real("out_eps", out_eps, low=0.0)
+        self.bytes = buffer_bytes(backend.world, tokens, hid, twoshot)
+        backend.check_fits(self.bytes, f"o-projection buffers for {tokens} rows "
+                           f"({'twoshot' if twoshot else 'one-shot'}, TP {backend.world}, "
+                           f"HID {hid})")  # fmt: skip
+        if not one_launch:  # per-rank consumers spin side by side (loopback: on one GPU)
+            backend.check_coresident(
+                (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
+            )
         self.backend, self.plan = backend, plan
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot = twoshot
+        self.twoshot, self.producer = twoshot, producer
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
             self.mailbox, self.rows = None, TwoshotRows(backend, tokens, hid)
@@ -95,15 +107,12 @@ class OprojAllReduce:
         self._no_xmoe = torch.zeros((1, tokens, hid), **bf)
         self._no_recv = torch.zeros((8,), **bf)
         self._fns = None
+        self._staging = None  # [ranks, tokens, HID]: the GEMM's partials above MAX_TOKENS
         self._fused_plans = {}
         self.one_launch, self._one_launch_checked = bool(one_launch), False
         self.handle = custom_ops.register(self)  # how the kimi::oproj_* ops find it
         if self.one_launch:  # consumers start after every partial: no co-residency needed
             self._check_one_launch()
-        else:
-            backend.check_coresident(
-                (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
-            )
 
     # --- compiled kernels -------------------------------------------------------------
     def functions(self):
@@ -163,7 +172,11 @@ class OprojAllReduce:
             check_device_tensor("xmoe", xmoe, want, torch.bfloat16, self.device)
         elif xmoe is not None:
             raise ValueError("xmoe given, but this all-reduce was built with xmoe_reps = 0")
-        if launch and self.device.type != "cuda":
+        if launch:
+            self._require_cuda()
+
+    def _require_cuda(self):
+        if self.device.type != "cuda":
             raise ValueError(f"the mailbox must be on a CUDA device to launch; got {self.device}")
 
     def check_publish_args(self, partial, step, rank):
@@ -207,9 +220,25 @@ class OprojAllReduce:
             torch.ops.kimi.oproj_produce(self.handle, rank, step, attn_out, w_o)
 
     def launch_produce(self, attn_out, w_o, step, rank):
-        """``kimi::oproj_produce``'s implementation: check, launch on the current stream."""
+        """``kimi::oproj_produce``'s implementation: check, launch on the current stream
+        (above ``MAX_TOKENS`` rows, or with ``producer="cublas"``: cuBLAS, then the
+        publisher)."""
         d_local = self.check_produce_args(attn_out, w_o, step, rank)
+        self._require_cuda()
+        if self.producer == "cublas":
+            partial = self.staging()[rank]
+            gemm(attn_out, w_o.t(), partial)
+            self._launch(self._publisher(), (partial,), rank, step)
+            return
         self._launch(self._producer(d_local), (attn_out, w_o), rank, step)
+
+    def staging(self):
+        """The GEMM's partials ``[ranks, tokens, HID]`` (row r: rank r's), allocated once."""
+        if self._staging is None:
+            n = max(self.backend.ranks) + 1
+            shape = (n, self.tokens, self.hid)
+            self._staging = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        return self._staging
 
     def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
                 rank=None, stream=None, checked=False, validate=None):  # fmt: skip
@@ -374,18 +403,12 @@ class OprojAllReduce:
     def run_ranks(self, inputs, prefixes, blocks, norm, query, out_norm, outputs, step, *,
                   xmoes=None, w_os=None, ranks=None, publishers=None, mode="per-rank",
                   pdl=False):  # fmt: skip
-        """Loopback: one step of every rank. ``inputs`` [TP, tokens, HID] are the ranks'
-        partials, or with ``w_os`` [TP, HID, D_local] their ``attn_out`` [TP, tokens,
-        D_local] (the producer projects them). ``prefixes``/``outputs`` [TP, tokens, HID],
-        ``xmoes`` [TP, reps, tokens, HID]. Graph-capturable; bitwise the same in every mode.
-
-        ``mode``: ``"per-rank"`` (each rank publishes or produces, then consumes, on its own
-        stream; ``ranks`` limits the consumers, ``publishers`` the ranks that publish, a rank
-        left out never publishes), ``"fused"`` (each rank's ``produce_consume`` on its
-        stream; needs ``w_os``; ``ranks`` limits both), ``"one-launch"`` (``*_all``: every
-        rank in one producer or publisher launch, then one consumer launch, on the current
-        stream). ``pdl``: programmatic dependent launch (fused and one-launch).
-        """
+        """Loopback: one step of every rank, bitwise the same in every ``mode``; ``inputs``
+        [TP, tokens, HID] partials, or with ``w_os`` [TP, HID, D_local] the ranks' attn_out.
+        ``mode``: ``"per-rank"`` (publish or produce, then consume, on each rank's stream;
+        ``ranks`` limits the consumers, ``publishers`` the ranks that publish),
+        ``"fused"`` (``produce_consume`` per rank; needs ``w_os``), ``"one-launch"``
+        (the ``*_all`` launches on the current stream). ``pdl``: fused and one-launch."""
         if mode not in RUN_MODES:
             raise ValueError(f"mode must be one of {RUN_MODES}; got {mode!r}")
         if mode == "one-launch":
@@ -482,6 +505,12 @@ class OprojAllReduce:
         d_local = self._check_projection(attn_outs[0], w_os[0])
         check_stacked("attn_outs", attn_outs, (self.tp, self.tokens, d_local))
         check_stacked("w_os", w_os, (self.tp, self.hid, d_local))
+        self._require_cuda()
+        if self.producer == "cublas":  # one batched cuBLAS GEMM, then one publisher launch
+            partials = self.staging()[: self.tp]
+            gemm(attn_outs, w_os.transpose(1, 2), partials)
+            self._launch(self._publisher(pdl, ranks=self.tp), (partials[0],), 0, step)
+            return
         fn = self._producer(d_local, pdl, ranks=self.tp)
         self._launch(fn, (attn_outs[0], w_os[0]), 0, step)
 
@@ -551,3 +580,16 @@ class OprojAllReduce:
 def _on(stream):
     """``stream`` as the current stream (the ops launch on it); None: the current one."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def gemm(a, b, out):
+    """``out = bf16(a @ b)`` by cuBLAS on the current stream (2-D or batched): fp32
+    accumulation with reduced-precision split-K reduction off, one rounding, as
+    ``reference.project`` up to the order of the fp32 sums."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        torch.matmul(a, b, out=out)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = saved

@@ -14,7 +14,10 @@ Protocol: a poll that outlives ``budget_ns`` ORs the missing-rank mask (bit r: r
 twoshot: bit r of a receive slot, bit 0 of the gather row) into the error word; its CTA
 still takes part in the cluster exchanges but writes nothing and re-arms nothing of the
 failed group. Otherwise every thread re-arms (sentinel) the groups it read. ``xmoe``:
-copies of the output, then one release increment of ``hints`` per lead warp.
+copies of the output (relaxed gpu-scope stores), a gpu-scope acq_rel fence, a warp sync,
+then one gpu-scope release increment of ``hints`` per lead warp: the seed's order (the
+release on top). A reader that acquires ``hints >= 4 * C * tokens`` (``HintWaiter``) then
+reads every copy.
 
 PDL: dependents are triggered at once; the wait comes at the end, or with ``early_wait``
 (the fused kernel) before ``prefix`` is read and before any poll. ``ranks`` = TP: grid z
@@ -455,7 +458,9 @@ class OprojConsumerKernel:
             protocol.store16(a_output + row_bytes, out)
             if cutlass.const_expr(self.xmoe_reps > 0):
                 for r in cutlass.range_constexpr(self.xmoe_reps):
-                    protocol.store16(a_xmoe + r * tokens * hid_bytes + row_bytes, out)
+                    addr = a_xmoe + r * tokens * hid_bytes + row_bytes
+                    protocol.store16_relaxed_gpu(addr, out)
+                cute.arch.fence_acq_rel_gpu()  # the copies before this warp's hint
                 cute.arch.sync_warp()
                 if lane == 0:
                     protocol.release_increment(a_hints)

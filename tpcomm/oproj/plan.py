@@ -8,16 +8,22 @@ tile is 16 output features computed by four warps. ``choose`` picks the consumer
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tpcomm.checks import is_int
 from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
 from tpcomm.mailbox import (
     CTA_THREADS,
     DEFAULT_BUDGET_NS,
+    MAX_ROWS,
     MAX_TOKENS,
     MAX_TP,
     POLL_CHUNK,
+    MailboxLayout,
+    TwoshotLayout,
     check_tp_hid,
 )
 from tpcomm.mailbox import MAX_HID as MAX_HIDDEN
@@ -26,6 +32,7 @@ __all__ = [
     "SLICE",
     "MAX_HIDDEN",
     "MAX_TOKENS",
+    "MAX_ROWS",
     "MAX_TP",
     "POLL_CHUNK",
     "DEFAULT_BUDGET_NS",
@@ -48,8 +55,9 @@ TILE_SMEM_BYTES = WARPS * 32 * 4 * 4  # fp32 fragments of one tile, summed in wa
 RESERVED_SMEM = 1024  # bytes the hardware reserves per CTA (sm_80+)
 SMS_PER_GPC_AT_LEAST = 16  # assumed: Hopper / Blackwell data-center GPCs hold 16+ SMs
 
-TWOSHOT_MIN_TP = 8
+TWOSHOT_MIN_TP = 8  # the expected crossover (``twoshot_available``) where none is measured
 TWOSHOT_MIN_TOKENS = 4
+CROSSOVERS = Path(__file__).with_name("crossovers.json")
 
 
 # --- checks -----------------------------------------------------------------------------
@@ -102,29 +110,73 @@ class Plan:
     groups: int
     twoshot: bool
     reason: str
+    producer: str = "mma"  # "mma": OprojProducer (rows <= 8); "cublas": GEMM + publisher
+    bytes: int = 0  # symmetric memory per rank: mailbox, or receive view + gather row
 
 
-def choose(tp: int, tokens: int, hid: int, *, twoshot_available: bool = False):
-    """The consumer plan for a TP group size, token count and hidden width.
+@functools.cache
+def load_crossovers(path: str | None = None) -> dict:
+    """The measured crossovers ``choose`` reads (``crossovers.json`` beside this module):
+    ``twoshot_from_rows[tp]`` the first rows count where twoshot beat one-shot (None: never
+    measured or never faster), ``expected_from_rows`` the unmeasured rule, ``source``."""
+    data = json.loads(Path(path or CROSSOVERS).read_text())
+    for key in ("twoshot_from_rows", "expected_from_rows"):
+        table = data.get(key)
+        if not isinstance(table, dict) or not all(
+            k.isdigit() and (v is None or (is_int(v) and v >= 1)) for k, v in table.items()
+        ):
+            raise ValueError(f"{path or CROSSOVERS}: {key} must map TP to a rows count or null")
+    return data
+
+
+def crossover(table: dict, tp: int) -> int | None:
+    """The entry for the largest TP key <= ``tp`` (None when there is none)."""
+    keys = [int(k) for k in table if int(k) <= tp]
+    return table[str(max(keys))] if keys else None
+
+
+def buffer_bytes(tp: int, rows: int, hid: int, twoshot: bool) -> int:
+    """Symmetric memory one rank allocates for a rows bucket: the one-shot mailbox
+    ``[2, TP, rows, HID]`` bf16, or twoshot's receive view and gather row."""
+    layout = TwoshotLayout(tp, rows, hid) if twoshot else MailboxLayout(tp, rows, hid)
+    return layout.nbytes
+
+
+def choose(tp: int, rows: int, hid: int, *, twoshot_available: bool = False,
+           crossovers: dict | None = None):  # fmt: skip
+    """The o-projection plan for a TP group size, rows (tokens) per step and hidden width.
 
     Every group polls at most ``POLL_CHUNK`` slots (one round of four 16-byte loads per
-    thread in flight): ``groups = ceil(TP / 4)``. Twoshot moves about ``2 / TP`` of
-    one-shot's bytes into each rank plus a second hop; it is GPU-tested but chosen only
-    with ``twoshot_available`` until an 8-GPU run measures the crossover.
+    thread in flight): ``groups = ceil(TP / 4)``. Twoshot (about ``2 / TP`` of one-shot's
+    bytes into each rank plus a second hop) is chosen from ``rows`` = the crossover measured
+    for this TP (``crossovers.json``); where none is measured, only with
+    ``twoshot_available`` and the expected rule. Producer: ``OprojProducer`` (mma.sync,
+    N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): cuBLAS into a
+    staging partial, then ``PartialPublisher``.
     """
-    if not is_int(tp) or not 1 <= tp <= MAX_TP:
-        raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
-    check_config(tp, hid, 0, 1, 0)
+    check_tp_hid(tp, hid)
+    if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in 1..{MAX_ROWS} (requests x tokens); got {rows!r}")
+    data = load_crossovers() if crossovers is None else crossovers
     groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK))
-    reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}"
-    wants = tp >= TWOSHOT_MIN_TP and tokens >= TWOSHOT_MIN_TOKENS and hid % (8 * tp) == 0
-    if wants and twoshot_available:
-        return Plan(1, True, f"twoshot: TP {tp} x {tokens} tokens; one gather slot")
-    if wants:
-        reason += "; twoshot would pay off but is not available: one-shot"
-    return Plan(groups, False, reason)
+    if rows <= MAX_TOKENS:
+        producer, why = "mma", f"mma.sync producer (rows {rows} <= {MAX_TOKENS})"
+    else:
+        producer, why = "cublas", f"cuBLAS GEMM M = {rows} + publisher (mma.sync takes <= 8)"
+    start = crossover(data["twoshot_from_rows"], tp)
+    source = "measured"
+    if start is None and twoshot_available and tp >= TWOSHOT_MIN_TP:
+        start = crossover(data["expected_from_rows"], tp) or TWOSHOT_MIN_TOKENS
+        source = "expected (not measured)"
+    if start is not None and rows >= start and hid % (8 * tp) == 0:
+        size = buffer_bytes(tp, rows, hid, True)
+        return Plan(1, True, f"twoshot: TP {tp} x {rows} rows >= {start} ({source} crossover); "
+                    f"one gather slot; {why}; {size} B per rank", producer, size)  # fmt: skip
+    size = buffer_bytes(tp, rows, hid, False)
+    reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}; {why}; {size} B per rank"
+    if start is None:
+        reason += "; no measured twoshot crossover for this TP: one-shot"
+    return Plan(groups, False, reason, producer, size)
 
 
 def per_group(tp: int, groups: int) -> int:
@@ -287,7 +339,10 @@ def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1,
     producer CTA needs would wait until its poll budget ran out)."""
     check_config(tp, hid, nb, groups, xmoe_reps)
     if not is_int(tokens) or not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"tokens must be an int in 1..{MAX_TOKENS}; got {tokens!r}")
+        raise ValueError(
+            f"tokens must be an int in 1..{MAX_TOKENS} for the fused kernel (its mma.sync "
+            f"producer takes N = 8 rows); got {tokens!r}: above, produce then consume"
+        )
     if not is_int(launches) or launches < 1:
         raise ValueError(f"launches must be a positive int; got {launches!r}")
     if tiles is not None and (not is_int(tiles) or tiles < 1):

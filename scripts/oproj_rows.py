@@ -1,0 +1,233 @@
+"""The o-projection alone at 1..1024 rows per step (``bench_oproj.py --rows``), loopback.
+
+Per (TP, rows), HID 7168, nb 8, D_local = heads * 128 / TP (Kimi: 96 heads), every rank's
+producer + all-reduce + AttnRes + norm per step (CUDA graphs of ``iters`` steps, median
+of ``repeats`` replays, us per step):
+
+- ``oneshot_1l``: one-shot, every rank in one producer and one consumer launch (PDL),
+  the plan's producer (mma.sync <= 8 rows, else cuBLAS + publisher): the launcher's path;
+- ``oneshot_1l_cublas``: the same with the cuBLAS producer at <= 8 rows (the other
+  producer where both can run);
+- ``oneshot_chunks`` / ``twoshot_chunks``: per-rank launches on the rank streams
+  (``RowChunks``: chunks whose consumers and publishers fit the GPU together): one-shot
+  and twoshot under the same launch structure, which gives the measured twoshot crossover;
+- ``peer``: torch ``bmm`` partials, their fp32 sum and the epilogue in torch ops.
+
+Floor: max(HBM bytes / the copy bandwidth, GEMM FLOPs / a large cuBLAS GEMM's rate), both
+measured in this run; HBM bytes = every rank's ``w_o`` and ``attn_out`` + the exchange's
+buffers (one-shot: ``TP * plan.bytes / 2``, one parity) + the consumer's row traffic.
+``--write-crossovers`` rewrites ``tpcomm/oproj/crossovers.json`` from the chunked pair.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+
+import torch
+
+from tpcomm.backends.loopback import LoopbackBackend
+from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.plan import CROSSOVERS, buffer_bytes, choose
+from tpcomm.oproj.rows import RowChunks
+
+ROWS = (1, 4, 8, 32, 128, 256, 512, 1024)  # requests {1, 8, 32, 128, 256} x tokens {1, 4}
+EPS = 1e-6
+BUDGET = 20_000_000
+
+
+def graph_us(fn, iters, repeats):
+    """Median us per step of a graph of ``iters`` calls ``fn(i)`` (i: the step)."""
+    fn(0)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for i in range(iters):
+            fn(i)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def gemm_tflops():
+    """A large cuBLAS bf16 GEMM (8192^3), TFLOP/s."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, n, device="cuda").to(torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    us = graph_us(lambda i: torch.matmul(a, b, out=c), 5, 7)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def inputs(tp, rows, hid, nb, d_local):
+    g = torch.Generator(device="cuda").manual_seed(tp * 1000 + rows)
+
+    def bf(*shape, s=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * s + shift).to(torch.bfloat16)
+
+    return dict(
+        attn=bf(tp, rows, d_local),
+        w_os=bf(tp, hid, d_local, s=d_local**-0.5),
+        prefix=bf(rows, hid),
+        blocks=bf(rows, nb, hid) if nb else None,
+        norm=bf(hid, s=0.1, shift=1.0),
+        query=bf(hid, s=0.2),
+        out_norm=bf(hid, s=0.1, shift=1.0),
+    )
+
+
+def floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops):
+    row = rows * hid * 2
+    per_rank = hid * d_local * 2 + rows * d_local * 2 + (3 + nb) * row  # w_o, attn, rows
+    hbm = tp * per_rank + exchange
+    return max(hbm / (tbps * 1e6), 2 * tp * rows * hid * d_local / (tflops * 1e6))
+
+
+def peer_step(a, prefixes, outputs):
+    """The composed peer: bmm partials, fp32 sum, residual, AttnRes, RMSNorm in torch."""
+    partials = torch.bmm(a["attn"], a["w_os"].transpose(1, 2))
+    total = partials.float().sum(0)
+    p = (prefixes.float() + total.to(torch.bfloat16).float()).to(torch.bfloat16)
+    prefixes.copy_(p)
+    pf = p.float()
+    hid = pf.shape[-1]
+    if a["blocks"] is None:
+        h = pf
+    else:
+        w = a["norm"].float() * a["query"].float()
+        v = torch.cat([a["blocks"].float()[None].expand(pf.shape[0], -1, -1, -1),
+                       pf[:, :, None]], dim=2)  # fmt: skip
+        logits = (v @ w) * torch.rsqrt(v.pow(2).sum(-1) / hid + EPS)
+        h = (torch.softmax(logits, dim=2)[..., None] * v).sum(2)
+    outputs.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * a["out_norm"].float())
+
+
+def peer_us(a, iters, repeats):
+    tp, rows, hid = a["attn"].shape[0], a["prefix"].shape[0], a["prefix"].shape[1]
+    prefixes = a["prefix"][None].repeat(tp, 1, 1)
+    outputs = torch.empty(tp, rows, hid, dtype=torch.bfloat16, device="cuda")
+    return graph_us(lambda i: peer_step(a, prefixes, outputs), iters, repeats)
+
+
+def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
+    """us per step of one variant (None and the reason when it cannot run)."""
+    backend = LoopbackBackend(tp)
+    try:
+        bf = dict(dtype=torch.bfloat16, device="cuda")
+        prefixes = a["prefix"][None].repeat(tp, 1, 1)
+        outputs = torch.empty(tp, rows, hid, **bf)
+        args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
+        kw = dict(eps=EPS, out_eps=EPS, budget_ns=BUDGET)
+        if kind.startswith("oneshot_1l"):
+            producer = "cublas" if kind.endswith("cublas") else None
+            comm = OprojAllReduce(backend, rows, hid, nb, one_launch=True, producer=producer,
+                                  **kw)  # fmt: skip
+
+            def fn(i):
+                comm.run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"],
+                               mode="one-launch", pdl=True)  # fmt: skip
+
+            errors = comm.errors
+        else:
+            comm = RowChunks(backend, rows, hid, nb, twoshot=kind == "twoshot_chunks", **kw)
+
+            def fn(i):
+                comm.run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"])
+
+            errors = None
+        us = graph_us(fn, iters, repeats)
+        torch.cuda.synchronize()
+        failed = comm.error_masks() if errors is None else errors[:, 0].tolist()
+        if any(failed):
+            return None, f"consumer timeouts {failed}"
+        return us, getattr(comm, "chunk", rows)
+    except ValueError as e:
+        return None, str(e)
+    finally:
+        backend.teardown()
+        torch.cuda.empty_cache()
+
+
+def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps):
+    tflops = gemm_tflops()
+    print(f"cuBLAS bf16 GEMM 8192^3: {tflops:.0f} TFLOP/s; copy {tbps:.2f} TB/s")
+    out = []
+    for tp in tps:
+        d_local = heads * 128 // tp
+        for rows in rows_list:
+            a = inputs(tp, rows, hid, nb, d_local)
+            plan = choose(tp, rows, hid)
+            exchange = tp * buffer_bytes(tp, rows, hid, False) // 2
+            floor = floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops)
+            row = dict(tp=tp, rows=rows, hid=hid, nb=nb, d_local=d_local, floor_us=floor,
+                       plan=dict(producer=plan.producer, twoshot=plan.twoshot,
+                                 bytes=plan.bytes, reason=plan.reason))  # fmt: skip
+            kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
+            if rows <= 8:
+                kinds.insert(1, "oneshot_1l_cublas")
+            for kind in kinds:
+                us, note = _variant(tp, rows, hid, nb, a, iters, repeats, kind)
+                row[f"{kind}_us"] = us
+                row[f"{kind}_note"] = note
+            row["peer_us"] = peer_us(a, iters, repeats)
+            options = [row[f"{k}_us"] for k in kinds if row[f"{k}_us"] is not None]
+            row["ours_us"] = row["oneshot_1l_us"]  # the launcher's loopback path
+            row["best_us"] = min(options) if options else None
+            out.append(row)
+            print_row(row)
+            torch.cuda.empty_cache()
+    return out, tflops
+
+
+def cell(v, width=9, digits=1):
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+
+
+def print_row(r):
+    ours, best, floor = r["ours_us"], r["best_us"], r["floor_us"]
+    ratio = None if ours is None else ours / floor
+    vs_best = None if ours is None or best is None else ours / best
+    print(f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell(ours)} (x floor {cell(ratio, 5, 2)}, "
+          f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell(r['oneshot_chunks_us'])} | "
+          f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS <= 8 "
+          f"{cell(r.get('oneshot_1l_cublas_us'))} | peer {cell(r['peer_us'])} | floor "
+          f"{cell(floor)} | {r['plan']['producer']}", flush=True)  # fmt: skip
+
+
+def crossovers(rows_out):
+    """Per TP: the first rows count from which twoshot (chunks) beat one-shot (chunks) at
+    that and every larger measured count; None when it never does."""
+    table = {}
+    for tp in sorted({r["tp"] for r in rows_out}):
+        pts = sorted((r["rows"], r["twoshot_chunks_us"], r["oneshot_chunks_us"])
+                     for r in rows_out if r["tp"] == tp)  # fmt: skip
+        start = None
+        for rows, two, one in reversed(pts):
+            if two is None or one is None or two >= one:
+                break
+            start = rows
+        table[str(tp)] = start
+    return table
+
+
+def write_crossovers(rows_out, device, path=CROSSOVERS):
+    data = json.loads(pathlib.Path(path).read_text())
+    data["twoshot_from_rows"] = crossovers(rows_out)
+    data["device"] = device
+    data["source"] = (
+        f"measured {datetime.date.today()} on {device} (loopback) by python "
+        "scripts/bench_oproj.py --rows --write-crossovers: twoshot vs one-shot, per-rank "
+        "launches in row chunks (RowChunks), HID 7168, nb 8; null: twoshot never faster"
+    )
+    pathlib.Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}: twoshot_from_rows {data['twoshot_from_rows']}")
