@@ -10,6 +10,8 @@ raw gate exactly on any input, so the job keeps its random gate inputs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kda import synthetic as kt
@@ -74,19 +76,23 @@ def state_check(got, ref, before):
     return bool((ratio <= 1e-5).all()), bool(untouched.all()), float(ratio.max())
 
 
-def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out) -> tuple[float, float]:
+def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epilogue) -> tuple[float, float]:
     """Worst error / bound of a TP prefix against the unsharded fp32 o-proj, and of a TP
-    output against the fp64 epilogue of that same prefix (``launch.layer.epilogue_f64``).
+    output against ``epilogue(tp_prefix)``: the fp64 epilogue of that same prefix
+    (``Model.epilogue``, a callable so it cannot be handed another prefix's).
 
     Prefix: each per-rank bf16 partial and each later bf16 rounding moves a value by at
     most 2^-8 of its magnitude. Output: within 2^-6 of each value plus 2^-8 of the row's
-    rms (the reference's bf16 rounding, the kernels' 1 ulp, fp32 logits); a wrong formula,
-    eps or weight is off by far more. (Not the output against the unsharded layer: AttnRes
-    logits of magnitude L amplify a prefix ulp by about L.)
+    rms (the output's bf16 rounding, the kernels' 1 ulp, fp32 logits); per element, so it
+    holds at any row count; a wrong formula, eps or weight is off by far more. The
+    epilogue must be of the output's own prefix: a kernel's partials (from its KDA
+    outputs, within 1 ulp + o's flip) give a prefix some ulps away from the reference's
+    in many elements, and AttnRes logits of magnitude L amplify a prefix ulp by about L
+    (the check once took the reference partials' epilogue and failed at 16+ rows).
     """
     prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
     prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
-    want = epi_out.double()
+    want = epilogue(tp_prefix).double()
     rms = want.pow(2).mean(-1, keepdim=True).sqrt()
     out_bound = 2.0**-6 * want.abs() + 2.0**-8 * rms
     out_ratio = (tp_out.double() - want).abs() / (out_bound + 2.0**-30)
@@ -143,8 +149,9 @@ def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, 
     ok, _, ulps, detail = ulp_check(got_out, want_out)
     check("output vs TP reference math (1 ulp)", ok, i, detail)
     worst["output_ulp"] = max(worst["output_ulp"], ulps)
-    # the epilogue of the TP prefix (bitwise got_prefix, checked above), in fp64
-    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], ref["epi_out"])
+    # the fp64 epilogue of this very prefix (not the reference partials' prefix)
+    epilogue = functools.partial(model.epilogue, blocks=blocks)
+    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], epilogue)
     check("prefix vs unsharded o-proj (within bound)", p <= 1, i, f"worst {p:.3f}")
     check("output vs fp64 epilogue of the prefix (within bound)", o <= 1, i, f"worst {o:.3f}")
     worst["prefix"], worst["output"] = max(worst["prefix"], p), max(worst["output"], o)

@@ -11,6 +11,7 @@ padding in each step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -240,6 +241,10 @@ class Model:
             out_eps=OUT_EPS, groups=self.cfg.groups if groups is None else groups,
         )  # fmt: skip
 
+    def epilogue(self, prefix_new, blocks):
+        """``epilogue_f64`` of ``prefix_new`` with this layer's gammas and eps."""
+        return epilogue_f64(prefix_new, blocks, self.norm, self.query, self.out_norm)
+
     def rank_heads(self, rank: int) -> tuple[int, int]:
         per = self.cfg.heads_per_rank
         return rank * per, per
@@ -327,10 +332,10 @@ class Unsharded:
         # The same layer with one fp32 GEMM over all heads (no per-rank bf16 partials).
         whole = oref.project(attn, m.w_o)[None]
         _, u_prefix = m.consume(whole, prefix, blocks, groups=1)
-        epi_out = epilogue_f64(tp_prefix, blocks, m.norm, m.query, m.out_norm)
-        prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi_out)
-        return dict(attn=attn, tp_out=tp_out, tp_prefix=tp_prefix, u_prefix=u_prefix,
-                    epi_out=epi_out, prefix_ratio=prefix_ratio, out_ratio=out_ratio)  # fmt: skip
+        epi = functools.partial(m.epilogue, blocks=blocks)
+        prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi)
+        return dict(attn=attn, partials=partials, tp_out=tp_out, tp_prefix=tp_prefix,
+                    u_prefix=u_prefix, prefix_ratio=prefix_ratio, out_ratio=out_ratio)  # fmt: skip
 
 
 def epilogue_f64(prefix_new, blocks, norm, query, out_norm, *, eps=EPS, out_eps=OUT_EPS):

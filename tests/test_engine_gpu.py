@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -273,7 +275,8 @@ def test_decode_layer_vs_references(job):
             oref.project(attn[:, r * per : (r + 1) * per].contiguous(), job.layers[r].w_o.cpu())
             for r in range(cfg.tp)
         ])  # fmt: skip
-        p, o = oproj_bound_ratios(partials, prefixes[0], outs[0], ref["u_prefix"], ref["epi_out"])
+        epilogue = functools.partial(job.model.epilogue, blocks=blocks)
+        p, o = oproj_bound_ratios(partials, prefixes[0], outs[0], ref["u_prefix"], epilogue)
         assert p <= 1 and o <= 1, (plan.kind, p, o)
 
 
