@@ -20,6 +20,7 @@ from kda import reference as kref
 from kda import synthetic as kt
 from kda.validate import HEAD_DIM
 from launch.checks import oproj_bound_ratios
+from tpcomm.oproj import bound as oproj_bound
 from tpcomm.oproj import reference as oref
 
 EPS = 1e-6
@@ -244,6 +245,11 @@ class Model:
     def epilogue(self, prefix_new, blocks):
         """``epilogue_f64`` of ``prefix_new`` with this layer's gammas and eps."""
         return epilogue_f64(prefix_new, blocks, self.norm, self.query, self.out_norm)
+
+    def allowance(self, prefix_new, blocks):
+        """``tpcomm.oproj.bound.allowance`` of ``prefix_new`` with this layer's gammas."""
+        return oproj_bound.allowance(prefix_new, blocks, self.norm, self.query, self.out_norm,
+                                     eps=EPS, out_eps=OUT_EPS)  # fmt: skip
 
     def rank_heads(self, rank: int) -> tuple[int, int]:
         per = self.cfg.heads_per_rank
