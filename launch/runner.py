@@ -8,12 +8,6 @@ RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
 o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch),
 ``consumer`` (producers per rank, one ``consume_all``) or ``per-rank``; bitwise the same.
 
-``xmoe`` > 0: the consumer also writes that many latent copies of each output row and
-its ready hints; a waiting kernel (``tpcomm.oproj.hints``, the MoE dispatch's stand-in) on
-a stream of its own, forked at the step's start but enqueued after the consumers (its
-poll budget runs from its start), acquires each rank's hints and only then reads the
-copies (into ``moe_in``); the step joins it at the end.
-
 A bucket is a step shape (tokens, record): buffers allocated once, one CUDA graph per
 mailbox parity (``step & 1``) captured once and replayed. Its first use also runs it
 eagerly (compiles; the reference for "graph replay == eager") and stage by stage (the
@@ -92,9 +86,6 @@ class Bucket:
         self.prefix = torch.zeros(n, N, cfg.hidden, **bf)
         self.output = torch.zeros(n, N, cfg.hidden, **bf)
         self.blocks = torch.zeros(N, cfg.blocks, cfg.hidden, **bf) if cfg.blocks else None
-        reps = runner.xmoe
-        self.xmoe = torch.zeros(n, reps, N, cfg.hidden, **bf) if reps else None
-        self.moe_in = torch.zeros(n, reps, N, cfg.hidden, **bf) if reps else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stage_us: dict[str, float] | None = None
         self.kda_choice = None
@@ -110,11 +101,8 @@ class Runner:
 
     def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=3,
                  pdl=True, budget_ns=None, procs: Procs | None = None,
-                 oproj_launch: str | None = None, xmoe: int = 0):  # fmt: skip
+                 oproj_launch: str | None = None):  # fmt: skip
         check_rows(cfg.requests, cfg.tokens)
-        if not isinstance(xmoe, int) or not 0 <= xmoe <= 8:
-            raise ValueError(f"xmoe must be an int in 0..8 (latent copies per row); got {xmoe!r}")
-        self.xmoe = xmoe
         if backend.world != cfg.tp:
             raise ValueError(f"the backend has {backend.world} ranks; the layer is TP {cfg.tp}")
         self.cfg, self.model, self.backend = cfg, model, backend
@@ -163,7 +151,6 @@ class Runner:
                         pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS)
             for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
         ]  # fmt: skip
-        self.moe_stream = torch.cuda.Stream(self.device) if xmoe else None
 
     # --- buffers ---------------------------------------------------------------------------
     def comm_for(self, rows: int):
@@ -189,7 +176,7 @@ class Runner:
             try:
                 comm = OprojAllReduce(self.backend, rows, cfg.hidden, cfg.blocks, groups=groups,
                                       eps=EPS, out_eps=OUT_EPS, twoshot=False,
-                                      xmoe_reps=self.xmoe, **self.budget, **one)  # fmt: skip
+                                      **self.budget, **one)  # fmt: skip
             except ValueError as e:
                 if "resident" not in str(e):
                     raise
@@ -259,56 +246,15 @@ class Runner:
 
     def _consume(self, bk: Bucket, r: int, parity: int) -> None:
         i = self.local[r]
-        x = None if bk.xmoe is None else bk.xmoe[i]
         with torch.cuda.stream(self.streams[r]):
-            self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity, x)
+            self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity)
 
     def _produce_all(self, bk: Bucket, parity: int) -> None:
         bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)
 
     def _consume_all(self, bk: Bucket, parity: int) -> None:
         bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
-                            bk.output, parity, xmoes=bk.xmoe, pdl=self.pdl)  # fmt: skip
-
-    def _moe_mark(self):
-        """``xmoe``: where the MoE waiters fork (an event on the current stream), or None."""
-        if not self.xmoe:
-            return None
-        fork = torch.cuda.Event()
-        fork.record(torch.cuda.current_stream(self.device))
-        return fork
-
-    def _moe_launch(self, bk: Bucket, fork) -> None:
-        """``xmoe``: the hint waiters of the hosted ranks on the MoE stream, forked at
-        ``fork`` but enqueued after the consumers they wait for: a waiter spins against its
-        poll budget from its start, which must not cover the host's consumer launches. Its
-        few CTAs (8 a rank) cannot starve a consumer, which never waits on a waiter."""
-        if fork is None:
-            return
-        from tpcomm.oproj.hints import wait_hints
-
-        self.moe_stream.wait_event(fork)
-        with torch.cuda.stream(self.moe_stream):
-            if self.oproj_launch != "per-rank":  # every rank of this GPU in one launch
-                wait_hints(bk.comm, bk.xmoe, bk.moe_in, every_rank=True)
-            else:
-                for r in self.ranks:
-                    i = self.local[r]
-                    wait_hints(bk.comm, bk.xmoe[i], bk.moe_in[i], rank=r)
-
-    def _moe_join(self) -> None:
-        if self.xmoe:  # the next step's consumers after this step's waiters
-            torch.cuda.current_stream(self.device).wait_stream(self.moe_stream)
-
-    def moe_ok(self, bk: Bucket) -> bool:
-        """``xmoe``: every copy and what the waiters read bitwise the output, no waiter
-        timed out, the hint counters back at zero (each waiter took its quota back)."""
-        for i in range(len(self.ranks)):
-            for rep in range(self.xmoe):
-                for t in (bk.xmoe[i, rep], bk.moe_in[i, rep]):
-                    if not torch.equal(t.view(torch.int16), bk.output[i].view(torch.int16)):
-                        return False
-        return int(bk.comm.hint_words[list(self.ranks), :3].abs().sum()) == 0
+                            bk.output, parity, pdl=self.pdl)  # fmt: skip
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
@@ -359,22 +305,15 @@ class Runner:
             bk.comm.functions()  # the consumer compiled before anyone polls
             self._on_ranks(ranks, chain)
             self.sync_all()
-            fork = self._moe_mark()
             self._on_ranks(ranks, consume)
-            self._moe_launch(bk, fork)
-            self._moe_join()
             return
-        # replays: the waiters spin from the step's start; eager (compiles): after the step
-        fork = None if eager else self._moe_mark()
         if all_at_once:  # per rank stream, joined; then (one producer and) one consumer
             self._on_ranks(ranks, chain)
             if produce_all:
                 self._produce_all(bk, parity)
             self._consume_all(bk, parity)
-        else:
-            self._on_ranks(ranks, chain, consume, join=True)
-        self._moe_launch(bk, self._moe_mark() if eager else fork)
-        self._moe_join()
+            return
+        self._on_ranks(ranks, chain, consume, join=True)
 
     def _stage(self, bk: Bucket, name: str, parity: int):
         fns = {
@@ -385,18 +324,8 @@ class Runner:
         }
         if self.oproj_launch == "both" and name == "produce":
             return lambda: self._produce_all(bk, parity)
-        if name == "consume":  # with the MoE waiters (xmoe)
-
-            def consume():
-                fork = self._moe_mark()
-                if self.oproj_launch != "per-rank":
-                    self._consume_all(bk, parity)
-                else:
-                    self._on_ranks(self.ranks, fns[name])
-                self._moe_launch(bk, fork)
-                self._moe_join()
-
-            return consume
+        if self.oproj_launch != "per-rank" and name == "consume":
+            return lambda: self._consume_all(bk, parity)
         return lambda: self._on_ranks(self.ranks, fns[name])
 
     # --- synchronisation across processes ------------------------------------------------

@@ -402,7 +402,8 @@ def main(argv=None) -> int:
         for requests in args.requests:
             cfg = _config(tp, requests, args)
             model = Model(cfg)
-            exact_gate_weights(model.kda)
+            if GRIDS:
+                exact_gate_weights(model.kda)
             b = step_bytes(cfg, "decode", 1)
             row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden,
                        blocks=cfg.blocks, state_bytes=b["state"], w_o_bytes=b["w_o"],
@@ -456,7 +457,8 @@ def rows_main(args) -> int:
                 rows = requests * tokens
                 cfg = _config(tp, requests, args, tokens)
                 model = Model(cfg)
-                exact_gate_weights(model.kda)
+                if GRIDS:
+                    exact_gate_weights(model.kda)
                 b = step_bytes(cfg, "decode" if tokens == 1 else "verify", tokens)
                 plan = choose(tp, rows, cfg.hidden)
                 exchange = tp * plan.bytes // 2  # every rank's mailbox, one parity

@@ -16,8 +16,7 @@ still takes part in the cluster exchanges but writes nothing and re-arms nothing
 failed group. Otherwise every thread re-arms (sentinel) the groups it read. ``xmoe``:
 copies of the output (relaxed gpu-scope stores), a gpu-scope acq_rel fence, a warp sync,
 then one gpu-scope release increment of ``hints`` per lead warp: the seed's order (the
-release on top). A reader that acquires ``hints >= 4 * C * tokens`` (``HintWaiter``) then
-reads every copy.
+release on top). A reader that acquires ``hints >= 4 * C * tokens`` then reads every copy.
 
 PDL: dependents are triggered at once; the wait comes at the end, or with ``early_wait``
 (the fused kernel) before ``prefix`` is read and before any poll. ``ranks`` = TP: grid z
