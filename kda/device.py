@@ -56,6 +56,29 @@ def mul2(a, b, packed: bool):
     return (a[0] * b[0], a[1] * b[1])
 
 
+def decay_and_dot(h, dots, c, d4, k4, packed: bool):
+    """The recurrence's first pass on one state row's key chunk ``c`` (four fp32 ``h``):
+    decay it in place (``h *= d``) and add ``h . k`` into the row's accumulator pairs
+    ``dots`` (pair ``(2 c + p) % ACCUMULATORS``), in KdaWide's order."""
+    for p in range(2):
+        j = (2 * c + p) % ACCUMULATORS
+        pair = mul2((h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed)
+        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+        acc = fma2(pair, (k4[2 * p], k4[2 * p + 1]), (dots[2 * j], dots[2 * j + 1]), packed)
+        dots[2 * j], dots[2 * j + 1] = acc[0], acc[1]
+
+
+def update_and_out(h, outs, c, k4, q4, v, packed: bool):
+    """The second pass on the same chunk: the rank-1 update ``h += k v_new`` in place, then
+    ``h . q`` into the row's output accumulator pairs ``outs``, in KdaWide's order."""
+    for p in range(2):
+        j = (2 * c + p) % ACCUMULATORS
+        pair = fma2((k4[2 * p], k4[2 * p + 1]), (v, v), (h[2 * p], h[2 * p + 1]), packed)
+        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+        acc = fma2(pair, (q4[2 * p], q4[2 * p + 1]), (outs[2 * j], outs[2 * j + 1]), packed)
+        outs[2 * j], outs[2 * j + 1] = acc[0], acc[1]
+
+
 def to_bf16_f32(value):
     """Round an fp32 value to bf16 (nearest even) and back."""
     return Float32(BFloat16(value))

@@ -161,15 +161,7 @@ class KdaSplit(KdaWide):
             for c in cutlass.range_constexpr(self.chunks):
                 d4 = ld_shared_f32x4(d0 + chunk_offset[c])
                 k4 = ld_shared_f32x4(k0 + chunk_offset[c])
-                h = history[c]
-                for p in cutlass.range_constexpr(2):
-                    j = (2 * c + p) % ACCUMULATORS
-                    pair = dev.mul2((h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed)
-                    h[2 * p], h[2 * p + 1] = pair[0], pair[1]
-                    acc = dev.fma2(
-                        pair, (k4[2 * p], k4[2 * p + 1]), (dots[2 * j], dots[2 * j + 1]), packed
-                    )
-                    dots[2 * j], dots[2 * j + 1] = acc[0], acc[1]
+                dev.decay_and_dot(history[c], dots, c, d4, k4, packed)
             dot = xor_sum(dev.tree_sum(dots), self.lanes)
             v_new = (s_v[t, row] - dot) * s_beta[t]
             if cutlass.const_expr(self.record):  # noqa: SIM102
@@ -179,17 +171,7 @@ class KdaSplit(KdaWide):
             for c in cutlass.range_constexpr(self.chunks):
                 k4 = ld_shared_f32x4(k0 + chunk_offset[c])
                 q4 = ld_shared_f32x4(q0 + chunk_offset[c])
-                h = history[c]
-                for p in cutlass.range_constexpr(2):
-                    j = (2 * c + p) % ACCUMULATORS
-                    pair = dev.fma2(
-                        (k4[2 * p], k4[2 * p + 1]), (v_new, v_new), (h[2 * p], h[2 * p + 1]), packed
-                    )
-                    h[2 * p], h[2 * p + 1] = pair[0], pair[1]
-                    acc = dev.fma2(
-                        pair, (q4[2 * p], q4[2 * p + 1]), (outs[2 * j], outs[2 * j + 1]), packed
-                    )
-                    outs[2 * j], outs[2 * j + 1] = acc[0], acc[1]
+                dev.update_and_out(history[c], outs, c, k4, q4, v_new, packed)
             o = xor_sum(dev.tree_sum(outs), self.lanes)
             if lane_in == 0:
                 s_o[t, row] = dev.to_bf16_f32(o)

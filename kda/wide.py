@@ -337,20 +337,7 @@ class KdaWide:
                 d4 = self.load_chunk(d0, chunk_offset, t, c)
                 k4 = self.load_chunk(k0, chunk_offset, t, c)
                 for i in cutlass.range_constexpr(len(rows)):
-                    for p in cutlass.range_constexpr(2):
-                        j = (2 * c + p) % ACCUMULATORS
-                        h = history[i][c]
-                        pair = dev.mul2(
-                            (h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed
-                        )
-                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
-                        acc = dev.fma2(
-                            pair,
-                            (k4[2 * p], k4[2 * p + 1]),
-                            (dots[i][2 * j], dots[i][2 * j + 1]),
-                            packed,
-                        )
-                        dots[i][2 * j], dots[i][2 * j + 1] = acc[0], acc[1]
+                    dev.decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
             beta_t = s_beta[t]
             v_new = []
             for i, r in enumerate(rows):
@@ -366,23 +353,7 @@ class KdaWide:
                 k4 = self.load_chunk(k0, chunk_offset, t, c)
                 q4 = self.load_chunk(q0, chunk_offset, t, c)
                 for i in cutlass.range_constexpr(len(rows)):
-                    for p in cutlass.range_constexpr(2):
-                        j = (2 * c + p) % ACCUMULATORS
-                        h = history[i][c]
-                        pair = dev.fma2(
-                            (k4[2 * p], k4[2 * p + 1]),
-                            (v_new[i], v_new[i]),
-                            (h[2 * p], h[2 * p + 1]),
-                            packed,
-                        )
-                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
-                        acc = dev.fma2(
-                            pair,
-                            (q4[2 * p], q4[2 * p + 1]),
-                            (outs[i][2 * j], outs[i][2 * j + 1]),
-                            packed,
-                        )
-                        outs[i][2 * j], outs[i][2 * j + 1] = acc[0], acc[1]
+                    dev.update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
             for i, r in enumerate(rows):
                 o = xor_sum(dev.tree_sum(outs[i]), LANES)
                 if lane_in == 0:

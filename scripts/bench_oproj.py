@@ -39,9 +39,9 @@ twoshot per-rank chunks, the torch peer, the floor, the plan's choice per bucket
 
 import argparse
 import json
-import statistics
 
 import torch
+from oproj_rows import graph_us  # the rows sweep's timer (this folder)
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.api import OprojAllReduce
@@ -50,24 +50,6 @@ COPY_TBPS = 4.16
 BUDGET = 5_000_000  # ns: a rank that cannot be resident errors quickly instead of 50 ms
 ROTATE = 8  # weight copies cycled through (more than the 50 MB L2 holds)
 EPS = 1e-6
-
-
-def _graph_time(fn, iters, repeats):
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def _inputs(tp, tokens, hid, nb):
@@ -125,8 +107,8 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         refill(i)
         comm.consume(prefix, a["blocks"], a["norm"], a["query"], a["out_norm"], out, i, rank=0)
 
-    t_copy = _graph_time(refill, iters, repeats)
-    t_both = _graph_time(alone, iters, repeats)
+    t_copy = graph_us(refill, iters, repeats)
+    t_both = graph_us(alone, iters, repeats)
     row["consumer_alone_us"] = t_both - t_copy
     row["errors_alone"] = int(comm.errors.abs().sum())
     # the producer of one rank: GEMM + fan-out to every mailbox, weights rotated past L2
@@ -136,7 +118,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         (torch.randn(hid, d_local, device="cuda") * d_local**-0.5).to(torch.bfloat16)
         for _ in range(ROTATE)
     ]
-    row["producer_alone_us"] = _graph_time(
+    row["producer_alone_us"] = graph_us(
         lambda i: comm.produce(attn, w_os[i % ROTATE], i, rank=0), iters, repeats
     )
     w_bytes = hid * d_local * 2
@@ -155,8 +137,8 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     try:
         row["fused_tiles_alone"] = comm.fused_plan(launches=1).tiles
-        t_copy = _graph_time(refill_others, iters, repeats)
-        row["fused_alone_us"] = _graph_time(fused_alone, iters, repeats) - t_copy
+        t_copy = graph_us(refill_others, iters, repeats)
+        row["fused_alone_us"] = graph_us(fused_alone, iters, repeats) - t_copy
     except ValueError as e:
         row["fused_alone_us"] = None
         row["fused_alone_skipped"] = str(e)
@@ -176,13 +158,13 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
             comm.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i)  # fmt: skip
 
-        row["publish_consume_all_us"] = _graph_time(all_ranks, iters, repeats)
+        row["publish_consume_all_us"] = graph_us(all_ranks, iters, repeats)
 
         def produce_all(i):
             comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
 
-        row["produce_consume_all_us"] = _graph_time(produce_all, iters, repeats)
+        row["produce_consume_all_us"] = graph_us(produce_all, iters, repeats)
         row["errors_all"] = int(comm.errors.abs().sum())
 
         def fused_all(i):
@@ -201,7 +183,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
                                       budget_ns=BUDGET, groups=1)  # fmt: skip
                 row["fused_tiles_all"] = comm.fused_plan().tiles
             row["fused_all_groups"] = comm.groups
-            row["fused_all_us"] = _graph_time(fused_all, iters, repeats)
+            row["fused_all_us"] = graph_us(fused_all, iters, repeats)
             row["errors_all"] += int(comm.errors.abs().sum())
         except ValueError as e:
             row["fused_all_us"] = None
@@ -225,8 +207,8 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         refill_all(i)
         one.consume_all(prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outs, i)
 
-    t_copy = _graph_time(refill_all, iters, repeats)
-    row["consumer_all_1l_us"] = _graph_time(consume_all, iters, repeats) - t_copy
+    t_copy = graph_us(refill_all, iters, repeats)
+    row["consumer_all_1l_us"] = graph_us(consume_all, iters, repeats) - t_copy
     row["groups_1l"] = one.groups
     for key, w in (("publish_consume_all_1l_us", None), ("produce_consume_all_1l_us", w_all)):
 
@@ -235,13 +217,13 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
                           a["norm"], a["query"], a["out_norm"], outs, i, w_os=w,
                           mode="one-launch", pdl=True)  # fmt: skip
 
-        row[key] = _graph_time(one_launch, iters, repeats)
+        row[key] = graph_us(one_launch, iters, repeats)
     row["errors_1l"] = int(one.errors.abs().sum())
     row["floor_produce_consume_all_us"] = tp * (w_bytes + nbytes) / COPY_TBPS / 1e6
     backend.teardown()
     prefix = a["prefix"].clone()
     tout = torch.empty(tokens, hid, dtype=torch.bfloat16, device="cuda")
-    row["torch_us"] = _graph_time(lambda i: torch_consume(a, prefix, tout), iters, repeats)
+    row["torch_us"] = graph_us(lambda i: torch_consume(a, prefix, tout), iters, repeats)
     return row
 
 
