@@ -331,5 +331,7 @@ def to_cute(t, align=16):
 
 
 def fake_tensor(dtype, shape, align=16):
-    """A compact fake tensor for compile-only arguments (``cute.sym_int()`` extents)."""
+    """A compact fake tensor for compile-only arguments (``cute.sym_int()`` extents).
+    Column-major: its descriptor is not ``to_cute``'s, so a kernel compiled with it must
+    not read the runtime tensor's extents past the first dynamic one."""
     return cute.runtime.make_fake_compact_tensor(dtype, shape, assumed_align=align)
