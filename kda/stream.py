@@ -242,20 +242,10 @@ class KdaStream(KdaWide):
         rows, parity = gate
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
-    @cute.jit
-    def stage_state(self, state, staged, head, slot):
-        """KdaWide's ``stage_state`` with the thread index read per item (``fresh_tid``)."""
-        tid = fresh_tid()
-        base_row, lane_in = tid // LANES, tid % LANES
-        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        source0 = Int64(state.iterator.toint()) + page * 4
-        shared0 = Int32(staged.iterator.toint())
-        for r in cutlass.range_constexpr(ROWS):
-            for c in cutlass.range_constexpr(KCHUNKS):
-                key = 4 * (lane_in + LANES * c)
-                offset = (base_row + 64 * r) * HEAD_DIM + key
-                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
-                cp_async_16(shared, source0 + Int64(offset) * 4)
+    def thread_index(self):
+        """Read per use (``fresh_tid``): KdaWide's ``stage_state`` then holds no thread
+        index across the item loop."""
+        return fresh_tid()
 
     @cute.jit
     def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):

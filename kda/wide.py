@@ -133,11 +133,16 @@ class KdaWide:
         offset = Int32(accepted[request]) - 1
         return Int32(slots[request, offset]), Int32(slots[request, 0]), offset
 
+    def thread_index(self):
+        """This thread's index (KdaStream reads it afresh at each use: ``fresh_tid``)."""
+        tid, _, _ = cute.arch.thread_idx()
+        return tid
+
     @cute.jit
     def stage_state(self, state, staged, head, slot):
         """cp.async the item's [128, 128] fp32 page into the thread-private 16-byte slots
         ``staged[r * KCHUNKS + c, tid]`` (conflict-free to read back)."""
-        tid, _, _ = cute.arch.thread_idx()
+        tid = self.thread_index()
         base_row, lane_in = tid // LANES, tid % LANES
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         source0 = Int64(state.iterator.toint()) + page * 4
