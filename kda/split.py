@@ -4,32 +4,37 @@ value rows ``[i R, (i + 1) R)`` of the head, R = 128 / C.
 Contract: KdaWide's (operands, T = 1..8, record mode, padding, PDL, rounding points). The
 raw gate, the decay and the conv outputs are KdaWide's bit for bit; only the fp32 order of
 the three per-head sums and of the rows' dot products (butterflies over 2 C lanes) differs.
-Every CTA convolves all q and k channels and runs the whole gate (every value row needs all
-keys), v only for its rows: the repeated work is why the split pays only for a few items
-(``kda.dispatch``, docs/kda_dispatch.md).
 
-Per-head sums (``sum q^2``, ``sum k^2``, ``sum o^2`` per token) cross the cluster through
-distributed shared memory (st.async + mbarrier complete_tx, one barrier per exchange,
-armed before a cluster barrier): each CTA pushes the pairwise sum of its 16-channel groups
-to every CTA, which adds the C partials pairwise in rank order, so every CTA normalises
-with identical bits. CTA i writes its rows of the state, v records and outputs, its
-channel slice of the conv page and the k record; CTA 0 the raw-gate record. A CTA writes
-its conv slice only after the first exchange (each peer pushes after a CTA barrier that
-follows its reads of all taps).
+The per-item prologue is done once per cluster: CTA i convolves q, k and v of its R
+channels (threads 0 .. 3R - 1) and computes the raw gate and decay of its R features (the
+last R / 16 warps, one 16-feature mma.sync tile each; gate mode 3 recomputes an undecided
+raw gate exactly from the warp's own fragments, bitwise ``dev.exact_dot_warp``); it pushes
+its q, k (SiLU outputs, before the norm) and decays into ``s_q``, ``s_k``, ``s_decay`` of
+every CTA of the cluster, itself included (st.async + mbarrier complete_tx; the barrier is
+armed before a cluster barrier that every CTA passes before pushing). Each CTA then forms
+``sum q^2``, ``sum k^2`` of all 128 channels itself: 16-channel butterflies, then the
+pairwise tree over the eight groups (the order the partial exchange used to give, so
+every CTA normalises with identical bits). ``sum o^2`` crosses the cluster as partials
+(each CTA pushes the pairwise sum of its 16-channel groups; the C partials are added
+pairwise in rank order). CTA i writes its rows of the state, v records and outputs, its
+channels of the conv page, the k record and the raw-gate record of its features. The
+state rows are staged by cp.async first; the output gate is read with the step's other
+inputs, after ``griddepcontrol.wait``.
 """
 
 from __future__ import annotations
 
-import copy
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
 from tpcomm import cuteutil as ptx  # the cluster exchange: push_float, arm/wait_exchange
 from tpcomm.cuteutil import (
+    bf16x2_to_f32,
     cp_async_16,
     launch,
+    ld_global_nc_b32x2,
+    ld_shared_b32x4,
     ld_shared_f32x4,
     smem_tensor,
     st_global_f32x4,
@@ -68,9 +73,6 @@ class KdaSplit(KdaWide):
         self.rows = HEAD_DIM // cluster  # value rows per CTA
         self.lanes = THREADS // self.rows  # threads per value row (2 C)
         self.chunks = HEAD_DIM // (4 * self.lanes)  # 16-byte key chunks per thread
-        # The same configuration without records: the gate phase of CTAs other than 0.
-        self.silent = copy.copy(self)
-        self.silent.record = False
 
     # ------------------------------------------------------------------ host side
     def launch_grid(self, call, requests, stream):
@@ -186,36 +188,172 @@ class KdaSplit(KdaWide):
                         st_global_f32x4(state0 + (page + offset) * 4, history[c])
 
     @cute.jit
-    def write_conv_slice(self, conv_state, conv_slot, head, rank, taps, inputs):
-        """The CTA's channels ``[i R, (i + 1) R)`` of q, k and v: window positions
-        0..T+1 = [tap1, tap2, x_0 .. x_{T-1}]."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
-        dim = self.heads * HEAD_DIM
+    def write_conv_channel(self, conv_state, conv_slot, column, taps, inputs):
+        """Window positions 0..T+1 = [tap1, tap2, x_0 .. x_{T-1}] of one channel (only this
+        CTA reads its taps: written right after the convolution)."""
         conv_type = conv_state.element_type
         slot = Int64(conv_slot)
-        if channel // self.rows == rank:
-            ch = section * dim + head * HEAD_DIM + channel
-            conv_state[slot, ch, 0] = conv_type(taps[0][1])
-            conv_state[slot, ch, 1] = conv_type(taps[0][2])
-            for t in cutlass.range_constexpr(self.tokens):
-                conv_state[slot, ch, 2 + t] = conv_type(inputs[0][t])
-        if tid < self.rows:
-            ch = 2 * dim + head * HEAD_DIM + rank * self.rows + tid
-            conv_state[slot, ch, 0] = conv_type(taps[1][1])
-            conv_state[slot, ch, 1] = conv_type(taps[1][2])
-            for t in cutlass.range_constexpr(self.tokens):
-                conv_state[slot, ch, 2 + t] = conv_type(inputs[1][t])
+        conv_state[slot, column, 0] = conv_type(taps[1])
+        conv_state[slot, column, 1] = conv_type(taps[2])
+        for t in cutlass.range_constexpr(self.tokens):
+            conv_state[slot, column, 2 + t] = conv_type(inputs[t])
+
+    @cute.jit
+    def push_all(self, target, value, bars):
+        """st.async one fp32 to the same shared address in every CTA of the cluster."""
+        for peer in cutlass.range_constexpr(self.cluster):
+            ptx.push_float(target, value, bars, peer)
+
+    @cute.jit
+    def load_tile_weights(self, f_b, head, tile):
+        """``KdaWide.load_gate_weights`` for gate tile ``tile`` (features 16 tile ..)."""
+        lane = cute.arch.lane_idx()
+        group, quarter = lane // 4, lane % 4
+        base = Int64(f_b.iterator.toint())
+        feature = head * HEAD_DIM + 16 * tile + group
+        weights = []
+        for chunk in cutlass.range_constexpr(8):
+            col = 16 * chunk + 4 * quarter
+            low = ld_global_nc_b32x2(base + Int64(feature * HEAD_DIM + col) * 2)
+            high = ld_global_nc_b32x2(base + Int64((feature + 8) * HEAD_DIM + col) * 2)
+            weights.append((low[0], high[0], low[1], high[1]))
+        return weights
+
+    @cute.jit
+    def gate_tile(self, op, weights, activations, a, dt, s_gate, s_decay, bars, request, head,
+                  tile):  # fmt: skip
+        """KdaWide.gate_phase on one 16-feature tile: raw gate (mode 3: settled exactly
+        where undecided), decays into ``s_gate[t, local feature]``, the raw-gate record;
+        then each lane pushes its decays of tokens < T into every CTA's ``s_decay``."""
+        lane = cute.arch.lane_idx()
+        group, quarter = lane // 4, lane % 4
+        first = 16 * (tile % (self.rows // 16))  # the tile's first local feature
+        if cutlass.const_expr(self.gate_mode == 3):
+            acc, bound = dev.gate_projection_bounded(weights, activations)
+        else:
+            acc = dev.gate_projection(weights, activations, self.gate_mode)
+        for e in cutlass.range_constexpr(4):
+            t = 2 * quarter + e % 2
+            raw_g = dev.to_bf16_f32(acc[e])
+            local = first + group + 8 * (e // 2)
+            s_gate[t, local] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
+            if cutlass.const_expr(self.record):  # noqa: SIM102
+                if t < self.tokens:
+                    feature = 16 * tile + group + 8 * (e // 2)
+                    op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+        if cutlass.const_expr(self.gate_mode == 3):
+            self.settle_tile(op, weights, activations, acc, bound, a, dt, s_gate, request,
+                             head, tile)  # fmt: skip
+        # each lane reads back only what it wrote itself
+        for e in cutlass.range_constexpr(4):
+            t = 2 * quarter + e % 2
+            if t < self.tokens:
+                local = first + group + 8 * (e // 2)
+                target = s_decay.iterator + (t * HEAD_DIM + 16 * tile + group + 8 * (e // 2))
+                self.push_all(target, s_gate[t, local], bars)
+
+    @cute.jit
+    def settle_tile(self, op, weights, activations, acc, bound, a, dt, s_gate, request, head,
+                    tile):  # fmt: skip
+        """``dev.settle_gate`` on the tile's fragments: the exact dot from registers
+        (``exact_dot_fragments``), no global reload; the owning lane rewrites its decay
+        (its own dt_bias registers) and raw-gate record."""
+        lane = cute.arch.lane_idx()
+        first = 16 * (tile % (self.rows // 16))
+        pending = []
+        for e in cutlass.range_constexpr(4):
+            t = 2 * (lane % 4) + e % 2
+            straddles = dev.gate_straddles(acc[e], bound[e]) & (t < self.tokens)
+            pending.append(cute.arch.vote_ballot_sync(straddles))
+        lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
+        while lanes != 0:
+            source = cute.arch.popc((lanes & (0 - lanes)) - 1)
+            for e in cutlass.range_constexpr(4):
+                if (pending[e] >> source) & 1 != 0:
+                    t = 2 * (source % 4) + e % 2
+                    exact = exact_dot_fragments(weights, activations, source // 4, e // 2, t)
+                    if lane == source:
+                        raw_g = dev.to_bf16_f32(exact)
+                        local = first + source // 4 + 8 * (e // 2)
+                        s_gate[t, local] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
+                        if cutlass.const_expr(self.record):
+                            feature = 16 * tile + source // 4 + 8 * (e // 2)
+                            op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+            lanes = lanes & (lanes - 1)
+
+    @cute.jit
+    def gate_rows_exact(self, op, fas, s_decay, bars, request, head, rank):
+        """KdaWide.gate_phase_exact on the CTA's R features (feature ``tid % R``, tokens
+        ``tid // R`` + 2C i; the same fp64 order per value), each decay pushed into every
+        CTA's ``s_decay``."""
+        T, R = self.tokens, self.rows
+        stride = THREADS // R
+        tid, _, _ = cute.arch.thread_idx()
+        feature = rank * R + tid % R
+        parity = tid // R
+        row0 = Int64(op.f_b.iterator.toint()) + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2)
+        fas0 = Int32(fas.iterator.toint())
+        per_thread = (T + stride - 1) // stride
+        tokens = [parity + stride * i for i in range(per_thread)]
+        reads = [cutlass.min(t, T - 1) for t in tokens]
+        acc = [Float64(0.0) for _ in range(per_thread)]
+        for chunk in cutlass.range_constexpr(16):
+            words = ld_global_nc_b32x2(row0 + chunk * 16)
+            words2 = ld_global_nc_b32x2(row0 + chunk * 16 + 8)
+            weights = []
+            for w in (*words, *words2):
+                weights.extend(bf16x2_to_f32(w))
+            for i in cutlass.range_constexpr(per_thread):
+                act_words = ld_shared_b32x4(fas0 + (reads[i] * HEAD_DIM + 8 * chunk) * 2)
+                for e in cutlass.range_constexpr(4):
+                    low, high = bf16x2_to_f32(act_words[e])
+                    acc[i] = acc[i] + Float64(low * weights[2 * e])
+                    acc[i] = acc[i] + Float64(high * weights[2 * e + 1])
+        a = Float32(op.a_log[head])
+        dt = Float32(op.dt_bias[head * HEAD_DIM + feature])
+        for i in cutlass.range_constexpr(per_thread):
+            t = tokens[i]
+            if t < T:
+                raw_g = dev.to_bf16_f32(Float32(acc[i]))
+                decayed = dev.decay(a, raw_g, dt, op.lower_bound)
+                self.push_all(s_decay.iterator + (t * HEAD_DIM + feature), decayed, bars)
+                if cutlass.const_expr(self.record):
+                    op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
+
+    @cute.jit
+    def normalize_cluster(self, s_q, s_k, qk_pairs, scale):
+        """After the exchange: ``sum q^2``, ``sum k^2`` of the 128 channels (16-lane
+        butterflies, pairs of groups, then ``(p0 + p1) + (p2 + p3)``: the pairwise tree over
+        the eight groups) and q^ = q rsqrt(sum + 1e-6) scale, k^ = k rsqrt(sum + 1e-6)."""
+        tid, _, _ = cute.arch.thread_idx()
+        lane, warp = tid % 32, tid // 32
+        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
+        qk = []
+        for t in cutlass.range_constexpr(self.tokens):
+            value = Float32(cutlass.select_(section == 0, s_q[t, channel], s_k[t, channel]))
+            qk.append(value)
+            group = xor_sum(value * value, GROUP)
+            pair = group + cute.arch.shuffle_sync_bfly(group, offset=GROUP)
+            if lane == 0:
+                qk_pairs[t, section, warp % 4] = pair
+        cute.arch.barrier()
+        for t in cutlass.range_constexpr(self.tokens):
+            total = dev.tree_sum([qk_pairs[t, section, w] for w in range(4)])
+            factor = dev.rsqrt_f32(total + 1.0e-6)
+            if section == 0:
+                s_q[t, channel] = (qk[t] * factor) * scale
+            else:
+                s_k[t, channel] = qk[t] * factor
 
     @cute.kernel
     def kernel(self, op):
         T, C, R = self.tokens, self.cluster, self.rows
+        tiles = R // 16  # gate tiles (warps) per CTA
         tid, _, _ = cute.arch.thread_idx()
         block, request, _ = cute.arch.block_idx()
         head = block // C
         rank = cute.arch.block_idx_in_cluster()
         lane, warp = tid % 32, tid // 32
-        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
         dim = self.heads * HEAD_DIM
         token = request * T
         own_row = rank * R + tid % R  # the v row / output row of threads tid < R
@@ -232,75 +370,83 @@ class KdaSplit(KdaWide):
             staged = smem_tensor(smem, Float32, (self.chunks, THREADS, 4), align=128)
             s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            s_decay = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_v = smem_tensor(smem, Float32, (T, R))
             s_o = smem_tensor(smem, Float32, (T, R))
-            s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
+            s_gate = smem_tensor(smem, Float32, (8, R))  # the gate lanes' decays, 8 tokens
             s_beta = smem_tensor(smem, Float32, (8,))
             fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
-            qk_groups = smem_tensor(smem, Float32, (T, 2, GROUPS))
+            qk_pairs = smem_tensor(smem, Float32, (T, 2, 4))
             o_groups = smem_tensor(smem, Float32, (T, 1, R // GROUP))
-            qk_exchange = smem_tensor(smem, Float32, (T * 2 * C,))
             o_exchange = smem_tensor(smem, Float32, (T * C,))
 
             # Exchange barriers armed, then a cluster barrier before anyone pushes.
-            ptx.arm_exchanges(bars, (4 * T * 2 * C, 4 * T * C))
+            ptx.arm_exchanges(bars, (4 * 3 * HEAD_DIM * T, 4 * T * C))
             cute.arch.cluster_arrive()
 
-            # Predecessor-independent: the state rows (cp.async), conv windows, weights.
+            # Predecessor-independent: the state rows (cp.async) first, then the conv
+            # window and weights of the thread's channel (part q / k / v of channel
+            # rank R + local; threads past 3R repeat thread 3R - 1's addresses: one
+            # broadcast per warp) and the gate tile's f_b fragments.
             self.stage_rows(op.state, staged, head, slot, rank)
             cute.arch.cp_async_commit_group()
-            columns = (
-                section * dim + head * HEAD_DIM + channel,
-                2 * dim + head * HEAD_DIM + own_row,
-            )
-            weight_columns = (head * HEAD_DIM + channel, head * HEAD_DIM + own_row)
-            taps, coeff, bias = self.conv_operands(
-                op.conv_state, op.conv_weight, op.conv_bias, conv_slot, offset, columns,
-                (section, 2), weight_columns,
-            )  # fmt: skip
+            conv = cutlass.min(tid, 3 * R - 1)
+            part, local = conv // R, conv % R
+            channel = rank * R + local
+            column = part * dim + head * HEAD_DIM + channel
+            taps = [op.conv_state[Int64(conv_slot), column, offset + j] for j in range(3)]
+            coeff = [Float32(op.conv_weight[part, i, head * HEAD_DIM + channel]) for i in range(4)]
+            bias = Float32(op.conv_bias[column]) if self.has_bias else Float32(0.0)
             nw = Float32(op.norm_weight[own_row])
-            a, dt, weights = self.gate_operands(op, head, warp, lane)
+            tile = rank * tiles + warp % tiles
+            a = Float32(op.a_log[head])
+            dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * tile + lane // 4 + 8 * i])
+                  for i in range(2)]  # fmt: skip
             exact_gate = self.gate_mode == 2
-            inputs, activations = self.read_inputs(op, s_beta, fas, columns, token, head)
+            weights = None
+            if cutlass.const_expr(not exact_gate):
+                weights = self.load_tile_weights(op.f_b, head, tile)
 
-            # q (section 0) or k (section 1) of all 128 channels; v of the CTA's R rows.
-            qk = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
-            values = self.convolve(taps[1], coeff[1], bias[1], inputs[1])
-            self.group_squares(qk, qk_groups, section, HEAD_DIM)
-            if tid < R:
-                for t in cutlass.range_constexpr(T):
-                    s_v[t, tid] = values[t]
-            if cutlass.const_expr(self.record):  # noqa: SIM102
-                if (section == 1) & (channel // R == rank):
+            # The step's inputs (written by the kernel before): x, beta, f_a, output gate.
+            cute.arch.griddepcontrol_wait()
+            inputs = [op.x[token + t, column] for t in range(T)]
+            self.load_beta(op.beta, s_beta, token, head)
+            activations = None
+            if cutlass.const_expr(exact_gate):
+                self.load_fa_rows(op.f_a, fas, token)
+            else:
+                activations = self.load_activations(op.f_a, token)
+            gates = [op.gate[token + t, head * HEAD_DIM + own_row] for t in range(T)]
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.cluster_wait()  # every peer's barriers are armed
+
+            # q, k, v of the CTA's R channels; q and k pushed to every CTA, v kept.
+            if tid < 3 * R:
+                values = self.convolve(taps, coeff, bias, inputs)
+                self.write_conv_channel(op.conv_state, conv_slot, column, taps, inputs)
+                if part == 2:
                     for t in cutlass.range_constexpr(T):
-                        op.kg_records[request, head, t, channel] = BFloat16(qk[t])
-
+                        s_v[t, local] = values[t]
+                elif part == 0:
+                    for t in cutlass.range_constexpr(T):
+                        self.push_all(s_q.iterator + (t * HEAD_DIM + channel), values[t], bars)
+                else:
+                    for t in cutlass.range_constexpr(T):
+                        self.push_all(s_k.iterator + (t * HEAD_DIM + channel), values[t], bars)
+                        if cutlass.const_expr(self.record):
+                            op.kg_records[request, head, t, channel] = BFloat16(values[t])
+            # the raw gate and decays of the CTA's R features, pushed to every CTA
             if cutlass.const_expr(exact_gate):
                 cute.arch.barrier()  # the f_a rows
-                if rank == 0:
-                    self.gate_phase_exact(op, fas, s_decay, request, head)
-                else:
-                    self.silent.gate_phase_exact(op, fas, s_decay, request, head)
-            elif rank == 0:
-                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
-            else:
-                self.silent.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
-            cute.arch.barrier()  # the squares' groups, s_v, s_decay
+                self.gate_rows_exact(op, fas, s_decay, bars, request, head, rank)
+            elif warp >= 8 - tiles:
+                self.gate_tile(op, weights, activations, a, dt, s_gate, s_decay, bars,
+                               request, head, tile)  # fmt: skip
+            out_gates = [dev.sigmoid(Float32(g)) for g in gates]
 
-            # sum q^2, sum k^2 across the cluster.
-            cute.arch.cluster_wait()
-            self.push_partials(qk_groups, 2, rank * (GROUPS // C), GROUPS // C, qk_exchange, bars)
-            ptx.wait_exchange(bars)
-            # Every peer pushed after a CTA barrier that follows its reads of all q and k
-            # taps: only now may this CTA overwrite its slice of the conv page.
-            self.write_conv_slice(op.conv_state, conv_slot, head, rank, taps, inputs)
-            for t in cutlass.range_constexpr(T):
-                factor = dev.rsqrt_f32(self.cluster_total(qk_exchange, t * 2 + section) + 1.0e-6)
-                if section == 0:
-                    s_q[t, channel] = (qk[t] * factor) * op.scale
-                else:
-                    s_k[t, channel] = qk[t] * factor
-            cute.arch.barrier()
+            ptx.wait_exchange(bars)  # all of q, k and the decays, from every CTA
+            self.normalize_cluster(s_q, s_k, qk_pairs, op.scale)
+            cute.arch.barrier()  # q^, k^, s_v, s_beta
 
             cute.arch.cp_async_wait_group(0)
             history = self.load_rows(staged)
@@ -320,6 +466,33 @@ class KdaSplit(KdaWide):
                     sumsq = self.cluster_total(o_exchange, t)
                     rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + op.eps)
                     column = head * HEAD_DIM + own_row
-                    g = Float32(op.gate[token + t, column])
-                    result = ((s_o[t, tid] * rstd) * nw) * dev.sigmoid(g)
+                    result = ((s_o[t, tid] * rstd) * nw) * out_gates[t]
                     op.output[token + t, column] = BFloat16(result)
+
+
+@cute.jit
+def exact_dot_fragments(weights, activations, group, half: cutlass.Constexpr[int], t):
+    """``dev.exact_dot_warp`` of gate-tile feature row ``group + 8 half`` and token ``t``
+    from the warp's mma fragments (``load_tile_weights``, ``load_activations``: lane
+    (g, q) holds columns 16 c + 4 q .. + 3 of every chunk c; group t holds token t):
+    lane l gathers elements 4l .. 4l + 3 by shuffles and sums them in exact_dot_warp's
+    order, so the result is bitwise its."""
+    lane = cute.arch.lane_idx()
+    quarter, mine = lane % 4, lane // 4
+    zero = Uint32(0)
+    a_words, b_words = [zero, zero], [zero, zero]
+    for c in cutlass.range_constexpr(8):
+        for i in cutlass.range_constexpr(2):
+            b = Uint32(cute.arch.shuffle_sync(weights[c][2 * i + half], offset=4 * group + quarter))
+            a = Uint32(cute.arch.shuffle_sync(activations[c][i], offset=4 * t + quarter))
+            b_words[i] = Uint32(cutlass.select_(mine == c, b, b_words[i]))
+            a_words[i] = Uint32(cutlass.select_(mine == c, a, a_words[i]))
+    terms = []
+    for i in cutlass.range_constexpr(2):
+        a_low, a_high = bf16x2_to_f32(a_words[i])
+        b_low, b_high = bf16x2_to_f32(b_words[i])
+        terms.append(Float64(a_low * b_low) + Float64(a_high * b_high))
+    total = terms[0] + terms[1]
+    for level in cutlass.range_constexpr(5):
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> level)
+    return Float32(total)
