@@ -20,6 +20,7 @@ from launch.layer import Config, Model, Schedule, Unsharded, conv_cat, host_byte
 from launch.liveness import Liveness
 from launch.procs import env_rank, job_processes
 from tpcomm import host
+from tpcomm.domain import check_domain_size
 from tpcomm.oproj import reference as oref
 
 STAGES = ("kda", "oproj", "exchange", "consume")
@@ -40,6 +41,8 @@ def refusal(args, world) -> str | None:
     cfg = Config.from_args(args, world)
     try:
         cfg.validate()
+        if getattr(args, "domain_size", None) is not None:
+            check_domain_size(args.domain_size, world)
     except ValueError as e:
         return str(e)
     need, limit = host_bytes(cfg), host_memory_bytes()
@@ -58,7 +61,9 @@ def main(args) -> int:
     why = refusal(args, job_processes())
     if why is not None:
         return rep.refuse(why, env_rank() == 0)
-    backend = make_backend("host", timeout_s=args.timeout)
+    backend = make_backend(
+        "host", timeout_s=args.timeout, domain_size=getattr(args, "domain_size", None)
+    )
     info = host.ProcessInfo(backend.rank, backend.world, backend.rank, host.launcher())
     live = None
     if info.world > 1:
@@ -110,7 +115,7 @@ def run(args, info, symm, live=None) -> int:
         t1 = time.perf_counter()
         partial = oref.project(attn, me.w_o)
         t2 = time.perf_counter()
-        partials = symm.all_gather(partial)
+        partials = symm.exchange(partial, i)
         t3 = time.perf_counter()
         output, prefix_new = me.consume(partials, prefix, blocks)
         t4 = time.perf_counter()
