@@ -160,7 +160,8 @@ def run(args, info, symm, live=None) -> int:
     rss = host.gather(torch.tensor([rep.peak_rss_bytes()], dtype=torch.int64))
     if root:
         rss = [int(v) for v in rss[:, 0]]
-        report = rep.host_report(cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss)
+        report = rep.host_report(cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss,
+                                 symm.domain.size)  # fmt: skip
         if rep.finish(report, check.failures, args.json, rep.print_host) and ok:
             return 1  # the report could not be written
     return 0 if ok else 1
