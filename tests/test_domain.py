@@ -154,7 +154,9 @@ def test_signal_wait_only_in_the_split_configuration(tmp_path):
     texts = {}
     for domain in (4, 2):
         kernel = OprojConsumerKernel(4, 1024, 2, groups=2, domain=domain)
-        options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path / str(domain)}"
+        dump = tmp_path / str(domain)
+        dump.mkdir()  # a missing dump dir leaves __ptx__ reading another compile's file
+        options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}"
         texts[domain] = cute.compile(kernel, *fake_arguments(4, 1024, 2), options=options).__ptx__
     assert "ld.acquire.sys.global.b32" not in texts[4]
     assert texts[2].count("ld.acquire.sys.global.b32") >= 2  # first look and the spin
