@@ -74,7 +74,8 @@ def test_loopback_dead_remote_rank_is_named():
 
 def _decode(cmd, tmp_path, name):
     out = tmp_path / f"{name}.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **NO_MULTICAST)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **NO_MULTICAST)
     p = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True,
                        timeout=1200, env=env, cwd=ROOT)  # fmt: skip
     lines = [line for line in p.stdout.splitlines() if line.strip()]
