@@ -108,6 +108,10 @@ def parse_args(argv=None):
         help=f"seconds a rank may go unheard: the gloo collectives' timeout and the "
         f"heartbeat limit naming a stopped rank; default {HOST_TIMEOUT:g} on the host, "
         f"{GPU_TIMEOUT:g} on the GPU backends")
+    add("--domain-size", type=int, default=None,
+        help="ranks per load/store (NVLink) domain, a divisor of the TP ranks; peers in other "
+        "domains get each partial by put-with-signal (default: what the backend reaches by "
+        "load/store; host and loopback: every rank)")
     gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
         help="KDA kernel (auto: kda.dispatch's choice)")
     gpu("--gate-mode", type=int, choices=(0, 1, 2, 3), default=3,

@@ -18,6 +18,7 @@ from launch.checks import SEED_GATE_MODES, check_step, exact_gate_inputs, exact_
 from launch.layer import Config, Model, Schedule, Unsharded
 from launch.procs import Procs, env_rank, nvshmem_installed, nvshmem_job
 from launch.runner import Runner, check_rows
+from tpcomm.domain import check_domain_size
 
 
 def main(args, backend_name: str, processes: int, launcher: str) -> int:
@@ -44,6 +45,9 @@ def main(args, backend_name: str, processes: int, launcher: str) -> int:
         cfg = Config.from_args(args, tp)
         cfg.validate()
         check_rows(cfg.requests, cfg.tokens)
+        domain_size = getattr(args, "domain_size", None)
+        if domain_size is not None:
+            check_domain_size(domain_size, tp)
         if not torch.cuda.is_available():
             what = "a CUDA GPU per process" if backend_name == "nvshmem" else "a CUDA GPU"
             raise ValueError(f"--backend {backend_name} needs {what}")
@@ -58,9 +62,9 @@ def main(args, backend_name: str, processes: int, launcher: str) -> int:
 
     if backend_name == "nvshmem":
         multicast, timeout = getattr(args, "multicast", False), getattr(args, "timeout", 300.0)
-        with nvshmem_job(launcher, multicast, timeout) as (backend, procs):
+        with nvshmem_job(launcher, multicast, timeout, domain_size) as (backend, procs):
             return run(args, cfg, backend, launcher, procs)
-    backend = make_backend("loopback", world=cfg.tp)
+    backend = make_backend("loopback", world=cfg.tp, domain_size=domain_size)
     try:
         return run(args, cfg, backend, launcher)
     finally:

@@ -20,6 +20,7 @@ from launch.layer import Config, Model, Schedule, Unsharded, conv_cat, host_byte
 from launch.liveness import Liveness
 from launch.procs import env_rank, job_processes
 from tpcomm import host
+from tpcomm.domain import check_domain_size
 from tpcomm.oproj import reference as oref
 
 STAGES = ("kda", "oproj", "exchange", "consume")
@@ -40,6 +41,8 @@ def refusal(args, world) -> str | None:
     cfg = Config.from_args(args, world)
     try:
         cfg.validate()
+        if getattr(args, "domain_size", None) is not None:
+            check_domain_size(args.domain_size, world)
     except ValueError as e:
         return str(e)
     need, limit = host_bytes(cfg), host_memory_bytes()
@@ -58,7 +61,9 @@ def main(args) -> int:
     why = refusal(args, job_processes())
     if why is not None:
         return rep.refuse(why, env_rank() == 0)
-    backend = make_backend("host", timeout_s=args.timeout)
+    backend = make_backend(
+        "host", timeout_s=args.timeout, domain_size=getattr(args, "domain_size", None)
+    )
     info = host.ProcessInfo(backend.rank, backend.world, backend.rank, host.launcher())
     live = None
     if info.world > 1:
@@ -110,7 +115,7 @@ def run(args, info, symm, live=None) -> int:
         t1 = time.perf_counter()
         partial = oref.project(attn, me.w_o)
         t2 = time.perf_counter()
-        partials = symm.all_gather(partial)
+        partials = symm.exchange(partial, i)
         t3 = time.perf_counter()
         output, prefix_new = me.consume(partials, prefix, blocks)
         t4 = time.perf_counter()
@@ -155,7 +160,8 @@ def run(args, info, symm, live=None) -> int:
     rss = host.gather(torch.tensor([rep.peak_rss_bytes()], dtype=torch.int64))
     if root:
         rss = [int(v) for v in rss[:, 0]]
-        report = rep.host_report(cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss)
+        report = rep.host_report(cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss,
+                                 symm.domain.size)  # fmt: skip
         if rep.finish(report, check.failures, args.json, rep.print_host) and ok:
             return 1  # the report could not be written
     return 0 if ok else 1

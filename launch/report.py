@@ -79,7 +79,7 @@ def print_config(r):
         f"config   backend {c['backend']} ({c['launcher']}), TP {c['tp']}, heads {c['heads']} "
         f"({c['heads_per_rank']}/rank), hidden {c['hidden']}, requests {c['requests']}, "
         f"tokens {c['tokens']}, blocks {c['blocks']}, groups {_groups(c['groups'])}, "
-        f"conv {c['conv_layout']}, seed {c['seed']}"
+        f"conv {c['conv_layout']}, seed {c['seed']}, domain {c.get('domain_size', c['tp'])}"
     )
     kinds = ", ".join(f"{v} {k}" for k, v in r["steps"].items() if k != "total")
     print(f"steps    {r['steps']['total']} ({kinds})")
@@ -211,7 +211,9 @@ def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, w
         "exact_gate_grids": args.gate_mode in SEED_GATE_MODES,
     }
     report = {
-        "config": config(cfg, runner.backend.name, launcher, **extra),
+        "config": config(
+            cfg, runner.backend.name, launcher, **extra, domain_size=runner.backend.domain.size
+        ),  # fmt: skip
         "steps": {"total": sum(kinds.values()), **kinds},
         "latency": lat,
         "breakdown": {b.kind: breakdown[b.kind] for b in buckets if b.kind in breakdown},
@@ -267,7 +269,8 @@ def print_gpu(r):
     )
 
 
-def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None):
+def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None,
+                domain_size=None):  # fmt: skip
     """The host job's report (rank 0): ``slowest`` [stage, step] seconds, slowest rank;
     ``rss``: every rank's peak resident set in bytes (``peak_rss_bytes``)."""
     ms = (slowest * 1e3).tolist()
@@ -276,7 +279,7 @@ def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, r
         for i, name in enumerate((*stages, "step"))
     }
     return {
-        "config": config(cfg, backend, info.launcher),
+        "config": config(cfg, backend, info.launcher, domain_size=domain_size or cfg.tp),
         "steps": {"total": cfg.steps, **kinds},
         "latency": lat,
         "checks": checks.as_dict(),

@@ -125,6 +125,7 @@ class Runner:
         # every rank on this GPU: the consumers of all ranks (and with "both" the
         # producers) as one launch each (tpcomm.oproj.api consume_all / produce_all)
         whole = not self.multiprocess and backend.single_device and cfg.tp > 1
+        whole = whole and not backend.domain.split  # a split domain: per rank, puts between
         mode = oproj_launch
         if mode is None:
             mode = DEFAULT_OPROJ_LAUNCH if whole else "per-rank"

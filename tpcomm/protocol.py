@@ -208,6 +208,56 @@ def poll_groups(
     return failed
 
 
+@dsl_user_op
+def load_acquire_sys(address, *, loc=None, ip=None):
+    """Acquire, sys scope: 4-byte load (a signal word's low half); later accesses after it."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [_addr(address, loc=loc, ip=ip)],
+            "ld.acquire.sys.global.b32 $0, [$1];",
+            "=r,l,~{memory}",
+            has_side_effects=True,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def wait_signals(signals: Int64, remote: Int32, count: cutlass.Constexpr[int],
+                 budget_ns: Int64, error_address: Int64,
+                 first: cutlass.Constexpr[int] = 0) -> Int32:  # fmt: skip
+    """Acquire, sys scope: bounded spin until the signal word (8 bytes, set to 1 by a
+    put-with-signal) of every rank ``first + g`` with bit g of ``remote`` is non-zero.
+
+    ``signals`` addresses rank ``first``'s word. Returns 0, or the mask (bit g) of ranks
+    still silent when the ``globaltimer`` budget ran out, OR-ed into the error word
+    shifted to rank numbering like ``poll_groups``. The slots' data is read after this.
+    """
+    pending = Int32(0)
+    for g in cutlass.range_constexpr(count):
+        if (remote & Int32(1 << g)) != 0:  # noqa: SIM102 (dynamic: no short circuit)
+            if load_acquire_sys(signals + g * 8) == Int32(0):
+                pending = pending | Int32(1 << g)
+    failed = Int32(0)
+    if pending != 0:
+        deadline = cute.arch.globaltimer() + budget_ns
+        while pending != 0:
+            for g in cutlass.range_constexpr(count):
+                if (pending & Int32(1 << g)) != 0:  # noqa: SIM102
+                    if load_acquire_sys(signals + g * 8) != Int32(0):
+                        pending = pending & Int32(~(1 << g))
+            if pending != 0:  # noqa: SIM102
+                if cute.arch.globaltimer() > deadline:
+                    failed = pending
+                    pending = Int32(0)
+        if failed != 0:
+            raise_error(error_address, failed << first)
+    return failed
+
+
 @cute.jit
 def release_increment(address: Int64):
     """Release, gpu scope: add 1 to a hint counter that the next kernel polls."""

@@ -7,7 +7,9 @@ dtype)``, ``local(t, rank)``, ``peer(t, peer, rank)``, ``multicast(t)`` (or None
 ``peer_pointers(t, rank)`` (int64 device tensor of peer base addresses), ``barrier()``,
 ``teardown()`` (idempotent), ``ranks``, ``world``, ``single_device``,
 ``check_coresident(ctas, threads, min_blocks_per_sm)``, ``check_fits(nbytes, what)`` (a
-buffer set refused before allocation when it does not fit). Needs only torch.
+buffer set refused before allocation when it does not fit), ``domain`` (a
+``tpcomm.domain.DomainMap``: peers outside this rank's domain have no load/store view and
+get data by ``put_signal``). Needs only torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import abc
 from dataclasses import dataclass, field
 
 import torch
+
+from tpcomm.domain import DomainMap
 
 BACKENDS = ("nvshmem", "loopback", "host")
 
@@ -41,6 +45,7 @@ class SymmetricBackend(abc.ABC):
         self._tensors: list[SymmetricTensor] = []
         self._closed = False
         self.allocated = 0  # bytes per rank allocated so far
+        self.domain = DomainMap(world, world)  # every rank reachable by load/store
 
     # --- allocation and views ---------------------------------------------------------
     def allocate(self, shape, dtype=torch.bfloat16) -> SymmetricTensor:
@@ -84,11 +89,29 @@ class SymmetricBackend(abc.ABC):
         return None
 
     def peer_pointers(self, t: SymmetricTensor, rank: int | None = None) -> torch.Tensor:
-        """int64 tensor ``[world]`` on this rank's device: base address of each peer's copy."""
+        """int64 tensor ``[world]`` on this rank's device: base address of each peer's copy
+        (0 for a peer outside this rank's domain)."""
         rank = self._rank(rank)
-        views = [self.peer(t, p, rank) for p in range(self.world)]
-        addresses = [v.data_ptr() for v in views]
-        return torch.tensor(addresses, dtype=torch.int64, device=views[rank].device)
+        near = set(self.domain.members(rank))
+        addresses = [
+            self.peer(t, p, rank).data_ptr() if p in near else 0 for p in range(self.world)
+        ]
+        return torch.tensor(addresses, dtype=torch.int64, device=self.local(t, rank).device)
+
+    def put_signal(
+        self,
+        t: SymmetricTensor,
+        offset: int,
+        nbytes: int,
+        signal: SymmetricTensor,
+        index: int,
+        dst: int,
+        rank: int | None = None,
+    ):
+        """Stream-ordered put with signal on the current stream: bytes ``[offset, offset +
+        nbytes)`` of ``rank``'s copy of ``t`` into ``dst``'s copy, then int64 word
+        ``index`` of ``dst``'s ``signal`` set to 1 (after the data)."""
+        raise ValueError(f"{self.name} backend has no put-with-signal")
 
     # --- synchronisation and lifetime -------------------------------------------------
     @abc.abstractmethod

@@ -7,6 +7,8 @@ kernels of all ranks must be resident together: ``check_coresident`` refuses a l
 whose CTAs of all ranks do not fit, and the process needs at least ``world`` hardware
 work queues (``CUDA_DEVICE_MAX_CONNECTIONS``, which this module defaults to 32 if CUDA
 is not initialised yet), else two ranks' kernels could serialise and deadlock.
+``domain_size`` < world emulates a domain split: ``put_signal`` is a copy on the stream
+then a signal store (so the consumers' signal-wait path runs on one GPU).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import torch
 
 from tpcomm.checks import is_int
+from tpcomm.domain import DomainMap
 from tpcomm.symm import SymmetricBackend
 
 MAX_WORLD = 16
@@ -39,7 +42,7 @@ def coresident_capacity(sms: int, threads: int, min_blocks_per_sm: int, max_thre
 class LoopbackBackend(SymmetricBackend):
     name = "loopback"
 
-    def __init__(self, world: int, device=None, *, streams: bool = True):
+    def __init__(self, world: int, device=None, *, streams: bool = True, domain_size=None):
         if not is_int(world) or not 1 <= world <= MAX_WORLD:
             raise ValueError(f"world must be an int in 1..{MAX_WORLD}; got {world!r}")
         try:
@@ -52,6 +55,8 @@ class LoopbackBackend(SymmetricBackend):
         if where.type not in ("cuda", "cpu", "meta"):  # meta: shapes only (tracing the ops)
             raise ValueError(f"device must be a CUDA device, the CPU or meta; got {where}")
         super().__init__(world, tuple(range(world)))
+        if domain_size is not None:
+            self.domain = DomainMap(world, domain_size)
         self.device = where
         self.streams = []
         self._owned_streams = []
@@ -91,6 +96,15 @@ class LoopbackBackend(SymmetricBackend):
         self._rank(rank if rank is not None else peer)
         self._check_peer(peer)
         return t.payload[peer]
+
+    def put_signal(self, t, offset, nbytes, signal, index, dst, rank=None):
+        """A copy on the current stream, then the signal store (the emulated put)."""
+        self._require_open()
+        self._rank(rank)
+        self._check_peer(dst)
+        src = t.payload[rank].view(-1).view(torch.uint8)[offset : offset + nbytes]
+        t.payload[dst].view(-1).view(torch.uint8)[offset : offset + nbytes].copy_(src)
+        signal.payload[dst].view(-1)[index].fill_(1)
 
     def local(self, t, rank=None):
         if rank is None:

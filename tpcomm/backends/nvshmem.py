@@ -7,12 +7,16 @@ Bootstrap, chosen from the environment:
   through mpi4py, which works with any MPI;
 - neither: a single PE (uid init, nothing to broadcast).
 
-Views: ``nvshmem.core.tensor`` gives this PE's copy; ``get_peer_tensor`` a peer's, and a
-peer that is not mapped (not reachable by load/store) is a clear error naming both ranks;
+Views: ``nvshmem.core.tensor`` gives this PE's copy; ``get_peer_tensor`` a peer's inside
+this rank's domain (``domain_size``; default: the PEs it maps by load/store, found with a
+probe allocation), and a peer of the domain that is not mapped is a clear error naming
+both ranks. Peers of other domains get data by ``put_signal``: ``nvshmem.core.put_signal``
+(host-initiated, stream-ordered putmem-with-signal, ``SignalOp`` SET to 1);
 ``get_multicast_tensor`` where NVLS exists, otherwise the per-peer path (said once).
 Teardown, in every exit path (``teardown``, context exit, interpreter exit): free every
 tensor (collective), ``finalize``, then destroy the process group this backend created.
-Device-side NVSHMEM is not used: kernels get peer pointers and use scoped loads/stores.
+Device-side NVSHMEM is not used: kernels get peer pointers and use scoped loads/stores,
+and wait on signal words with acquire loads.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import torch
 
 from tpcomm import host
+from tpcomm.domain import DomainMap, check_domain_size, domain_of_reachable
 from tpcomm.symm import SymmetricBackend
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,21 @@ def _device_class():
     except ImportError:  # cuda.core < 0.6
         from cuda.core.experimental import Device
     return Device
+
+
+def _buffer_class():
+    try:
+        from cuda.core import Buffer
+    except ImportError:  # cuda.core < 0.6
+        from cuda.core.experimental import Buffer
+    return Buffer
+
+
+def _signal_set(nv):
+    """NVSHMEM_SIGNAL_SET (``nvshmem.core.SignalOp``, the bindings' ``Signal_op``)."""
+    ops = nv.SignalOp
+    name = "SIGNAL_SET" if hasattr(ops, "SIGNAL_SET") else "NVSHMEM_SIGNAL_SET"
+    return ops[name]
 
 
 DEFAULT_HEAP = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE's default
@@ -77,8 +97,11 @@ class TorchStream:
 class NvshmemBackend(SymmetricBackend):
     name = "nvshmem"
 
-    def __init__(self, device: int | None = None, *, launcher: str | None = None):
+    def __init__(self, device: int | None = None, *, launcher: str | None = None,
+                 domain_size: int | None = None):  # fmt: skip
         nv = _nvshmem()
+        if domain_size is not None:
+            check_domain_size(domain_size, domain_size, "domain_size")  # an int >= 1
         launcher = launcher or host.launcher()
         if launcher not in ("torchrun", "mpirun", "single"):
             raise ValueError(f"launcher must be torchrun, mpirun or single; got {launcher!r}")
@@ -102,8 +125,32 @@ class NvshmemBackend(SymmetricBackend):
         super().__init__(world, (rank,))
         self.rank = rank
         self._multicast_ok: bool | None = None
-        self._peers: dict[int, list[torch.Tensor]] = {}
+        self._peers: dict[int, list[torch.Tensor | None]] = {}
         _live.append(self)
+        reach = self.reachable_domain_size()
+        if domain_size is not None:
+            check_domain_size(domain_size, world, "domain_size")
+            if domain_size > reach:
+                raise ValueError(f"domain_size {domain_size}: rank {rank} reaches only "
+                                 f"{reach} ranks by load/store")  # fmt: skip
+        self.domain = DomainMap(world, reach if domain_size is None else domain_size)
+
+    def reachable_domain_size(self) -> int:
+        """The aligned block of PEs this PE maps by load/store (``nvshmem_ptr`` non-null,
+        through ``get_peer_tensor`` on a probe allocation; collective)."""
+        nv = _nvshmem()
+        probe = nv.tensor((8,), dtype=torch.int64)
+        reachable = []
+        try:
+            for p in range(self.world):
+                try:
+                    nv.get_peer_tensor(probe, p)
+                    reachable.append(p)
+                except Exception:
+                    continue
+        finally:
+            nv.free_tensor(probe)
+        return domain_of_reachable(self.world, self.rank, reachable)
 
     def _init_uid_torchrun(self, nv):
         import numpy as np
@@ -131,17 +178,18 @@ class NvshmemBackend(SymmetricBackend):
         nv = _nvshmem()
         local = nv.tensor(shape, dtype=dtype)
         peers = []
+        near = set(self.domain.members(self.rank))
         for p in range(self.world):
-            if p == self.rank:
-                peers.append(local)
+            if p == self.rank or p not in near:  # other domains: put_signal only
+                peers.append(local if p == self.rank else None)
                 continue
             try:
                 peers.append(nv.get_peer_tensor(local, p))
             except Exception as exc:
                 nv.free_tensor(local)
                 raise RuntimeError(
-                    f"nvshmem: rank {self.rank} cannot reach rank {p} by load/store (not in "
-                    "one NVLink domain); cross-domain transport is not implemented"
+                    f"nvshmem: rank {self.rank} cannot reach rank {p} of its domain by "
+                    f"load/store (domain size {self.domain.size}); pass a smaller --domain-size"
                 ) from exc
         self._peers[id(local)] = peers
         return local
@@ -150,7 +198,25 @@ class NvshmemBackend(SymmetricBackend):
         self._require_open()
         self._rank(rank)
         self._check_peer(peer)
-        return self._peers[id(t.payload)][peer]
+        view = self._peers[id(t.payload)][peer]
+        if view is None:
+            raise ValueError(f"nvshmem: rank {peer} is outside rank {self.rank}'s domain; "
+                             "use put_signal")  # fmt: skip
+        return view
+
+    def put_signal(self, t, offset, nbytes, signal, index, dst, rank=None):
+        """``nvshmem.core.put_signal`` on the current stream: this PE's bytes ``[offset,
+        offset + nbytes)`` of ``t`` into ``dst``'s, then ``dst``'s signal word ``index``
+        set to 1 (NVSHMEM orders the signal after the data)."""
+        self._require_open()
+        self._rank(rank)
+        self._check_peer(dst)
+        nv, buffer = _nvshmem(), _buffer_class()
+        base = t.payload.data_ptr() + offset
+        data = buffer.from_handle(base, nbytes)  # symmetric: the same address names dst's
+        word = buffer.from_handle(signal.payload.data_ptr() + 8 * index, 8)
+        stream = TorchStream(torch.cuda.current_stream(self.device))
+        nv.put_signal(data, data, word, 1, _signal_set(nv), remote_pe=dst, stream=stream)
 
     def multicast(self, t):
         self._require_open()

@@ -31,7 +31,8 @@ from tpcomm.oproj.plan import (
     min_blocks_per_sm,
     plan_fused,
 )
-from tpcomm.oproj.reference import check_consume
+from tpcomm.oproj.reference import check_consume, gemm
+from tpcomm.oproj.remote import RemotePuts
 
 __all__ = ["OprojAllReduce", "Plan", "choose"]
 
@@ -59,8 +60,11 @@ class OprojAllReduce:
         if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
             raise ValueError(f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
                              f"got {producer!r} for {tokens} rows")  # fmt: skip
+        split = backend.domain.split  # other domains by put-with-signal: per rank, one-shot
         if twoshot is None:  # one GPU: twoshot only when asked for (per-rank, RowChunks)
-            twoshot = plan.twoshot and not one_launch and not backend.single_device
+            twoshot = plan.twoshot and not one_launch and not backend.single_device and not split
+        if split and (twoshot or one_launch):
+            raise ValueError("domain_size < TP needs twoshot=False, one_launch=False")
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not is_int(budget_ns) or budget_ns <= 0:
@@ -81,6 +85,7 @@ class OprojAllReduce:
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
         self.twoshot, self.producer = twoshot, producer
         self.fence = (not backend.single_device) if fence is None else bool(fence)
+        self.remote = None  # RemotePuts with a split domain
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
             self.mailbox, self.rows = None, TwoshotRows(backend, tokens, hid)
             self.multicast_base = 0
@@ -95,6 +100,9 @@ class OprojAllReduce:
             self.multicast_base = 0 if mc is None else mc.data_ptr()
             self.device = self.mailbox.local(backend.ranks[0]).device
             self.peers = {r: self.mailbox.peer_pointers(r) for r in backend.ranks}
+            if split:  # other domains' entries: this rank's own mailbox (then put_signal)
+                self.remote = RemotePuts(backend, self.mailbox)
+                self.peers = {r: self.remote.peers(r, p) for r, p in self.peers.items()}
             self.gather_peers = self.peers  # unused without twoshot
         # what check_consume sees of the mailbox (shape and dtype only)
         self._probe = torch.empty((self.tp, tokens, hid), dtype=torch.bfloat16, device="meta")
@@ -122,7 +130,7 @@ class OprojAllReduce:
 
             consumer = compiled(
                 self.tp, self.hid, self.nb, self.has_delta, self.groups, self.xmoe_reps,
-                twoshot=self.twoshot, fence=self.fence,
+                twoshot=self.twoshot, fence=self.fence, domain=self.backend.domain.size,
             )  # fmt: skip
             self._fns = (self._publisher(), consumer)
         return self._fns
@@ -264,6 +272,8 @@ class OprojAllReduce:
         stream = torch.cuda.current_stream(self.device)
         args = self._consumer_args(rank, prefix, blocks, norm, query, out_norm, output, step, xmoe)
         self.functions()[1](*args, cuda.CUstream(stream.cuda_stream))
+        if self.remote is not None:  # this parity's signal words, after every CTA read
+            self.remote.rearm(rank, step)
 
     # the compiled launches, one key each: ``ranks`` = TP launches every rank at once
     def _publisher(self, pdl=False, ranks=1):
@@ -290,6 +300,8 @@ class OprojAllReduce:
         fn(*(to_cute(t) for t in tensors), to_cute(self.peers[rank], 8),
            Int64(self.multicast_base), Int32(rank), Int32(step & 1),
            cuda.CUstream(stream.cuda_stream))  # fmt: skip
+        if self.remote is not None:  # the slot to the other domains, after the stores
+            self.remote.put(rank, step)
 
     def _check_projection(self, attn_out, w_o):
         """ValueError naming the argument unless ``attn_out`` [tokens, D_local] and ``w_o``
@@ -316,6 +328,8 @@ class OprojAllReduce:
             recv = self.rows.receive_view(rank).view(-1)
         else:
             box, recv = self.mailbox.local(rank), self._no_recv
+            if self.remote is not None:  # the consumer's signal words travel as ``recv``
+                recv = self.remote.words(rank)
         return (
             to_cute(box), to_cute(prefix),
             to_cute(self._no_blocks if blocks is None else blocks),
@@ -384,6 +398,8 @@ class OprojAllReduce:
                                checked):  # fmt: skip
         """``kimi::oproj_produce_consume``'s implementation: check, plan, launch."""
         d_local = self.check_produce_args(attn_out, w_o, step, rank)
+        if self.remote is not None:
+            raise ValueError("the fused producer + consumer needs every rank in one domain")
         if not checked:
             self.check(prefix, blocks, norm, query, out_norm, output, xmoe)
         fn = self.fused_function(d_local, tiles, pdl, launches)
@@ -575,21 +591,10 @@ class OprojAllReduce:
         self.errors.zero_()
         self.hint_words.zero_()
         (self.rows if self.twoshot else self.mailbox).arm()
+        if self.remote is not None:
+            self.remote.arm()
 
 
 def _on(stream):
     """``stream`` as the current stream (the ops launch on it); None: the current one."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
-def gemm(a, b, out):
-    """``out = bf16(a @ b)`` by cuBLAS on the current stream (2-D or batched): fp32
-    accumulation with reduced-precision split-K reduction off, one rounding, as
-    ``reference.project`` up to the order of the fp32 sums."""
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_bf16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False
-    try:
-        torch.matmul(a, b, out=out)
-    finally:
-        flags.allow_bf16_reduced_precision_reduction = saved

@@ -18,6 +18,10 @@ copies of the output (relaxed gpu-scope stores), a gpu-scope acq_rel fence, a wa
 then one gpu-scope release increment of ``hints`` per lead warp: the seed's order (the
 release on top). A reader that acquires ``hints >= 4 * C * tokens`` then reads every copy.
 
+Domain split (``domain`` < TP, a separate compile): before polling a slot of a rank outside
+its domain a thread waits (acquire, sys, same budget and error word) on that rank's signal
+word (``[2, TP]`` uint64, its address in ``recv``; no twoshot then).
+
 PDL: dependents are triggered at once; the wait comes at the end, or with ``early_wait``
 (the fused kernel) before ``prefix`` is read and before any poll. ``ranks`` = TP: grid z
 = rank r, its tensors at r times one rank's size past rank 0's (``[TP, ...]`` contiguous).
@@ -51,6 +55,7 @@ from tpcomm.oproj.plan import (
     SLICE,
     WORD_ROW_BYTES,
     check_config,
+    check_domain,
     check_ranks,
     group_ranks,
     min_blocks_per_sm,
@@ -99,9 +104,12 @@ class OprojConsumerKernel:
     twoshot (and its sys fence before the gather publish)."""
 
     def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
-                 twoshot=False, fence=False, early_wait=False, ranks=1):  # fmt: skip
+                 twoshot=False, fence=False, early_wait=False, ranks=1,
+                 domain=None):  # fmt: skip
         check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
         check_ranks(tp, ranks, twoshot)
+        self.domain = tp if domain is None else check_domain(tp, domain, twoshot, ranks)
+        self.signal = self.domain < tp  # remote slots: wait on their signal words first
         self.ranks = ranks
         self.tp, self.hid, self.nb = tp, hid, nb
         self.twoshot, self.fence = bool(twoshot), bool(fence)
@@ -256,18 +264,26 @@ class OprojConsumerKernel:
 
     @cute.jit
     def poll(self, acc, raw, slot0, slot_bytes, budget_ns, a_error,
-             first: cutlass.Constexpr[int], count: cutlass.Constexpr[int]):  # fmt: skip
+             first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], sig=None):  # fmt: skip
         """Rank-order fp32 sum of ranks first..first+count-1 into ``acc`` (from the first
-        rank's value); returns the missing-rank mask (0: all published)."""
+        rank's value); returns the missing-rank mask (0: all published). ``sig``: (signal
+        words of this parity, rank) with a domain split."""
         failed = Int32(0)
         for c in cutlass.range_constexpr((count + POLL_CHUNK - 1) // POLL_CHUNK):
             lo: cutlass.Constexpr = c * POLL_CHUNK
             n: cutlass.Constexpr = min(POLL_CHUNK, count - lo)
             if failed == 0:
                 addresses = [slot0 + (first + lo + i) * slot_bytes for i in range(n)]
-                missing = protocol.poll_groups(
-                    raw, addresses, n, budget_ns, a_error, first + lo
-                )  # ORs the rank-numbered mask into the error word on expiry
+                if cutlass.const_expr(self.signal):
+                    missing = self.wait_remote(sig, first + lo, n, budget_ns, a_error)
+                    if missing == 0:
+                        missing = protocol.poll_groups(
+                            raw, addresses, n, budget_ns, a_error, first + lo
+                        )
+                else:
+                    missing = protocol.poll_groups(
+                        raw, addresses, n, budget_ns, a_error, first + lo
+                    )  # ORs the rank-numbered mask into the error word on expiry
                 failed = missing << (first + lo)
                 for i in cutlass.range_constexpr(n):
                     for j in cutlass.range_constexpr(4):
@@ -280,13 +296,25 @@ class OprojConsumerKernel:
         return failed
 
     @cute.jit
+    def wait_remote(self, sig, first: cutlass.Constexpr[int], n: cutlass.Constexpr[int],
+                    budget_ns, a_error):  # fmt: skip
+        """Bounded wait on the signals of ranks first.. first+n-1 outside this domain."""
+        signals, rank = sig
+        mine = rank // self.domain
+        remote = Int32(0)
+        for i in cutlass.range_constexpr(n):
+            far = Int32((first + i) // self.domain) != mine
+            remote = remote | Int32(cutlass.select_(far, Int32(1 << i), Int32(0)))
+        return protocol.wait_signals(signals + first * 8, remote, n, budget_ns, a_error, first)
+
+    @cute.jit
     def rearm(self, slot0, slot_bytes, first: cutlass.Constexpr[int],
               count: cutlass.Constexpr[int]):  # fmt: skip
         for i in cutlass.range_constexpr(count):
             protocol.rearm(slot0 + (first + i) * slot_bytes)
 
     @cute.jit
-    def helper(self, group, parts, flag, slot0, slot_bytes, budget_ns, a_error, tid):
+    def helper(self, group, parts, flag, slot0, slot_bytes, budget_ns, a_error, tid, sig=None):
         """Groups 1..: poll their slots, park the fp32 sum for the lead, re-arm."""
         if cutlass.const_expr(self.wait_before_poll):
             cute.arch.griddepcontrol_wait()
@@ -297,7 +325,7 @@ class OprojConsumerKernel:
             if cutlass.const_expr(count > 0):
                 if group == g:
                     failed = self.poll(
-                        acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count
+                        acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count, sig
                     )
                     for j in cutlass.range_constexpr(8):
                         parts[g - 1, tid, j] = acc[j]
@@ -337,7 +365,7 @@ class OprojConsumerKernel:
     @cute.jit
     def lead(self, smem, cta, token, tid, slot0, slot_bytes, col_bytes, a_prefix, a_output,
              a_xmoe, a_hints, a_error, tokens, eps, out_eps, budget_ns, a_recv,
-             gather_peers, rank, parity):  # fmt: skip
+             gather_peers, rank, parity, sig=None):  # fmt: skip
         bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag = smem
         lane = tid % 32
         # 1. AttnRes over the block snapshots: independent of the mailbox
@@ -389,7 +417,7 @@ class OprojConsumerKernel:
         acc = cute.make_rmem_tensor(8, Float32)
         raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
         first, count = group_ranks(self.slots, self.groups, 0)
-        failed = self.poll(acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count)
+        failed = self.poll(acc, raw, slot0, slot_bytes, budget_ns, a_error, first, count, sig)
         if cutlass.const_expr(self.groups > 1):
             cute.arch.barrier(barrier_id=2, number_of_threads=self.threads)
         for g in cutlass.range_constexpr(1, self.groups):
@@ -516,12 +544,15 @@ class OprojConsumerKernel:
         parity = Int64(step & 1)
         slot0 = a_mailbox + parity * self.slots * slot_bytes + token64 * (self.hid * 2)
         slot0 = slot0 + col_bytes
+        sig = None  # the signal words of this parity ([2, TP] uint64, in ``recv``)
+        if cutlass.const_expr(self.signal):
+            sig = (a_recv + parity * (self.tp * 8), rank)
         if group == 0:
             self.lead(smem, cta, token64, tid, slot0, slot_bytes, col_bytes, a_prefix,
                       a_output, a_xmoe, a_hints, a_error, tokens64, eps, out_eps,
-                      budget_ns, a_recv, gather_peers, rank, parity)  # fmt: skip
+                      budget_ns, a_recv, gather_peers, rank, parity, sig)  # fmt: skip
         else:
-            self.helper(group, smem[2], flag, slot0, slot_bytes, budget_ns, a_error, tid)
+            self.helper(group, smem[2], flag, slot0, slot_bytes, budget_ns, a_error, tid, sig)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
 
@@ -555,13 +586,14 @@ def fake_arguments(tp: int, hid: int, nb: int, xmoe_reps: int = 0, twoshot: bool
 
 @functools.cache
 def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch=None, *,
-             twoshot=False, fence=False, ranks=1):  # fmt: skip
+             twoshot=False, fence=False, ranks=1, domain=None):  # fmt: skip
     """One compile per configuration and arch; tokens are dynamic. ``ranks`` = TP: one
     launch for every rank of a one-GPU backend (rank r's mailbox, prefix, output, xmoe,
-    error and hint rows at r times their size past the first rank's)."""
+    error and hint rows at r times their size past the first rank's). ``domain`` < TP:
+    the signal-wait configuration (``recv`` carries the signal words)."""
     kernel = OprojConsumerKernel(tp, hid, nb, has_delta=has_delta, groups=groups,
                                  xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot, fence=fence,
-                                 ranks=ranks)  # fmt: skip
+                                 ranks=ranks, domain=domain)  # fmt: skip
     args = fake_arguments(tp, hid, nb, xmoe_reps, twoshot)
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *args, options=options)

@@ -68,6 +68,16 @@ def check_hidden(hidden, name="hidden"):
         raise ValueError(f"{name} ({hidden}) must be a multiple of 1024 in 1024..8192")
 
 
+def check_domain(tp, domain, twoshot=False, ranks=1) -> int:
+    """The consumer's ``domain`` (ranks per load/store domain): ValueError unless it divides
+    ``tp``, and, below ``tp``, the one-shot mailbox with one rank per launch."""
+    if not is_int(domain) or domain < 1 or tp % domain:
+        raise ValueError(f"domain must be an int dividing tp={tp}; got {domain!r}")
+    if domain < tp and (twoshot or ranks > 1):
+        raise ValueError("domain < tp needs the one-shot mailbox and one rank per launch")
+    return domain
+
+
 def check_ranks(tp: int, ranks: int, twoshot: bool = False) -> None:
     """``ranks``: consecutive ranks one launch serves (1; or all ``tp`` on one GPU)."""
     if not is_int(ranks) or ranks not in (1, tp):
