@@ -80,21 +80,41 @@ def state_check(got, ref, before):
     return bool((ratio <= 1e-5).all()), bool(untouched.all()), float(ratio.max())
 
 
-def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epilogue) -> tuple[float, float]:
+def attn_drift(attn, ref_attn, w_o) -> torch.Tensor:
+    """``|attn - ref_attn| @ |w_o|^T`` in fp64 ([N, HID]): the most two o-projections of
+    these KDA outputs can differ by in exact arithmetic. The kernels' KDA outputs are
+    checked to 1 ulp + o's flip against the unsharded layer's, not bitwise, and a few ulps
+    of attn move the projection by more than the prefix's rounding allowance where the
+    row's products cancel (two H200, TP 2, 12 heads per rank, step 19 of 40: 1.24 of the
+    allowance without this term). Sparse: the outputs agree bitwise almost everywhere."""
+    diff = (attn.double() - ref_attn.double()).abs()
+    drift = torch.zeros(attn.shape[0], w_o.shape[0], dtype=torch.float64)
+    rows, cols = diff.nonzero(as_tuple=True)
+    for i in range(0, rows.numel(), 1024):  # [k, HID] terms, bounded memory
+        n, d = rows[i : i + 1024], cols[i : i + 1024]
+        drift.index_add_(0, n, diff[n, d][:, None] * w_o[:, d].double().abs().T)
+    return drift
+
+
+def oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epilogue, drift=None):
     """Worst error / bound of a TP prefix against the unsharded fp32 o-proj, and of a TP
     output against ``epilogue(tp_prefix)``: the fp64 epilogue of that same prefix
     (``Model.epilogue``, a callable so it cannot be handed another prefix's).
 
-    Prefix: each per-rank bf16 partial and each later bf16 rounding moves a value by at
-    most 2^-8 of its magnitude. Output: within 2^-6 of each value plus 2^-8 of the row's
-    rms (the output's bf16 rounding, the kernels' 1 ulp, fp32 logits); per element, so it
-    holds at any row count; a wrong formula, eps or weight is off by far more. The
-    epilogue must be of the output's own prefix: a kernel's partials (from its KDA
-    outputs, within 1 ulp + o's flip) give a prefix some ulps away from the reference's
-    in many elements, and AttnRes logits of magnitude L amplify a prefix ulp by about L
-    (the check once took the reference partials' epilogue and failed at 16+ rows).
+    Prefix: each per-rank bf16 partial and each later bf16 rounding moves a value by at most
+    2^-8 of its magnitude; ``drift`` (``attn_drift``, when the partials project KDA outputs
+    other than the unsharded layer's) adds what the inputs' difference moves. Output: within
+    2^-6 of each value plus 2^-8 of the row's rms (the output's bf16 rounding, the kernels'
+    1 ulp, fp32 logits); per element, so it holds at any row count; a wrong formula, eps or
+    weight is off by far more. The epilogue must be of the output's own prefix: a kernel's
+    partials (from its KDA outputs, within 1 ulp + o's flip) give a prefix some ulps away
+    from the reference's in many elements, and AttnRes logits of magnitude L amplify a
+    prefix ulp by about L (the check once took the reference partials' epilogue and failed
+    at 16+ rows).
     """
     prefix_bound = 2.0**-7 * (2 * partials.float().abs().sum(0) + u_prefix.float().abs())
+    if drift is not None:
+        prefix_bound = prefix_bound + drift.float()
     prefix_ratio = (tp_prefix.float() - u_prefix.float()).abs() / (prefix_bound + 2.0**-20)
     want = epilogue(tp_prefix).double()
     rms = want.pow(2).mean(-1, keepdim=True).sqrt()
@@ -158,7 +178,8 @@ def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, 
     worst["output_ulp"] = max(worst["output_ulp"], ulps)
     # the fp64 epilogue of this very prefix (not the reference partials' prefix)
     epilogue = functools.partial(model.epilogue, blocks=blocks)
-    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], epilogue)
+    drift = attn_drift(attn, ref["attn"], model.w_o)  # the KDA outputs' own difference
+    p, o = oproj_bound_ratios(partials, got_prefix, got_out, ref["u_prefix"], epilogue, drift)
     check("prefix vs unsharded o-proj (within bound)", p <= 1, i, f"worst {p:.3f}")
     check("output vs fp64 epilogue of the prefix (within bound)", o <= 1, i, f"worst {o:.3f}")
     worst["prefix"], worst["output"] = max(worst["prefix"], p), max(worst["output"], o)

@@ -20,6 +20,7 @@ import torch
 from engine import DecodeLayer, all_reduces
 from kda import synthetic as kt
 from launch.checks import (
+    attn_drift,
     exact_gate_inputs,
     exact_gate_weights,
     oproj_bound_ratios,
@@ -276,7 +277,9 @@ def test_decode_layer_vs_references(job):
             for r in range(cfg.tp)
         ])  # fmt: skip
         epilogue = functools.partial(job.model.epilogue, blocks=blocks)
-        p, o = oproj_bound_ratios(partials, prefixes[0], outs[0], ref["u_prefix"], epilogue)
+        drift = attn_drift(attn, ref["attn"], job.model.w_o)
+        p, o = oproj_bound_ratios(partials, prefixes[0], outs[0], ref["u_prefix"], epilogue,
+                                  drift)  # fmt: skip
         assert p <= 1 and o <= 1, (plan.kind, p, o)
 
 
