@@ -141,14 +141,21 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
             check_step(runner, unsharded, bk, plan, step, prefix, blocks,
                        before_state, check, worst)  # fmt: skip
 
+    steady = None  # the last step's bucket back to back, when both its parities were run
+    if procs.all_true(not check.failures) and len(bk.graphs) == 2:
+        try:
+            steady = (bk.kind, runner.back_to_back(bk, (plan.index + 1) & 1))
+        except RuntimeError as e:
+            check("back-to-back steps", False, plan.index, str(e))
     ok = procs.all_true(not check.failures)
     per_process = procs.objects(latency)
+    steady = procs.objects(steady)
     stages = procs.objects({b.kind: b.stage_us for b in runner.buckets.values() if b.stage_us})
     runner.sync_all()  # nothing in flight on any GPU before the backend is torn down
     if not procs.root:
         return 0 if ok else 1
     report = rep.gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check,
-                            worst, ok)  # fmt: skip
+                            worst, ok, steady)  # fmt: skip
     return rep.finish(report, check.failures, args.json, rep.print_gpu)
 
 

@@ -173,14 +173,20 @@ def slowest_per_step(per_process):
     return latency
 
 
-def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok):
-    """The GPU job's report (process 0): ``per_process`` latencies, ``stages`` breakdowns."""
+def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok,
+               steady=None):  # fmt: skip
+    """The GPU job's report (process 0): ``per_process`` latencies, ``stages`` breakdowns,
+    ``steady``: every process's (kind, [us per back-to-back step]) or Nones."""
     buckets = sorted(runner.buckets.values(), key=lambda b: (b.tokens, b.record))
     latency = slowest_per_step(per_process)
     everything = [v for vs in latency.values() for v in vs]
     lat = {k: stats(v) for k, v in latency.items()}
     if everything:
         lat["step"] = stats(everything)
+    if steady and all(s is not None for s in steady):
+        kind = steady[0][0]  # per step: the slowest process's
+        per_step = zip(*(s[1] for s in steady), strict=True)
+        lat[f"{kind} back to back"] = stats([max(us) for us in per_step])
     per_rank = None
     if len(per_process) > 1 and everything:  # nvshmem: one process per rank
         per_rank = [stats([us for _, us in entries]) for entries in per_process]
