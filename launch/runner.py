@@ -28,7 +28,6 @@ from launch.procs import Procs
 from tpcomm.mailbox import MAX_ROWS
 
 GATE_CYCLES = 40_000_000  # ~20 ms sleep: the stage pass is enqueued behind it
-REPLAY_GATE_CYCLES = 1_000_000  # ~0.5 ms: a replay's barrier, events and graph behind it
 BACK_TO_BACK = 50  # steps replayed back to back after the checked ones
 STAGES = ("kda", "recover", "produce", "consume")
 # o-projection launches with every rank on one GPU (loopback): "per-rank" (producer and
@@ -174,8 +173,6 @@ class Runner:
         else:
             options = range(choose(cfg.tp, rows, cfg.hidden).groups, 0, -1)
         one = {"one_launch": True} if self.oproj_launch != "per-rank" else {}
-        if self.pdl and self.oproj_launch == "per-rank" and not self.backend.single_device:
-            one["pdl"] = True  # one rank per GPU: KDA -> producer -> consumer under PDL
         error = None
         for groups in options:
             try:
@@ -438,13 +435,11 @@ class Runner:
 
     def replay(self, bk: Bucket, parity: int) -> float:
         """One step: the bucket's graph replayed; its GPU time in us (behind an on-stream
-        barrier of all processes when there are several). The host enqueues the barrier,
-        the events and the graph while a short sleep holds the GPU, so the time is the
-        step's, not the host's launch latency (a serving engine runs ahead of its GPU)."""
+        barrier of all processes when there are several). A checked step's time includes
+        the aftermath of the checks before it (two H200: ~126 us where back-to-back steps
+        take ~28; without checks ~29): ``back_to_back`` is the serving figure."""
         g = bk.graphs[parity]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(REPLAY_GATE_CYCLES)
         self.stream_barrier()
         start.record()
         g.replay()
@@ -456,9 +451,10 @@ class Runner:
         """``steps`` replays of ``bk``'s two graphs in turn from ``parity`` (the one after
         the last step's), enqueued behind one sleep and one on-stream barrier, no barrier
         or host wait between them: us per step on this process's clock, as a serving
-        engine runs a layer step after step. Collective; raises on a consumer timeout."""
-        graphs = [bk.graphs[(parity + i) % 2] for i in range(steps)]
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        engine runs a layer step after step. One more step runs first and is left out (it
+        pays for the checks' host work before it). Collective; raises on a timeout."""
+        graphs = [bk.graphs[(parity + i) % 2] for i in range(steps + 1)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 2)]
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(GATE_CYCLES)
         self.stream_barrier()
@@ -468,7 +464,7 @@ class Runner:
             e.record()
         torch.cuda.synchronize(self.device)
         self.raise_on_timeout(bk, "back-to-back steps")
-        return [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(steps)]
+        return [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(1, steps + 1)]
 
     # --- reading back (collective; the whole layer on process 0, None elsewhere) ---------
     def all_ranks(self, t: torch.Tensor) -> torch.Tensor | None:

@@ -20,13 +20,14 @@ they capture:
   ``one_shot_all_reduce`` / ``two_shot_all_reduce_`` when ``torch.distributed.
   _symmetric_memory`` has them (unfused).
 
-Above 8 tokens the producer is cuBLAS then the publisher; the fused kernel (mma.sync,
-1..8 tokens) refuses them with the reason (the peers still run). Latency: per iteration the slowest rank's time; median and p99 of that
-over the iterations, and the largest per-rank median. Ours is checked once against the
-torch math on an fp32 rank-order sum of the same partials (loose: a wrong result, not an
-ulp). NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
-NVSHMEM_DISABLE_NVLS=1 are set here before CUDA starts. The table, the JSON (``--json``)
-and last ``BENCH OK`` / ``BENCH FAILED: ...`` come from rank 0.
+Above 8 tokens the producer is cuBLAS then the publisher; the fused kernel (mma.sync, 1..8
+tokens) refuses them with the reason (the peers still run). Latency: per iteration the
+slowest rank's time; median and p99 of that over the iterations, and the largest per-rank
+median. Ours is checked once against the torch math on an fp32 rank-order sum of the same
+partials (loose: a wrong result, not an ulp). NVLink multicast stays off:
+NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set
+here before CUDA starts. The table, the JSON (``--json``) and last ``BENCH OK`` / ``BENCH
+FAILED: ...`` come from rank 0.
 """
 
 from __future__ import annotations

@@ -90,6 +90,8 @@ def assert_ok(p, lines, report_path, n):
                  "stage pass == eager (bitwise)", "no consumer timeout"):  # fmt: skip
         assert report["checks"][name]["of"] >= 1, name
     assert len(report["per_rank"]) == n
+    steady = [v for k, v in report["latency"].items() if k.endswith("back to back")]
+    assert all(v["n"] == 50 and v["median_us"] > 0 for v in steady), report["latency"]
     return report
 
 

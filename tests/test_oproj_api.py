@@ -219,19 +219,6 @@ def test_one_launch_all_reduce_skips_coresidency_and_refuses_per_rank_runs():
     assert api.OprojAllReduce(Crowded(4, device="cpu"), 2, 2048, 2, one_launch=True).one_launch
 
 
-def test_pdl_needs_one_rank_per_gpu():
-    """Per-rank PDL (the launcher's nvshmem path): refused where the ranks share a GPU,
-    where an early consumer could hold the SMs another rank's producer needs."""
-    with pytest.raises(ValueError, match="one rank per GPU"):
-        _comm(pdl=True)
-
-    class Spread(LoopbackBackend):  # as one process per GPU sees it
-        single_device = property(lambda self: False)
-
-    assert api.OprojAllReduce(Spread(4, device="cpu"), 2, 2048, 2, pdl=True).pdl
-    assert not _comm().pdl
-
-
 def _bf(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 

@@ -48,15 +48,13 @@ class OprojAllReduce:
     ``xmoe_reps``). ``groups``, ``twoshot`` and ``producer`` default to ``choose``'s plan;
     ``fence`` (a sys fence before each publish) to on unless every rank shares one GPU.
     ``one_launch``: for the ``*_all`` launches only (no co-residency of the ranks'
-    consumers needed; no twoshot unless asked). ``pdl``: per-rank launches as programmatic
-    dependents (one rank per GPU: on a shared one early consumers could starve other
-    ranks' producers). Buffers beyond the symmetric memory are refused before allocation.
+    consumers needed; no twoshot unless asked). Buffers (``plan.bytes`` per rank) that do
+    not fit the symmetric memory are refused before allocation.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None, one_launch=False, producer=None,
-                 pdl=False):  # fmt: skip
+                 fence=None, twoshot=None, one_launch=False, producer=None):  # fmt: skip
         plan = choose(backend.world, tokens, hid)
         producer = plan.producer if producer is None else producer
         if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
@@ -65,8 +63,6 @@ class OprojAllReduce:
         split = backend.domain.split  # other domains by put-with-signal: per rank, one-shot
         if twoshot is None:  # one GPU: twoshot only when asked for (per-rank, RowChunks)
             twoshot = plan.twoshot and not one_launch and not backend.single_device and not split
-        if pdl and backend.single_device:
-            raise ValueError("pdl=True needs one rank per GPU (early consumers hold SMs)")
         if split and (twoshot or one_launch):
             raise ValueError("domain_size < TP needs twoshot=False, one_launch=False")
         groups = (plan.groups if not twoshot else 1) if groups is None else groups
@@ -87,7 +83,7 @@ class OprojAllReduce:
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot, self.producer, self.pdl = twoshot, producer, bool(pdl)
+        self.twoshot, self.producer = twoshot, producer
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         self.remote = None  # RemotePuts with a split domain
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows
@@ -132,10 +128,11 @@ class OprojAllReduce:
         if self._fns is None:
             from tpcomm.oproj.consumer import compiled
 
-            consumer = compiled(self.tp, self.hid, self.nb, self.has_delta, self.groups,
-                                self.xmoe_reps, self.pdl, twoshot=self.twoshot,
-                                fence=self.fence, domain=self.backend.domain.size)  # fmt: skip
-            self._fns = (self._publisher(self.pdl), consumer)
+            consumer = compiled(
+                self.tp, self.hid, self.nb, self.has_delta, self.groups, self.xmoe_reps,
+                twoshot=self.twoshot, fence=self.fence, domain=self.backend.domain.size,
+            )  # fmt: skip
+            self._fns = (self._publisher(), consumer)
         return self._fns
 
     def error(self, rank=None):
@@ -168,7 +165,9 @@ class OprojAllReduce:
             full=validation_mode(validate) == "full",
         )  # fmt: skip
         if nb != self.nb:
-            raise ValueError(f"blocks holds nb = {nb} snapshots; this all-reduce has {self.nb}")
+            raise ValueError(
+                f"blocks holds nb = {nb} snapshots; this all-reduce has nb = {self.nb}"
+            )
         shape = (self.tokens, self.hid)
         for name, t in (("prefix", prefix), ("output", output)):
             check_device_tensor(name, t, shape, torch.bfloat16, self.device)
@@ -190,9 +189,10 @@ class OprojAllReduce:
 
     def check_publish_args(self, partial, step, rank):
         """``publish``'s checks (the fake ``kimi::oproj_publish``)."""
-        self._rank(rank), self._step(step)
-        check_device_tensor("partial", partial, (self.tokens, self.hid), torch.bfloat16,
-                            self.device)  # fmt: skip
+        self._rank(rank)
+        self._step(step)
+        shape = (self.tokens, self.hid)
+        check_device_tensor("partial", partial, shape, torch.bfloat16, self.device)
 
     def check_produce_args(self, attn_out, w_o, step, rank):
         """``produce``'s checks (the fake ``kimi::oproj_produce``); returns D_local."""
@@ -218,7 +218,7 @@ class OprojAllReduce:
     def launch_publish(self, partial, step, rank):
         """``kimi::oproj_publish``'s implementation: check, launch on the current stream."""
         self.check_publish_args(partial, step, rank)
-        self._launch(self._publisher(self.pdl), (partial,), rank, step)
+        self._launch(self._publisher(), (partial,), rank, step)
 
     def produce(self, attn_out, w_o, step, rank=None, stream=None):
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot."""
@@ -236,9 +236,9 @@ class OprojAllReduce:
         if self.producer == "cublas":
             partial = self.staging()[rank]
             gemm(attn_out, w_o.t(), partial)
-            self._launch(self._publisher(self.pdl), (partial,), rank, step)
+            self._launch(self._publisher(), (partial,), rank, step)
             return
-        self._launch(self._producer(d_local, self.pdl), (attn_out, w_o), rank, step)
+        self._launch(self._producer(d_local), (attn_out, w_o), rank, step)
 
     def staging(self):
         """The GEMM's partials ``[ranks, tokens, HID]`` (row r: rank r's), allocated once."""
