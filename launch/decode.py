@@ -120,10 +120,10 @@ def parse_args(argv=None):
              "mma.sync orders)")
     gpu("--pdl", action=argparse.BooleanOptionalAction, default=True,
         help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
-        "with --oproj-launch consumer / both, of the consumer behind the producer)")
-    gpu("--oproj-launch", choices=("per-rank", "consumer", "both"), default=None,
+        "with --oproj-launch both, of the consumer behind the producer)")
+    gpu("--oproj-launch", choices=("per-rank", "both"), default=None,
         help="loopback: o-projection launches; both (default): one producer and one consumer "
-        "launch for all ranks; consumer: producers per rank, one consumer launch; per-rank")
+        "launch for all ranks; per-rank: each rank's on its stream")
     gpu("--multicast", action=argparse.BooleanOptionalAction, default=False,
         help="nvshmem: allow NVLink multicast (NVLS); off sets NVSHMEM_DISABLE_NVLS=1 unless "
         "the environment says otherwise, and publishing goes to each peer")
