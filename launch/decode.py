@@ -114,10 +114,9 @@ def parse_args(argv=None):
         "load/store; host and loopback: every rank)")
     gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
         help="KDA kernel (auto: kda.dispatch's choice)")
-    gpu("--gate-mode", type=int, choices=(0, 1, 2, 3), default=3,
+    gpu("--gate-mode", type=int, choices=(0, 1, 3), default=3,
         help="KDA raw-gate reduction (3: mma.sync with an exact recompute where its error "
-             "bound leaves the bf16 rounding open, 2: exactly rounded, 0/1: the seed's "
-             "mma.sync orders)")
+             "bound leaves the bf16 rounding open, 0/1: the seed's mma.sync orders)")
     gpu("--pdl", action=argparse.BooleanOptionalAction, default=True,
         help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
         "with --oproj-launch both, of the consumer behind the producer)")

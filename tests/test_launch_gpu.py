@@ -99,11 +99,12 @@ def test_loopback_window_first_groups_and_gate_mode(tmp_path):
     p, lines = run_decode(
         "--backend", "loopback", "--tp", "4", "--heads", "8", "--hidden", "3072",
         "--requests", "4", "--tokens", "2", "--blocks", "0", "--steps", "6",
-        "--conv-layout", "window-first", "--groups", "2", "--gate-mode", "2", "--no-pdl",
+        "--conv-layout", "window-first", "--groups", "2", "--gate-mode", "1", "--no-pdl",
         "--json", str(out),
     )  # fmt: skip
     report = assert_ok(p, lines, out)
     assert report["config"]["groups_chosen"] == {"4": 2, "8": 2}
+    assert report["config"]["gate_mode"] == 1 and report["config"]["exact_gate_grids"]
 
 
 @pytest.mark.gpu
