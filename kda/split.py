@@ -335,6 +335,7 @@ class KdaSplit(KdaWide):
             s_o = smem_tensor(smem, Float32, (T, R))
             s_gate = smem_tensor(smem, Float32, (8, R))  # the gate lanes' decays, 8 tokens
             s_beta = smem_tensor(smem, Float32, (8,))
+            smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (was gate mode 2's)
             qk_pairs = smem_tensor(smem, Float32, (T, 2, 4))
             o_groups = smem_tensor(smem, Float32, (T, 1, R // GROUP))
             o_exchange = smem_tensor(smem, Float32, (T * C,))

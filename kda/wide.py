@@ -461,6 +461,7 @@ class KdaWide:
             s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
             s_beta = smem_tensor(smem, Float32, (8,))
+            smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (was gate mode 2's)
             sums = smem_tensor(smem, Float32, (T, 2, 8))
             out_sums = smem_tensor(smem, Float32, (T, 4))
 
