@@ -29,9 +29,9 @@ PREFIX = "decode/live/"
 def hard_exit(code: int, tick_s: float | None = None, ticks: int = 1) -> None:
     """``os._exit(code)``, at the ``ticks``-th next multiple of ``tick_s`` on the clock when
     given (ranks leaving together; SIGTERM meanwhile exits with ``code`` at once), after
-    flushing stdio
-    and, when coverage measures this process (the test suite's subprocess measurement),
-    saving its data first, which ``os._exit`` would drop with the ``atexit`` hooks."""
+    flushing stdio and, when coverage measures this process (the test suite's subprocess
+    measurement), saving its data first, which ``os._exit`` would drop with the ``atexit``
+    hooks."""
     coverage = sys.modules.get("coverage")
     current = getattr(getattr(coverage, "Coverage", None), "current", None)
     measuring = current() if current is not None else None
