@@ -33,7 +33,6 @@ from tpcomm.cuteutil import (
     bf16x2_to_f32,
     cp_async_16,
     launch,
-    ld_global_nc_b32x2,
     ld_shared_f32x4,
     smem_tensor,
     st_global_f32x4,
@@ -204,21 +203,6 @@ class KdaSplit(KdaWide):
             ptx.push_float(target, value, bars, peer)
 
     @cute.jit
-    def load_tile_weights(self, f_b, head, tile):
-        """``KdaWide.load_gate_weights`` for gate tile ``tile`` (features 16 tile ..)."""
-        lane = cute.arch.lane_idx()
-        group, quarter = lane // 4, lane % 4
-        base = Int64(f_b.iterator.toint())
-        feature = head * HEAD_DIM + 16 * tile + group
-        weights = []
-        for chunk in cutlass.range_constexpr(8):
-            col = 16 * chunk + 4 * quarter
-            low = ld_global_nc_b32x2(base + Int64(feature * HEAD_DIM + col) * 2)
-            high = ld_global_nc_b32x2(base + Int64((feature + 8) * HEAD_DIM + col) * 2)
-            weights.append((low[0], high[0], low[1], high[1]))
-        return weights
-
-    @cute.jit
     def gate_tile(self, op, weights, activations, a, dt, s_gate, s_decay, bars, request, head,
                   tile):  # fmt: skip
         """KdaWide.gate_phase on one 16-feature tile: raw gate (mode 3: settled exactly
@@ -362,7 +346,7 @@ class KdaSplit(KdaWide):
             a = Float32(op.a_log[head])
             dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * tile + lane // 4 + 8 * i])
                   for i in range(2)]  # fmt: skip
-            weights = self.load_tile_weights(op.f_b, head, tile)
+            weights = self.load_gate_weights(op.f_b, head, tile, cute.arch.lane_idx())
 
             # The step's inputs (written by the kernel before): x, beta, f_a, output gate.
             cute.arch.griddepcontrol_wait()
@@ -423,7 +407,7 @@ class KdaSplit(KdaWide):
 @cute.jit
 def exact_dot_fragments(weights, activations, group, half: cutlass.Constexpr[int], t):
     """``dev.exact_dot_warp`` of gate-tile feature row ``group + 8 half`` and token ``t``
-    from the warp's mma fragments (``load_tile_weights``, ``load_activations``: lane
+    from the warp's mma fragments (``load_gate_weights``, ``load_activations``: lane
     (g, q) holds columns 16 c + 4 q .. + 3 of every chunk c; group t holds token t):
     lane l gathers elements 4l .. 4l + 3 by shuffles and sums them in exact_dot_warp's
     order, so the result is bitwise its."""
