@@ -33,6 +33,8 @@ HOST_TIMEOUT = 30.0  # --timeout default on the host (a step there takes well un
 GPU_TIMEOUT = 300.0  # --timeout default on the GPU backends (kernel compiles between waits)
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 10**6
+DEFAULT_TRACE = 20  # --trace without a count: traced steps
+MAX_TRACE = 500  # traced steps are enqueued behind one ~20 ms sleep
 REFUSAL_TICK_S = 2.0  # refusing ranks of a job exit together on this clock's ticks
 
 
@@ -118,9 +120,17 @@ def parse_args(argv=None):
         help="KDA raw-gate reduction (3: mma.sync with an exact recompute where its error "
              "bound leaves the bf16 rounding open, 2: exactly rounded, 0/1: the seed's "
              "mma.sync orders)")
-    gpu("--pdl", action=argparse.BooleanOptionalAction, default=True,
+    gpu("--pdl", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
         help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
-        "with --oproj-launch consumer / both, of the consumer behind the producer)")
+        "with --oproj-launch consumer / both, of the consumer behind the producer); "
+        "default on, off with --trace")
+    gpu("--trace", type=ranged(int, 1, MAX_TRACE), nargs="?", const=DEFAULT_TRACE, default=0,
+        metavar="N",
+        help=f"after the checked and back-to-back steps, N (default {DEFAULT_TRACE}) steps "
+        "back to back with globaltimer stamps between the stages on each rank's stream: per "
+        "rank stage times, gaps, skew, the consumer's polling (report['timeline'], "
+        "scripts/plot_timeline.py). The whole job then runs without PDL: a stamp between "
+        "two PDL kernels would break their overlap")
     gpu("--oproj-launch", choices=("per-rank", "consumer", "both"), default=None,
         help="loopback: o-projection launches; both (default): one producer and one consumer "
         "launch for all ranks; consumer: producers per rank, one consumer launch; per-rank")
@@ -135,6 +145,11 @@ def parse_args(argv=None):
     why = check_json_path(args.json)
     if why is not None:
         p.error(why)
+    pdl = getattr(args, "pdl", None)  # None: not given
+    if args.trace and pdl:
+        p.error("--trace runs without PDL (a stamp between PDL kernels breaks their "
+                "overlap): drop --pdl")  # fmt: skip
+    args.pdl = not args.trace if pdl is None else pdl
     return args
 
 
