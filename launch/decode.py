@@ -33,6 +33,8 @@ HOST_TIMEOUT = 30.0  # --timeout default on the host (a step there takes well un
 GPU_TIMEOUT = 300.0  # --timeout default on the GPU backends (kernel compiles between waits)
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 10**6
+DEFAULT_TRACE = 20  # --trace without a count: traced steps
+MAX_TRACE = 500  # traced steps are enqueued behind one ~20 ms sleep
 REFUSAL_TICK_S = 2.0  # refusing ranks of a job exit together on this clock's ticks
 # Rank 0 prints the refusal and leaves on its next tick; the others wait up to this many
 # ticks for it (the launcher stops them, status 2, once rank 0 leaves), so a rank 0 that
@@ -126,9 +128,17 @@ def parse_args(argv=None):
     gpu("--gate-mode", type=int, choices=(0, 1, 3), default=3,
         help="KDA raw-gate reduction (3: mma.sync with an exact recompute where its error "
              "bound leaves the bf16 rounding open, 0/1: the seed's mma.sync orders)")
-    gpu("--pdl", action=argparse.BooleanOptionalAction, default=True,
+    gpu("--pdl", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
         help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
-        "with --oproj-launch both, of the consumer behind the producer)")
+        "with --oproj-launch both, of the consumer behind the producer); default on, off "
+        "with --trace")
+    gpu("--trace", type=ranged(int, 1, MAX_TRACE), nargs="?", const=DEFAULT_TRACE, default=0,
+        metavar="N",
+        help=f"after the checked and back-to-back steps, N (default {DEFAULT_TRACE}) steps "
+        "back to back with globaltimer stamps between the stages on each rank's stream: per "
+        "rank stage times, gaps, skew, the consumer's polling (report['timeline'], "
+        "scripts/plot_timeline.py). The whole job then runs without PDL: a stamp between "
+        "two PDL kernels would break their overlap")
     gpu("--oproj-launch", choices=("per-rank", "both"), default=None,
         help="loopback: o-projection launches; both (default): one producer and one consumer "
         "launch for all ranks; per-rank: each rank's on its stream")
@@ -143,6 +153,11 @@ def parse_args(argv=None):
     why = check_json_path(args.json)
     if why is not None:
         p.error(why)
+    pdl = getattr(args, "pdl", None)  # None: not given
+    if args.trace and pdl:
+        p.error("--trace runs without PDL (a stamp between PDL kernels breaks their "
+                "overlap): drop --pdl")  # fmt: skip
+    args.pdl = not args.trace if pdl is None else pdl
     return args
 
 

@@ -6,6 +6,7 @@ prefixes bitwise rank 0's, no consumer timeout, the first replay bitwise the eag
 the stage pass; every ``--check-every``-th step against the unsharded layer
 (``launch.checks.check_step``). With several processes the checks and latencies meet on
 process 0 through torch.distributed (``launch.procs.Procs``), which prints the report.
+``--trace``: then traced steps (``launch.trace``), their timeline in the report.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import torch
 
 from kda.validate import check_slot_values
 from launch import report as rep
+from launch import trace
 from launch.checks import SEED_GATE_MODES, check_step, exact_gate_inputs, exact_gate_weights, inject
 from launch.layer import Config, Model, Schedule, Unsharded
 from launch.procs import Procs, env_rank, nvshmem_installed, nvshmem_job
-from launch.runner import Runner, check_rows
+from launch.runner import BACK_TO_BACK, Runner, check_rows
 from tpcomm.domain import check_domain_size
 
 
@@ -142,11 +144,19 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
                        before_state, check, worst)  # fmt: skip
 
     steady = None  # the last step's bucket back to back, when both its parities were run
+    parity = (plan.index + 1) & 1  # the next step's
     if procs.all_true(not check.failures) and len(bk.graphs) == 2:
         try:
-            steady = (bk.kind, runner.back_to_back(bk, (plan.index + 1) & 1))
+            steady = (bk.kind, runner.back_to_back(bk, parity))
+            parity = (parity + BACK_TO_BACK + 1) & 1  # back_to_back ran one more step
         except RuntimeError as e:
             check("back-to-back steps", False, plan.index, str(e))
+    timeline = None  # --trace: report["timeline"] (process 0)
+    if getattr(args, "trace", 0) and procs.all_true(not check.failures):
+        try:
+            timeline = trace.run(runner, bk, parity, args.trace)
+        except (RuntimeError, ValueError) as e:
+            check("traced steps", False, plan.index, str(e))
     ok = procs.all_true(not check.failures)
     per_process = procs.objects(latency)
     steady = procs.objects(steady)
@@ -156,7 +166,15 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
         return 0 if ok else 1
     report = rep.gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check,
                             worst, ok, steady)  # fmt: skip
-    return rep.finish(report, check.failures, args.json, rep.print_gpu)
+    printer = rep.print_gpu
+    if timeline is not None:
+        report["timeline"] = timeline
+
+        def printer(r):
+            rep.print_gpu(r)
+            trace.print_timeline(r["timeline"])
+
+    return rep.finish(report, check.failures, args.json, printer)
 
 
 def _same(a, b):

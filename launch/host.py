@@ -33,6 +33,9 @@ def host_memory_bytes() -> int:
 
 def refusal(args, world) -> str | None:
     """Why this job cannot run (decided alike on every rank, before the process group)."""
+    if getattr(args, "trace", 0):
+        return ("--trace stamps the GPU kernels (globaltimer); the host backend runs none: "
+                "use --backend loopback or nvshmem")  # fmt: skip
     if args.tp is not None and args.tp != world:
         return (
             f"--tp {args.tp} is for the loopback backend; the host backend runs one rank per "

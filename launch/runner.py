@@ -283,23 +283,32 @@ class Runner:
         for r in ranks:
             current.wait_stream(self.streams[r])
 
-    def enqueue(self, bk: Bucket, parity: int, ranks=None, *, eager=False) -> None:
+    def enqueue(self, bk: Bucket, parity: int, ranks=None, *, eager=False, stamp=None) -> None:
         """One step of ``ranks`` (default: all hosted) on their streams, in stream order.
         ``eager`` with several processes: KDA -> producer, synchronise, meet the other
         processes, then the consumer (compiled beforehand), so no poll budget covers a
-        peer's compile or host skew."""
+        peer's compile or host skew. ``stamp(rank, point)`` (not with ``eager``; rank None:
+        every rank, after a launch for all of them) is called on the current stream before
+        KDA (``start``, ``launch``) and after each stage (``launch.trace``)."""
         ranks = self.ranks if ranks is None else tuple(ranks)
         all_at_once = self.oproj_launch == "both" and ranks == self.ranks
+        mark = stamp if stamp is not None else (lambda r, point: None)
 
         def chain(r):
+            mark(r, "start")
+            mark(r, "launch")
             self._kda(bk, r)
+            mark(r, "kda")
             if bk.record:
                 self._recover(bk, r)
+                mark(r, "recover")
             if not all_at_once:
                 self._produce(bk, r, parity)
+                mark(r, "produce")
 
         def consume(r):
             self._consume(bk, r, parity)
+            mark(r, "consume")
 
         if eager and self.multiprocess:
             bk.comm.functions()  # the consumer compiled before anyone polls
@@ -310,7 +319,9 @@ class Runner:
         if all_at_once:  # per rank stream, joined; then one producer and one consumer
             self._on_ranks(ranks, chain)
             self._produce_all(bk, parity)
+            mark(None, "produce")
             self._consume_all(bk, parity)
+            mark(None, "consume")
             return
         self._on_ranks(ranks, chain, consume, join=True)
 

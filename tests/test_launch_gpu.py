@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from test_launch_trace import check_timeline
 
 from kda import synthetic as kt
 from launch import checks, decode, report, runner
@@ -90,6 +91,35 @@ def test_loopback_tp16_kimi_shapes(tmp_path):
     assert report["steps"] == {"total": 12, "decode": 12}
     steady = report["latency"]["decode back to back"]  # 50 steps after the checked ones
     assert steady["n"] == 50 and steady["median_us"] > 0
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches", ["per-rank", "both"])
+def test_loopback_trace(tmp_path, launches):
+    """``--trace``: every rank's stamps around every stage of a recorded verify step (the
+    last step's bucket), stages tiling each step, and the timeline plotted."""
+    out = tmp_path / "trace.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "4", "--hidden", "1024",
+        "--requests", "2", "--tokens", "3", "--blocks", "2", "--steps", "7", "--trace", "6",
+        "--oproj-launch", launches, "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["config"]["pdl"] is False  # --trace runs without PDL
+    tl = report["timeline"]
+    assert tl["kind"] == "verify+record+recover"
+    check_timeline(tl, 2, 6, ("kda", "recover", "produce", "consume"))
+    if launches == "both":  # one producer and one consumer launch: one stamp for all ranks
+        for first, second in zip(*tl["ranks"], strict=True):
+            assert first["consume"][1] == second["consume"][1]
+    assert "timeline (verify+record+recover, 6 traced steps" in p.stdout
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    script = os.path.join(ROOT, "scripts", "plot_timeline.py")
+    plot = subprocess.run([sys.executable, script, str(out), "--out", str(png)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert plot.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", plot.stderr
     print(p.stdout)
 
 

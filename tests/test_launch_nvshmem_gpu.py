@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from test_launch_trace import check_timeline
 
 from launch import decode, report
 from launch.procs import Procs
@@ -149,6 +150,23 @@ def test_torchrun_kimi_shapes(nproc, tmp_path):
     )  # fmt: skip
     report = assert_ok(p, lines, out, nproc)
     assert report["steps"] == {"total": 40, "decode": 40}
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_torchrun_trace(nproc, tmp_path):
+    """``--trace`` across processes: every rank's stamps around every stage of the decode
+    step (after the back-to-back steps), gathered on process 0 into one timeline."""
+    out = tmp_path / "trace.json"
+    p, lines = torchrun(
+        nproc, SCRIPT, "--backend", "nvshmem", "--heads", str(2 * nproc), "--hidden", "2048",
+        "--requests", "4", "--tokens", "1", "--blocks", "3", "--steps", "6", "--trace", "10",
+        "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out, nproc)
+    assert report["config"]["pdl"] is False
+    check_timeline(report["timeline"], nproc, 10, ("kda", "produce", "consume"))
+    assert "globaltimer per GPU" in p.stdout
     print(p.stdout)
 
 
