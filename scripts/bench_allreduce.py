@@ -49,6 +49,7 @@ import sys  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from step_peers import symm_mem_for, torch_epilogue  # noqa: E402
 
 from launch import report as rep  # noqa: E402
 
@@ -69,25 +70,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
-
-
-def torch_epilogue(attn, prefix, blocks, w, out_norm, eps=EPS, out_eps=OUT_EPS):
-    """Residual + AttnRes + RMSNorm in plain torch (fp32): ``attn`` [T, HID] bf16 (the
-    reduced sum), ``blocks`` [T, nb, HID] or None, ``w = norm * query`` (fp32).
-    Returns (output bf16, prefix_new bf16)."""
-    prefix_new = (prefix.float() + attn.float()).to(torch.bfloat16)
-    p = prefix_new.float()
-    lp = (p @ w) * torch.rsqrt(p.pow(2).mean(-1) + eps)
-    if blocks is None:
-        h = p
-    else:
-        v = blocks.float()
-        logits = (v @ w) * torch.rsqrt(v.pow(2).mean(-1) + eps)  # [T, nb]
-        prob = torch.softmax(torch.cat([logits, lp[:, None]], dim=-1), dim=-1)
-        nb = v.shape[1]
-        h = (prob[..., :nb, None] * v).sum(1) + prob[..., nb:] * p
-    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + out_eps) * out_norm.float()
-    return out.to(torch.bfloat16), prefix_new
 
 
 class Bench:
@@ -118,23 +100,10 @@ class Bench:
     # --- helpers ---------------------------------------------------------------------
     def _symm_mem(self):
         """torch symmetric memory (module, group name) or None, with the reason said once."""
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-        except ImportError as e:
-            self.say(f"note: no torch symmetric memory ({e})")
-            return None
-        ops = getattr(torch.ops, "symm_mem", None)
-        if ops is None or not hasattr(ops, "one_shot_all_reduce"):
-            self.say("note: torch.ops.symm_mem.one_shot_all_reduce is absent")
-            return None
-        name = self.nccl.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            try:
-                enable(name)
-            except Exception as e:  # newer torch: deprecated or not needed
-                self.say(f"note: enable_symm_mem_for_group: {e}")
-        return symm_mem, name
+        symm, why = symm_mem_for(self.nccl, self.say)
+        if symm is None:
+            self.say(f"note: {why}")
+        return symm
 
     def say(self, text):
         if self.rank == 0:

@@ -47,19 +47,16 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 
 import torch  # noqa: E402
+from step_peers import GRIDS, first_step, fla_kda  # noqa: E402
 
 from kda import synthetic as kt  # noqa: E402
 from kda.ops import plan as plan_kda  # noqa: E402
-from launch.checks import SEED_GATE_MODES, exact_gate_inputs, exact_gate_weights  # noqa: E402
-from launch.layer import EPS, OUT_EPS, Config, Model, Schedule  # noqa: E402
+from launch.checks import exact_gate_weights  # noqa: E402
+from launch.layer import EPS, OUT_EPS, Config, Model  # noqa: E402
 from launch.report import step_bytes  # noqa: E402
 from launch.runner import DEFAULT_OPROJ_LAUNCH, OPROJ_LAUNCHES, Runner  # noqa: E402
 
 BUDGET_NS = 5_000_000  # a rank that cannot be resident errors quickly instead of 50 ms
-# The launcher's rule (launch.gpu): gate inputs on the exact grids only for the seed's gate
-# orders; the Runner's default gate (mode 3) rounds exactly on any input, and grid inputs
-# would skew how often it recomputes.
-GRIDS = Runner.__init__.__kwdefaults__["gate_mode"] in SEED_GATE_MODES
 
 
 def _config(tp, requests, args, tokens=1):
@@ -68,19 +65,6 @@ def _config(tp, requests, args, tokens=1):
                  padding=0.0)  # fmt: skip
     cfg.validate()
     return cfg
-
-
-def _step(cfg, model):
-    """The first step of ``cfg.tokens``: decode (T = 1), else the first verify step (not
-    recorded)."""
-    schedule = Schedule(cfg)
-    plan = schedule.next()
-    if cfg.tokens > 1:
-        plan = schedule.next()
-    step, prefix, blocks = model.step_inputs(plan)
-    if GRIDS:
-        exact_gate_inputs(step)
-    return plan, step, prefix, blocks
 
 
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the timed call meanwhile
@@ -128,7 +112,7 @@ def ours(cfg, model, replays, oproj_launch=None):
     backend = LoopbackBackend(cfg.tp)
     try:
         runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS, oproj_launch=oproj_launch)
-        plan, step, prefix, blocks = _step(cfg, model)
+        plan, step, prefix, blocks = first_step(cfg, model)
         bk = runner.bucket(plan.tokens, plan.record)
         runner.fill(bk, plan, step, prefix, blocks)
         graph, _, _ = runner.graph(bk, 0)
@@ -214,7 +198,7 @@ def compiled(cfg, model, replays):
     backend = LoopbackBackend(cfg.tp)
     try:
         runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
-        plan, step, prefix, blocks = _step(cfg, model)
+        plan, step, prefix, blocks = first_step(cfg, model)
         bk = runner.bucket(1, False)
         runner.fill(bk, plan, step, prefix, blocks)
         n = len(runner.ranks)
@@ -252,7 +236,7 @@ def _lone_rank(cfg, model):
     backend.check_coresident = lambda *args: None  # one rank's consumer runs at a time
     try:
         runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
-        plan, step, prefix, blocks = _step(cfg, model)
+        plan, step, prefix, blocks = first_step(cfg, model)
         bk = runner.bucket(1, False)
         bk.kda_choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
         runner.fill(bk, plan, step, prefix, blocks)
@@ -319,41 +303,23 @@ def alone(cfg, model, replays):
 def peer(cfg, model, replays, device="cuda"):
     """The torch / fla composition of the same step (all ranks, one stream, one graph)."""
     from bench_kda import time_graph
-    from fla.modules.causal_conv1d.ops import causal_conv1d_update
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     dev = torch.device(device)
-    B, H, tp, hid = cfg.requests, cfg.heads, cfg.tp, cfg.hidden
-    D, Dl = H * 128, cfg.heads_per_rank * 128
+    B, tp, hid = cfg.requests, cfg.tp, cfg.hidden
+    Dl = cfg.heads_per_rank * 128
     layer = model.kda.clone().to(dev)
-    _, step, prefix, blocks = _step(cfg, model)
+    _, step, prefix, blocks = first_step(cfg, model)
     s = kt.step_to(step, dev)
-    weight = layer.conv_weight.permute(0, 2, 1).reshape(3 * D, 4).contiguous()
-    cache = torch.randn(B, 3 * D, 4, device=dev).to(torch.bfloat16)
+    kda = fla_kda(layer, s.x, s.f_a, s.beta, s.gate, s.slots)
     w_o = model.w_o.to(dev).view(hid, tp, Dl).permute(1, 2, 0).contiguous()  # [tp, Dl, HID]
     prefixes = prefix.to(dev)[None].repeat(tp, 1, 1)
     blocks = None if blocks is None else blocks.to(dev)
     w = model.norm.to(dev).float() * model.query.to(dev).float()
     out_norm = model.out_norm.to(dev).float()
-    o = torch.empty(B, 1, H, 128, device=dev, dtype=torch.bfloat16)
     output = torch.empty(tp, B, hid, device=dev, dtype=torch.bfloat16)
 
     def fn():
-        y, _ = causal_conv1d_update(s.x, cache, weight=weight, bias=layer.conv_bias,
-                                    activation="silu")  # fmt: skip
-        qkv = y.view(B, 1, 3, H, 128)
-        g = (s.f_a @ layer.f_b.T).view(B, 1, H, 128)
-        fused_recurrent_kda_fwd(
-            qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, s.beta.view(B, 1, H),
-            A_log=layer.a_log, dt_bias=layer.dt_bias, initial_state=layer.state,
-            scale=kt.SCALE, inplace_final_state=True, state_v_first=True,
-            ssm_state_indices=s.slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, lower_bound=kt.LOWER_BOUND, out=o,
-        )  # fmt: skip
-        attn = rms_norm_gated(o.view(B * H, 128), s.gate.view(B * H, 128), layer.norm_weight,
-                              None, activation="sigmoid", eps=kt.EPS)  # fmt: skip
-        attn = attn.view(B, tp, Dl).transpose(0, 1)  # [tp, B, Dl]
+        attn = kda().view(B, tp, Dl).transpose(0, 1)  # [tp, B, Dl]
         partials = torch.bmm(attn, w_o)  # [tp, B, HID] bf16, fp32 accumulation
         total = partials.float().sum(0).to(torch.bfloat16)
         p = (prefixes.float() + total.float()).to(torch.bfloat16)  # every rank's prefix_new

@@ -5,9 +5,9 @@ The jobs run as subprocesses with NVLink multicast off (the per-peer path: NCCL_
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) and write JSON reports: every
 check passed on every step (bitwise identical outputs on all ranks, rank 0 against the
 unsharded layer), graph replay bitwise equal to the eager run, latency max over ranks.
-``scripts/bench_allreduce.py`` runs once with few iterations. Nothing here imports
-nvshmem, cutlass or cuda in the pytest process. The CPU cases cover ``--backend auto``'s
-choice and the runner's cross-rank latency reduction.
+``scripts/bench_allreduce.py`` and ``scripts/bench_step.py`` run once at small shapes.
+Nothing here imports nvshmem, cutlass or cuda in the pytest process. The CPU cases cover
+``--backend auto``'s choice and the runner's cross-rank latency reduction.
 """
 
 import json
@@ -27,6 +27,7 @@ from launch.procs import Procs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "decode.py")
 BENCH = os.path.join(ROOT, "scripts", "bench_allreduce.py")
+BENCH_STEP = os.path.join(ROOT, "scripts", "bench_step.py")
 HAZARDS = os.path.join(ROOT, "tests", "nvshmem_hazards.py")
 DOMAIN_HAZARDS = os.path.join(ROOT, "tests", "nvshmem_domain_hazards.py")
 NO_MULTICAST = {
@@ -226,6 +227,26 @@ def test_bench_allreduce_runs(nproc, tmp_path):
     assert {r["tokens"] for r in fused} == {1, 8, 32}
     assert all(r.get("refused") for r in fused if r["tokens"] == 32)  # mma.sync: <= 8 rows
     assert all(r["bitwise_vs_unfused"] and r["median_us"] > 0 for r in fused if r["tokens"] < 32)
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_bench_step_runs(nproc, tmp_path):
+    """Issue 14 part 3: the whole step, ours beside the NCCL peer (fla) on the same GPUs,
+    both with positive medians; symm and flashinfer rows present (timed or skipped)."""
+    out = tmp_path / "step.json"
+    heads = 4 if 4 % nproc == 0 else 2 * nproc
+    p, lines = torchrun(nproc, BENCH_STEP, "--heads", str(heads), "--hidden", "2048",
+                        "--requests", "2", "--replays", "5", "--json", str(out))  # fmt: skip
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert lines and lines[-1] == "BENCH OK", p.stdout[-4000:] + p.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["tp"] == nproc and [r["requests"] for r in report["rows"]] == [2]
+    row = report["rows"][0]
+    assert row["floor_us"] > 0 and set(row["variants"]) == {"ours", "nccl", "symm", "flashinfer"}
+    for name in ("ours", "nccl"):
+        v = row["variants"][name]
+        assert "skipped" not in v and v["median_us"] > 0 and v["n"] == 5, (name, v)
     print(p.stdout)
 
 
