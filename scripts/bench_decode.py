@@ -458,10 +458,10 @@ def rows_main(args) -> int:
                       f"x floor {_cell(None if ours_us is None else ours_us / floor)} | "
                       f"{plan.reason}", flush=True)  # fmt: skip
                 _print_row(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops}
-            json.dump(dict(summary, rows=out), f, indent=2)
+                if args.json:  # after every row: a cut run keeps what it measured
+                    with open(args.json, "w") as f:
+                        summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops}
+                        json.dump(dict(summary, rows=out), f, indent=2)
     return 0
 
 

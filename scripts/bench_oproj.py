@@ -294,12 +294,16 @@ def rows_main(args):
     device = torch.cuda.get_device_name()
     iters = 10 if args.quick else args.iters
     rows = oproj_rows.ROWS if args.row_counts is None else tuple(args.row_counts)
-    out, tflops = oproj_rows.sweep(args.tp, rows, 7168, 8, args.heads, iters, args.repeats, tbps)
-    if args.json:
-        with open(args.json, "w") as f:
-            summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops,
-                       "crossovers": oproj_rows.crossovers(out)}  # fmt: skip
-            json.dump(dict(summary, rows=out), f, indent=1)
+
+    def dump(out, tflops):
+        if args.json:
+            with open(args.json, "w") as f:
+                summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops,
+                           "crossovers": oproj_rows.crossovers(out)}  # fmt: skip
+                json.dump(dict(summary, rows=out), f, indent=1)
+
+    out, _ = oproj_rows.sweep(args.tp, rows, 7168, 8, args.heads, iters, args.repeats, tbps,
+                              on_row=dump)  # fmt: skip
     if args.write_crossovers:
         oproj_rows.write_crossovers(out, device)
 

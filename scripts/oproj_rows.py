@@ -164,7 +164,9 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
         torch.cuda.empty_cache()
 
 
-def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps):
+def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
+    """Every (TP, rows) row; ``on_row(rows so far, tflops)`` after each (a cut run keeps
+    what it measured)."""
     tflops = gemm_tflops()
     print(f"cuBLAS bf16 GEMM 8192^3: {tflops:.0f} TFLOP/s; copy {tbps:.2f} TB/s")
     out = []
@@ -191,6 +193,8 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps):
             row["best_us"] = min(options) if options else None
             out.append(row)
             print_row(row)
+            if on_row is not None:
+                on_row(out, tflops)
             torch.cuda.empty_cache()
     return out, tflops
 

@@ -106,6 +106,11 @@ def main() -> int:
         if rank == 0:
             print(text, flush=True)
 
+    t0 = time.perf_counter()
+
+    def progress(text):  # every rank, so a case that stalls names itself and its rank
+        print(f"rank {rank} {time.perf_counter() - t0:7.2f} s: {text}", file=sys.stderr, flush=True)
+
     # compiled everywhere and every slot and signal armed before anyone publishes or polls
     comm.functions()
     torch.cuda.synchronize()
@@ -118,6 +123,7 @@ def main() -> int:
     check(a, prefix, out, "warm step")
     backend.barrier()
 
+    progress("warm step right; capturing the graphs")
     # 1. graph replays: the captured operands; partials and prefix reloaded in place
     #    before each checked replay (the prefix accumulates in the others)
     captured = a
@@ -133,6 +139,7 @@ def main() -> int:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     backend.barrier()
+    progress("captured; replaying")
     start, checked = time.perf_counter(), 0
     with torch.cuda.stream(stream):
         for i in range(REPLAYS):
@@ -154,6 +161,7 @@ def main() -> int:
     del graphs
     backend.barrier()
 
+    progress("graph replays done")
     # 2. a delayed rank
     s = REPLAYS + 1
     late = 1 % world
@@ -173,6 +181,7 @@ def main() -> int:
     results.append(f"delayed: rank {late} 5 ms late, 3 steps right, no error")
     backend.barrier()
 
+    progress("delayed rank done")
     # 3. a rank that never publishes
     dead = world - 1
     a = load(4000)
@@ -193,6 +202,7 @@ def main() -> int:
             raise AssertionError(f"dead rank: rank {rank} wrote output")
         if elapsed > 50 * BUDGET_NS / 1e9:
             raise AssertionError(f"dead rank: rank {rank} took {elapsed:.3f} s")
+    progress(f"dead rank: error word {err:#x} after {elapsed * 1e3:.1f} ms")
     backend.barrier()
     comm.reset()
     backend.barrier()
