@@ -142,6 +142,10 @@ def parse_args(argv=None):
     gpu("--oproj-launch", choices=("per-rank", "both"), default=None,
         help="loopback: o-projection launches; both (default): one producer and one consumer "
         "launch for all ranks; per-rank: each rank's on its stream")
+    gpu("--xmoe", type=ranged(int, 0, 8), default=0,
+        help="MoE latent copies of each output row (0..8): the consumer writes them and a "
+        "ready hint per warp; a waiting kernel on another stream (the MoE dispatch's "
+        "stand-in) acquires the hints and only then reads the copies; checked bitwise")
     gpu("--multicast", action=argparse.BooleanOptionalAction, default=False,
         help="nvshmem: allow NVLink multicast (NVLS); off sets NVSHMEM_DISABLE_NVLS=1 unless "
         "the environment says otherwise, and publishing goes to each peer")
@@ -182,6 +186,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend_name = resolve_backend(args.backend)
     if backend_name == "host":
+        if args.xmoe:
+            from launch.report import refuse
+
+            return refuse("--xmoe runs on the GPU backends (loopback, nvshmem), not host")
         args.tokens = HOST_TOKENS if args.tokens is None else args.tokens
         args.groups = 4 if args.groups is None else args.groups
         args.timeout = HOST_TIMEOUT if args.timeout is None else args.timeout

@@ -84,7 +84,8 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
     try:
         runner = Runner(cfg, model, backend, kernel=args.kernel, gate_mode=args.gate_mode,
                         pdl=args.pdl, procs=procs,
-                        oproj_launch=getattr(args, "oproj_launch", None))  # fmt: skip
+                        oproj_launch=getattr(args, "oproj_launch", None),
+                        xmoe=getattr(args, "xmoe", 0))  # fmt: skip
     except ValueError as e:
         return rep.refuse(str(e), procs.root)
     unsharded = Unsharded(model) if args.check_every and procs.root else None
@@ -120,9 +121,16 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
             if unsharded is not None:
                 unsharded.kda.state.copy_(before_state)
                 unsharded.kda.conv_state.copy_(before_conv)
+        if runner.xmoe:  # poisoned: a copy read before its hint would show
+            for t in (bk.xmoe, bk.moe_in):
+                t.view(torch.int16).fill_(0x7F81)
         latency.append((plan.kind, runner.replay(bk, parity)))
         masks = runner.timeout_masks(bk)
+        moe = procs.all_true(runner.moe.ok(bk)) if runner.xmoe else True
         if not check("no consumer timeout", not any(masks), plan.index, f"masks {masks}"):
+            bk.comm.reset()
+        if runner.xmoe and not check("MoE copies read after their hints == output (bitwise)",
+                                     moe, plan.index):  # fmt: skip
             bk.comm.reset()
         last = cfg.tp - 1  # --fault: the last rank, in the process that hosts it
         if plan.index == 1 and last in runner.local:

@@ -214,6 +214,7 @@ def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, w
             }
             for n, c in sorted(runner.comms.items())
         },  # fmt: skip
+        "xmoe": runner.xmoe,
         "exact_gate_grids": args.gate_mode in SEED_GATE_MODES,
     }
     report = {

@@ -8,6 +8,9 @@ RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
 o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch) or
 ``per-rank`` (the multi-process structure); bitwise the same.
 
+``xmoe`` > 0: the consumer also writes latent copies of each output row and ready hints;
+the MoE dispatch's stand-in waits for them on a stream of its own (``launch.moe``).
+
 A bucket is a step shape (tokens, record): buffers allocated once, one CUDA graph per
 mailbox parity (``step & 1``) captured once and replayed. Its first use also runs it
 eagerly (compiles; the reference for "graph replay == eager") and stage by stage (the
@@ -24,6 +27,7 @@ from engine import DecodeLayer
 from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
+from launch.moe import MoeWaiters, check_xmoe
 from launch.procs import Procs
 from tpcomm.mailbox import MAX_ROWS
 
@@ -86,6 +90,7 @@ class Bucket:
         self.prefix = torch.zeros(n, N, cfg.hidden, **bf)
         self.output = torch.zeros(n, N, cfg.hidden, **bf)
         self.blocks = torch.zeros(N, cfg.blocks, cfg.hidden, **bf) if cfg.blocks else None
+        self.xmoe, self.moe_in = runner.moe.buffers(n, N, cfg.hidden)  # copies, waiter reads
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stage_us: dict[str, float] | None = None
         self.kda_choice = None
@@ -101,8 +106,10 @@ class Runner:
 
     def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=3,
                  pdl=True, budget_ns=None, procs: Procs | None = None,
-                 oproj_launch: str | None = None):  # fmt: skip
+                 oproj_launch: str | None = None, xmoe: int = 0):  # fmt: skip
         check_rows(cfg.requests, cfg.tokens)
+        check_xmoe(xmoe)
+        self.xmoe = xmoe
         if backend.world != cfg.tp:
             raise ValueError(f"the backend has {backend.world} ranks; the layer is TP {cfg.tp}")
         self.cfg, self.model, self.backend = cfg, model, backend
@@ -152,6 +159,7 @@ class Runner:
                         pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS)
             for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
         ]  # fmt: skip
+        self.moe = MoeWaiters(xmoe, self.device, self.ranks, every_rank=mode == "both")
 
     # --- buffers ---------------------------------------------------------------------------
     def comm_for(self, rows: int):
@@ -177,7 +185,7 @@ class Runner:
             try:
                 comm = OprojAllReduce(self.backend, rows, cfg.hidden, cfg.blocks, groups=groups,
                                       eps=EPS, out_eps=OUT_EPS, twoshot=False,
-                                      **self.budget, **one)  # fmt: skip
+                                      xmoe_reps=self.xmoe, **self.budget, **one)  # fmt: skip
             except ValueError as e:
                 if "resident" not in str(e):
                     raise
@@ -247,15 +255,16 @@ class Runner:
 
     def _consume(self, bk: Bucket, r: int, parity: int) -> None:
         i = self.local[r]
+        x = None if bk.xmoe is None else bk.xmoe[i]
         with torch.cuda.stream(self.streams[r]):
-            self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity)
+            self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity, x)
 
     def _produce_all(self, bk: Bucket, parity: int) -> None:
         bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)
 
     def _consume_all(self, bk: Bucket, parity: int) -> None:
         bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
-                            bk.output, parity, pdl=self.pdl)  # fmt: skip
+                            bk.output, parity, xmoes=bk.xmoe, pdl=self.pdl)  # fmt: skip
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
@@ -314,16 +323,23 @@ class Runner:
             bk.comm.functions()  # the consumer compiled before anyone polls
             self._on_ranks(ranks, chain)
             self.sync_all()
+            fork = self.moe.mark()
             self._on_ranks(ranks, consume)
+            self.moe.launch(bk, fork)
+            self.moe.join()
             return
+        # replays: the waiters spin from the step's start; eager (compiles): after the step
+        fork = None if eager else self.moe.mark()
         if all_at_once:  # per rank stream, joined; then one producer and one consumer
             self._on_ranks(ranks, chain)
             self._produce_all(bk, parity)
             mark(None, "produce")
             self._consume_all(bk, parity)
             mark(None, "consume")
-            return
-        self._on_ranks(ranks, chain, consume, join=True)
+        else:
+            self._on_ranks(ranks, chain, consume, join=True)
+        self.moe.launch(bk, self.moe.mark() if eager else fork)
+        self.moe.join()
 
     def _stage(self, bk: Bucket, name: str, parity: int):
         fns = {
@@ -334,8 +350,18 @@ class Runner:
         }
         if self.oproj_launch == "both" and name == "produce":
             return lambda: self._produce_all(bk, parity)
-        if self.oproj_launch == "both" and name == "consume":
-            return lambda: self._consume_all(bk, parity)
+        if name == "consume":  # with the MoE waiters (xmoe)
+
+            def consume():
+                fork = self.moe.mark()
+                if self.oproj_launch == "both":
+                    self._consume_all(bk, parity)
+                else:
+                    self._on_ranks(self.ranks, fns[name])
+                self.moe.launch(bk, fork)
+                self.moe.join()
+
+            return consume
         return lambda: self._on_ranks(self.ranks, fns[name])
 
     # --- synchronisation across processes ------------------------------------------------

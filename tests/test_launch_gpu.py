@@ -287,6 +287,8 @@ def test_loopback_without_cuda_fails_clearly(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert decode.main(["--backend", "loopback", "--requests", "300", "--tokens", "4"]) == 2
     assert "at most 1024" in capsys.readouterr().out
+    assert decode.main(["--backend", "host", "--xmoe", "1"]) == 2
+    assert "--xmoe runs on the GPU backends" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of --backend nvshmem")
@@ -295,3 +297,21 @@ def test_nvshmem_without_cuda_fails_clearly(capsys):
     assert "needs a CUDA GPU per process" in capsys.readouterr().out
     assert decode.main(["--backend", "nvshmem", "--tp", "4"]) == 2
     assert "--tp 4 is for the loopback backend" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches", ["per-rank", "both"])
+def test_loopback_xmoe_hints(tmp_path, launches):
+    """--xmoe 2: the consumer's latent copies and hints; the MoE stand-in waits for each
+    rank's hints on its own stream, then reads the copies; copies poisoned before every
+    step, what it read bitwise the output (no row read before its hint)."""
+    out = tmp_path / "xmoe.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "4", "--heads", "8", "--hidden", "2048",
+        "--requests", "16", "--tokens", "2", "--blocks", "2", "--steps", "5", "--xmoe", "2",
+        "--json", str(out), "--oproj-launch", launches,
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    moe = report["checks"]["MoE copies read after their hints == output (bitwise)"]
+    assert moe["of"] == 5 and report["config"]["xmoe"] == 2
+    print(p.stdout)

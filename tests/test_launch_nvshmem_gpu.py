@@ -114,17 +114,19 @@ def test_torchrun_decode_verify(nproc, tmp_path):
 
 
 @pytest.mark.gpu
-def test_torchrun_large_rows(nproc, tmp_path):
+def test_torchrun_large_rows_and_xmoe(nproc, tmp_path):
     """Issue 13: 64 requests x 4 tokens (256 rows per verify step: the cuBLAS producer +
-    publisher, per-rank consumers of any rows), every check passing."""
+    publisher, per-rank consumers of any rows), the MoE copies and hint waiters, every
+    check passing."""
     out = tmp_path / "rows.json"
     p, lines = torchrun(
         nproc, SCRIPT, "--backend", "nvshmem", "--heads", str(2 * nproc), "--hidden", "7168",
-        "--requests", "64", "--tokens", "4", "--blocks", "8", "--steps", "5",
+        "--requests", "64", "--tokens", "4", "--blocks", "8", "--steps", "5", "--xmoe", "1",
         "--json", str(out),
     )  # fmt: skip
     report = assert_ok(p, lines, out, nproc)
     assert report["config"]["oproj_plan"]["256"]["producer"] == "cublas"
+    assert report["checks"]["MoE copies read after their hints == output (bitwise)"]["of"] == 5
     print(p.stdout)
 
 

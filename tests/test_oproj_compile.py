@@ -178,3 +178,37 @@ def test_one_launch_config_validation():
         OprojProducer(8, 7168, 1536, ranks=2)
     with pytest.raises(ValueError, match="ranks"):
         PartialPublisher(8, 7168, ranks=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("hid, reps, ranks", [(7168, 1, 1), (2048, 2, 8)])
+def test_hint_waiter_compiles(arch, hid, reps, ranks):
+    require_dsl()
+    from tpcomm.oproj.hints import compiled
+
+    assert compiled(hid, reps, 8, ranks, arch) is not None
+
+
+def test_hint_waiter_ptx_order(tmp_path):
+    """Acquire of the hint counter (bounded), plain coherent loads of the copies (never
+    ld.global.nc), the done count and the quota taken back."""
+    cute = require_dsl()
+    from tpcomm.oproj.hints import HintWaiter, fake_arguments
+
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    text = cute.compile(HintWaiter(7168, 2), *fake_arguments(7168, 2), options=options).__ptx__
+    for needle in ("ld.acquire.gpu", "%globaltimer", "atom.global.acq_rel.add", "bar.sync",
+                   "ld.global.v4.b32", "atom.global.sys.or.b32", "red.relaxed.gpu"):  # fmt: skip
+        assert needle in text, needle
+    assert "ld.global.nc" not in text
+
+
+def test_hint_waiter_validation():
+    require_dsl()
+    from tpcomm.oproj.hints import HintWaiter, hint_quota
+
+    assert hint_quota(7168, 64) == 4 * 7 * 64
+    for kw, match in ((dict(hid=1000, reps=1), "1024"), (dict(hid=1024, reps=0), "reps"),
+                      (dict(hid=1024, reps=1, ctas=0), "ctas")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            HintWaiter(**kw)

@@ -275,3 +275,68 @@ def test_dead_rank_twoshot_chunks():
     chunks.reset()
     assert chunks.armed()
     backend.teardown()
+
+
+@pytest.mark.parametrize("rows", [64, 1024])
+def test_xmoe_hints_gate_every_read(rows):
+    """The waiter (another stream, forked before a sleep that holds the consumer back,
+    enqueued after the consumer so its budget never covers the host's launches) spins
+    before any copy is written and reads every copy only after its hint: the copies are
+    poisoned before each step, so a read before the hint would land poison in ``dests``.
+    Three steps (the quota taken back each time; in at least one the host enqueued the
+    waiter while the sleep still ran), then a waiter with no consumer times out and reads
+    nothing."""
+    from tpcomm.oproj.hints import hint_quota, wait_hints
+
+    nb, reps = 3, 2
+    backend = LoopbackBackend(TP)
+    comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, xmoe_reps=reps,
+                          one_launch=True)  # fmt: skip
+    a = random_inputs(TP, rows, HID, nb, seed=31)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    prefixes = torch.empty(TP, rows, HID, **bf)
+    outputs = torch.empty(TP, rows, HID, **bf)
+    xmoes = torch.empty(TP, reps, rows, HID, **bf)
+    dests = torch.empty(TP, reps, rows, HID, **bf)
+    prefixes.copy_(a["prefix"][None].expand_as(prefixes))
+    args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
+    comm.run_ranks(a["partials"], prefixes, *args, outputs, 0, xmoes=xmoes, mode="one-launch")
+    wait_hints(comm, xmoes, dests, every_rank=True)  # compiled, loaded; takes step 0's quota
+    torch.cuda.synchronize()
+    assert comm.hint_words[:TP, :3].abs().sum() == 0, comm.hint_words[:TP]
+    side = torch.cuda.Stream()
+    early = []  # per step: the sleep still ran when the host had enqueued the waiter
+    for step in range(1, 4):
+        poison(xmoes)
+        poison(dests)
+        main = torch.cuda.current_stream()
+        fork, slept = torch.cuda.Event(), torch.cuda.Event()
+        fork.record(main)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the consumer held back
+        slept.record(main)
+        comm.run_ranks(a["partials"], prefixes, *args, outputs, step, xmoes=xmoes,
+                       mode="one-launch")  # fmt: skip
+        side.wait_event(fork)  # the waiter after the consumer on the host, before it on the GPU
+        with torch.cuda.stream(side):  # its budget covers the rest of the sleep
+            wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=2_000_000_000)
+        early.append(not slept.query())
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(comm.errors.abs().sum()) == 0
+        assert comm.hint_words[:TP, 2].tolist() == [0] * TP, "a waiter timed out"
+        assert comm.hint_words[:TP, :2].abs().sum() == 0, "quota not taken back"
+        for r in range(TP):
+            for rep in range(reps):
+                assert torch.equal(_bits(dests[r, rep]), _bits(outputs[r])), (step, r, rep)
+    assert any(early), "the host took longer than the sleep: no waiter spun before the copies"
+    # no consumer: the waiter times out within its budget, reads nothing
+    poison(dests)
+    start = time.perf_counter()
+    wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=5_000_000)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - start < 10.0
+    assert comm.hint_words[:TP, 2].tolist() == [1] * TP
+    assert (dests.view(torch.int16) == 0x7F81).all(), "read before its hint"
+    assert hint_quota(HID, rows) == 4 * 7 * rows
+    comm.reset()
+    backend.teardown()

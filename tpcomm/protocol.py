@@ -266,6 +266,30 @@ def release_increment(address: Int64):
 
 
 @cute.jit
+def wait_count(address: Int64, target: Int32, budget_ns: Int64, error_address: Int64) -> Int32:
+    """Acquire, gpu scope: bounded spin until the counter at ``address`` is >= ``target``;
+    1 when it is (later accesses of this thread ordered after the load that saw it), 0 when
+    the ``globaltimer`` budget ran out (then the error word at ``error_address`` |= 1)."""
+    ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
+    reached = Int32(0)
+    if cute.arch.load(ptr.llvm_ptr, Int32, sem="acquire", scope="gpu") >= target:
+        reached = Int32(1)
+    if reached == 0:
+        deadline = cute.arch.globaltimer() + budget_ns
+        waiting = Int32(1)
+        while waiting != 0:
+            if cute.arch.load(ptr.llvm_ptr, Int32, sem="acquire", scope="gpu") >= target:
+                reached = Int32(1)
+                waiting = Int32(0)
+            if waiting != 0:  # noqa: SIM102
+                if cute.arch.globaltimer() > deadline:
+                    waiting = Int32(0)
+        if reached == 0:
+            raise_error(error_address, Int32(1))
+    return reached
+
+
+@cute.jit
 def fence_sys():
     """Acq_rel fence at sys scope: orders re-arms before the next step's peer publishes."""
     cute.arch.fence_acq_rel_sys()

@@ -16,7 +16,7 @@ still takes part in the cluster exchanges but writes nothing and re-arms nothing
 failed group. Otherwise every thread re-arms (sentinel) the groups it read. ``xmoe``:
 copies of the output (relaxed gpu-scope stores), a gpu-scope acq_rel fence, a warp sync,
 then one gpu-scope release increment of ``hints`` per lead warp: the seed's order (the
-release on top). A reader that acquires ``hints >= 4 * C * tokens`` then reads every copy.
+release on top). ``HintWaiter`` acquires ``hints >= 4 * C * tokens``, then reads the copies.
 
 Domain split (``domain`` < TP, a separate compile): before polling a slot of a rank outside
 its domain a thread waits (acquire, sys, same budget and error word) on that rank's signal

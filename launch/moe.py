@@ -1,0 +1,80 @@
+"""The launcher's MoE dispatch stand-in (``--xmoe``): hint waiters on a stream of their own.
+
+``xmoe`` > 0: the consumer also writes that many latent copies of each output row and its
+ready hints; a waiting kernel (``tpcomm.oproj.hints``) per hosted rank (or one for every
+rank of a one-GPU backend), forked at the step's start but enqueued after the consumers
+(its poll budget runs from its start, which must not cover the host's consumer launches),
+acquires the rank's hints and only then reads the copies (into the bucket's ``moe_in``);
+the step joins it at the end, so the next step's consumers come after this step's
+waiters. Its few CTAs (8 a rank) cannot starve a consumer, which never waits on a waiter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_XMOE = 8  # latent copies per output row
+
+
+def check_xmoe(xmoe) -> None:
+    if not isinstance(xmoe, int) or isinstance(xmoe, bool) or not 0 <= xmoe <= MAX_XMOE:
+        raise ValueError(
+            f"xmoe must be an int in 0..{MAX_XMOE} (latent copies per row); got {xmoe!r}"
+        )
+
+
+class MoeWaiters:
+    """The hint waiters of ``ranks`` (the runner's hosted ranks, in order); ``reps`` = 0:
+    none (every method does nothing). ``every_rank``: one launch for all of them."""
+
+    def __init__(self, reps: int, device, ranks, *, every_rank: bool):
+        check_xmoe(reps)
+        self.reps, self.device, self.ranks = reps, device, tuple(ranks)
+        self.every_rank = every_rank
+        self.stream = torch.cuda.Stream(device) if reps else None
+
+    def buffers(self, n: int, rows: int, hid: int):
+        """A bucket's ``(xmoe, moe_in)`` [n, reps, rows, HID] (the consumer's copies, what
+        the waiters read), or ``(None, None)``."""
+        if not self.reps:
+            return None, None
+        shape = (n, self.reps, rows, hid)
+        return tuple(torch.zeros(shape, dtype=torch.bfloat16, device=self.device) for _ in "ab")
+
+    def mark(self):
+        """Where the waiters fork (an event on the current stream), or None."""
+        if not self.reps:
+            return None
+        fork = torch.cuda.Event()
+        fork.record(torch.cuda.current_stream(self.device))
+        return fork
+
+    def launch(self, bk, fork) -> None:
+        """The waiters of bucket ``bk`` on the MoE stream, forked at ``fork``: enqueue after
+        the consumers they wait for."""
+        if fork is None:
+            return
+        from tpcomm.oproj.hints import wait_hints
+
+        self.stream.wait_event(fork)
+        with torch.cuda.stream(self.stream):
+            if self.every_rank:
+                wait_hints(bk.comm, bk.xmoe, bk.moe_in, every_rank=True)
+            else:
+                for i, r in enumerate(self.ranks):
+                    wait_hints(bk.comm, bk.xmoe[i], bk.moe_in[i], rank=r)
+
+    def join(self) -> None:
+        """The current stream after the waiters (the next step's consumers after them)."""
+        if self.reps:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def ok(self, bk) -> bool:
+        """Every copy and what the waiters read bitwise the output, no waiter timed out,
+        the hint counters back at zero (each waiter took its quota back)."""
+        for i in range(len(self.ranks)):
+            for rep in range(self.reps):
+                for t in (bk.xmoe[i, rep], bk.moe_in[i, rep]):
+                    if not torch.equal(t.view(torch.int16), bk.output[i].view(torch.int16)):
+                        return False
+        return int(bk.comm.hint_words[list(self.ranks), :3].abs().sum()) == 0
