@@ -121,16 +121,14 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
             if unsharded is not None:
                 unsharded.kda.state.copy_(before_state)
                 unsharded.kda.conv_state.copy_(before_conv)
-        if runner.xmoe:  # poisoned: a copy read before its hint would show
-            for t in (bk.xmoe, bk.moe_in):
-                t.view(torch.int16).fill_(0x7F81)
+        runner.moe.poison(bk)
         latency.append((plan.kind, runner.replay(bk, parity)))
         masks = runner.timeout_masks(bk)
-        moe = procs.all_true(runner.moe.ok(bk)) if runner.xmoe else True
+        moe_detail = [d for d in procs.objects(runner.moe.problems(bk)) if d] if runner.xmoe else []
         if not check("no consumer timeout", not any(masks), plan.index, f"masks {masks}"):
             bk.comm.reset()
-        if runner.xmoe and not check("MoE copies read after their hints == output (bitwise)",
-                                     moe, plan.index):  # fmt: skip
+        moe_name = "MoE copies read after their hints == output (bitwise)"
+        if runner.xmoe and not check(moe_name, not moe_detail, plan.index, "; ".join(moe_detail)):
             bk.comm.reset()
         last = cfg.tp - 1  # --fault: the last rank, in the process that hosts it
         if plan.index == 1 and last in runner.local:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from tpcomm.oproj.plan import hint_quota
+
 MAX_XMOE = 8  # latent copies per output row
+POISON_BITS = 0x7F81  # int16 bits the copies and waiter reads are poisoned with (a NaN)
 
 
 def check_xmoe(xmoe) -> None:
@@ -31,7 +34,8 @@ class MoeWaiters:
         check_xmoe(reps)
         self.reps, self.device, self.ranks = reps, device, tuple(ranks)
         self.every_rank = every_rank
-        self.stream = torch.cuda.Stream(device) if reps else None
+        on_gpu = torch.device(device).type == "cuda"  # CPU: the checks alone (tests)
+        self.stream = torch.cuda.Stream(device) if reps and on_gpu else None
 
     def buffers(self, n: int, rows: int, hid: int):
         """A bucket's ``(xmoe, moe_in)`` [n, reps, rows, HID] (the consumer's copies, what
@@ -69,12 +73,32 @@ class MoeWaiters:
         if self.reps:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def ok(self, bk) -> bool:
-        """Every copy and what the waiters read bitwise the output, no waiter timed out,
-        the hint counters back at zero (each waiter took its quota back)."""
-        for i in range(len(self.ranks)):
+    def problems(self, bk) -> str:
+        """Empty when every copy and what the waiters read are bitwise the output and the hint
+        words [counter, done, timed out] zero (each waiter took its quota back); else the
+        rows that differ (how many still hold the poison) and the hint words."""
+        problems = []
+        poison = torch.tensor(POISON_BITS, dtype=torch.int16, device=bk.output.device)
+        for i, r in enumerate(self.ranks):
+            want = bk.output[i].view(torch.int16)
             for rep in range(self.reps):
-                for t in (bk.xmoe[i, rep], bk.moe_in[i, rep]):
-                    if not torch.equal(t.view(torch.int16), bk.output[i].view(torch.int16)):
-                        return False
-        return int(bk.comm.hint_words[list(self.ranks), :3].abs().sum()) == 0
+                for what, t in (("copies", bk.xmoe[i, rep]), ("waiter read", bk.moe_in[i, rep])):
+                    bits = t.view(torch.int16)
+                    bad = (bits != want).any(dim=-1)
+                    if bool(bad.any()):
+                        poisoned = int(((bits == poison).all(dim=-1) & bad).sum())
+                        problems.append(f"rank {r} copy {rep}: {what} != output in "
+                                        f"{int(bad.sum())}/{bad.numel()} rows "
+                                        f"({poisoned} still poison)")  # fmt: skip
+        words = bk.comm.hint_words[list(self.ranks), :3]
+        if int(words.abs().sum()) != 0:
+            quota = hint_quota(bk.output.shape[-1], bk.rows)
+            problems.append(f"hint words [counter, done, timed out] per rank {words.tolist()} "
+                            f"(quota {quota})")  # fmt: skip
+        return "; ".join(problems)
+
+    def poison(self, bk) -> None:
+        """Copies and waiter reads poisoned: a copy read before its hint would show."""
+        for t in (bk.xmoe, bk.moe_in):
+            if t is not None:
+                t.view(torch.int16).fill_(POISON_BITS)

@@ -411,6 +411,7 @@ class Runner:
         self.enqueue(bk, parity, eager=True)  # eager: compiles and loads every kernel
         torch.cuda.synchronize(self.device)
         self.raise_on_timeout(bk, "eager run")
+        self.raise_on_moe(bk, "eager run")
         eager = self.results(bk)
         self.restore(bk, saved)
         self.sync_all()  # every consumer re-armed before this parity is published again
@@ -448,7 +449,8 @@ class Runner:
     def timed_replays(self, bk: Bucket, graphs, what: str) -> list[float]:
         """``graphs`` replayed in order behind one sleep (the host enqueues everything
         while it runs) and one on-stream barrier, an event after each: us per graph on this
-        process's clock. Collective; raises (naming ``what``) on a consumer timeout."""
+        process's clock. Collective; raises (naming ``what``) on a consumer timeout or
+        (``xmoe``) a wrong MoE copy, waiter read or hint word."""
         events = [torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)]
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(GATE_CYCLES)
@@ -459,6 +461,7 @@ class Runner:
             e.record()
         torch.cuda.synchronize(self.device)
         self.raise_on_timeout(bk, what)
+        self.raise_on_moe(bk, what)
         return [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(len(graphs))]
 
     def timeout_masks(self, bk: Bucket) -> list[int]:
@@ -472,6 +475,16 @@ class Runner:
         if any(masks):
             bk.comm.reset()
             raise RuntimeError(f"{what}: consumer poll timed out (missing-rank masks {masks})")
+
+    def raise_on_moe(self, bk: Bucket, what: str) -> None:
+        """Collective, ``xmoe``: every process raises when any copy, waiter read or hint
+        word is off after ``what`` (eager run, stage pass, back-to-back steps), naming it."""
+        if not self.xmoe:
+            return
+        problems = [p for p in self.procs.objects(self.moe.problems(bk)) if p]
+        if problems:
+            bk.comm.reset()
+            raise RuntimeError(f"{what}: MoE copies / hints: {'; '.join(problems)}")
 
     def replay(self, bk: Bucket, parity: int) -> float:
         """One step: the bucket's graph replayed; its GPU time in us (behind an on-stream

@@ -141,3 +141,32 @@ def test_torchrun_16_ranks():
     )
     assert_ok(p, lines)
     assert "TP 16, heads 16 (1/rank)" in p.stdout
+
+
+def test_moe_problems_names_the_failing_part():
+    """``MoeWaiters.problems`` (CPU tensors): "" when copies, waiter reads and hint words are
+    right; else which rank / copy / rows differ (and how many still hold the poison) and
+    the hint words, so a failing GPU run says which part of the MoE check failed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from launch.moe import POISON_BITS, MoeWaiters
+
+    n, reps, rows, hid = 2, 2, 3, 1024
+    out = torch.randn(n, rows, hid).to(torch.bfloat16)
+    xmoe = out[:, None].expand(n, reps, rows, hid).clone()
+    moe_in = xmoe.clone()
+    words = torch.zeros(n, 4, dtype=torch.int32)
+    waiters = MoeWaiters(reps, "cpu", (0, 1), every_rank=False)
+    bk = SimpleNamespace(output=out, xmoe=xmoe, moe_in=moe_in, rows=rows,
+                         comm=SimpleNamespace(hint_words=words))  # fmt: skip
+    assert waiters.problems(bk) == ""
+    moe_in[1, 0, 2].view(torch.int16).fill_(POISON_BITS)
+    words[1, 0] = 8
+    words[1, 2] = 1
+    got = waiters.problems(bk)
+    assert "rank 1 copy 0: waiter read != output in 1/3 rows (1 still poison)" in got, got
+    assert "copies" not in got and "[0, 0, 0], [8, 0, 1]" in got and "quota 12" in got, got
+    waiters.poison(bk)
+    assert (xmoe.view(torch.int16) == POISON_BITS).all() and torch.isnan(moe_in).all()

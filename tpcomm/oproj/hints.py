@@ -27,14 +27,9 @@ from cutlass import BFloat16, Int32, Int64
 
 from tpcomm import protocol
 from tpcomm.cuteutil import fake_tensor, launch, smem_tensor
-from tpcomm.oproj.plan import MAX_ROWS, SLICE, THREADS, WORD_ROW_BYTES, check_hidden
+from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
 
 WAITER_CTAS = 8  # CTAs per rank: few, so the spinning waiters never crowd the consumer
-
-
-def hint_quota(hid: int, rows: int) -> int:
-    """Release increments of one rank's consumer per step: 4 lead warps per CTA."""
-    return 4 * (hid // SLICE) * rows
 
 
 class HintWaiter:

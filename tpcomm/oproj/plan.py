@@ -145,6 +145,12 @@ def crossover(table: dict, tp: int) -> int | None:
     return table[str(max(keys))] if keys else None
 
 
+def hint_quota(hid: int, rows: int) -> int:
+    """Release increments of one rank's consumer per step (``xmoe``): 4 lead warps per
+    CTA, ``HID / 1024`` CTAs per row."""
+    return 4 * (hid // SLICE) * rows
+
+
 def buffer_bytes(tp: int, rows: int, hid: int, twoshot: bool) -> int:
     """Symmetric memory one rank allocates for a rows bucket: the one-shot mailbox
     ``[2, TP, rows, HID]`` bf16, or twoshot's receive view and gather row."""
