@@ -301,29 +301,42 @@ def test_xmoe_hints_gate_every_read(rows):
     prefixes.copy_(a["prefix"][None].expand_as(prefixes))
     args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
     comm.run_ranks(a["partials"], prefixes, *args, outputs, 0, xmoes=xmoes, mode="one-launch")
+    poison(dests)
     wait_hints(comm, xmoes, dests, every_rank=True)  # compiled, loaded; takes step 0's quota
     torch.cuda.synchronize()
     assert comm.hint_words[:TP, :3].abs().sum() == 0, comm.hint_words[:TP]
+    for r in range(TP):  # after the consumer on its stream: every copy of every rank read
+        for rep in range(reps):
+            assert torch.equal(_bits(dests[r, rep]), _bits(outputs[r])), (0, r, rep)
     side = torch.cuda.Stream()
     early = []  # per step: the sleep still ran when the host had enqueued the waiter
     for step in range(1, 4):
         poison(xmoes)
         poison(dests)
         main = torch.cuda.current_stream()
-        fork, slept = torch.cuda.Event(), torch.cuda.Event()
+        fork, slept, consumed = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         fork.record(main)
         torch.cuda._sleep(200_000_000)  # ~0.1 s: the consumer held back
         slept.record(main)
         comm.run_ranks(a["partials"], prefixes, *args, outputs, step, xmoes=xmoes,
                        mode="one-launch")  # fmt: skip
+        consumed.record(main)
         side.wait_event(fork)  # the waiter after the consumer on the host, before it on the GPU
+        waited = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(side):  # its budget covers the rest of the sleep
             wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=2_000_000_000)
+            waited.record(side)
         early.append(not slept.query())
         main.wait_stream(side)
         torch.cuda.synchronize()
         assert int(comm.errors.abs().sum()) == 0
-        assert comm.hint_words[:TP, 2].tolist() == [0] * TP, "a waiter timed out"
+        # on a timeout: when the sleep, the consumer and the waiter ended (ms from the fork),
+        # and the counters (a counter at the quota: the consumer's hints came after the budget)
+        when = [round(fork.elapsed_time(e), 3) for e in (slept, consumed, waited)]
+        assert comm.hint_words[:TP, 2].tolist() == [0] * TP, (
+            f"a waiter timed out: step {step}, sleep / consumer / waiter end at {when} ms, "
+            f"hint words {comm.hint_words[:TP, :3].tolist()} (quota {hint_quota(HID, rows)})"
+        )
         assert comm.hint_words[:TP, :2].abs().sum() == 0, "quota not taken back"
         for r in range(TP):
             for rep in range(reps):

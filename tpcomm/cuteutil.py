@@ -45,6 +45,7 @@ __all__ = [
     "wait_exchange",
     "to_cute",
     "fake_tensor",
+    "fake_like_runtime",
 ]
 
 
@@ -316,3 +317,12 @@ def fake_tensor(dtype, shape, align=16):
     Column-major: its descriptor is not ``to_cute``'s, so a kernel compiled with it must
     not read the runtime tensor's extents past the first dynamic one."""
     return cute.runtime.make_fake_compact_tensor(dtype, shape, assumed_align=align)
+
+
+def fake_like_runtime(dtype, rank, align=16):
+    """The compile-time twin of ``to_cute(t)`` for a contiguous ``rank``-D ``t``: every
+    extent and every stride but the last (1) dynamic, as ``mark_layout_dynamic`` marks
+    them, so the compiled code reads each extent from the slot where the runtime keeps it."""
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    stride = (*(cute.sym_int64() for _ in range(rank - 1)), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)

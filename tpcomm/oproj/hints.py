@@ -12,10 +12,17 @@ need no host state; the next step's consumer must be ordered after the waiter (j
 stream). A budget that runs out sets the waiter's error word and the CTA reads nothing;
 the budget runs from the waiter's start, so enqueue it after the consumers it waits for
 (forked from before them): launched first, it would spin while the host still launches
-them. Its few CTAs cannot starve a consumer, which never waits on the waiter.
+them. Its few CTAs are meant not to starve a consumer, which never waits on the waiter
+(the GPU test reports when the consumer and the waiter ended should a waiter time out).
 
 Hint row of a rank (int32 [4], ``WORD_ROW_BYTES`` apart per rank): word 0 the counter,
 word 1 the waiter CTAs done, word 2 the waiter's error word.
+
+Rows travel as their own argument and the kernel reads only the tensors' addresses: a
+compiled function reads a tensor's extents from the descriptor slots of its compile-time
+layout, so a fake ``(reps, ?, HID)`` read ``rows`` from the slot where ``to_cute``'s fully
+dynamic ``(?, ?, ?)`` keeps ``reps`` (the waiter read reps rows). The fake arguments are
+``to_cute``'s layouts all the same (``fake_like_runtime``).
 """
 
 import functools
@@ -26,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.cuteutil import fake_tensor, launch, smem_tensor
+from tpcomm.cuteutil import fake_like_runtime, launch, smem_tensor
 from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
 
 WAITER_CTAS = 8  # CTAs per rank: few, so the spinning waiters never crowd the consumer
@@ -47,13 +54,13 @@ class HintWaiter:
         self.hid, self.reps, self.ctas, self.ranks = hid, reps, ctas, ranks
 
     @cute.jit
-    def __call__(self, xmoe: cute.Tensor, dest: cute.Tensor, hints: cute.Tensor, quota: Int32,
-                 budget_ns: Int64, stream: cuda.CUstream):  # fmt: skip
+    def __call__(self, xmoe: cute.Tensor, dest: cute.Tensor, hints: cute.Tensor, rows: Int32,
+                 quota: Int32, budget_ns: Int64, stream: cuda.CUstream):  # fmt: skip
         call = self.kernel(
             Int64(xmoe.iterator.toint()),
             Int64(dest.iterator.toint()),
             Int64(hints.iterator.toint()),
-            xmoe.shape[1],
+            rows,
             quota,
             budget_ns,
         )
@@ -92,12 +99,13 @@ class HintWaiter:
 
 
 def fake_arguments(hid: int, reps: int):
-    """Compile-only arguments of ``HintWaiter.__call__`` (rows dynamic)."""
-    rows = cute.sym_int()
+    """Compile-only arguments of ``HintWaiter.__call__``: the layouts ``to_cute`` gives
+    ``wait_hints``' operands (every extent dynamic; rows travel as an argument)."""
     return (
-        fake_tensor(BFloat16, (reps, rows, hid)),
-        fake_tensor(BFloat16, (reps, rows, hid)),
-        fake_tensor(Int32, (4,), align=4),
+        fake_like_runtime(BFloat16, 3),
+        fake_like_runtime(BFloat16, 3),
+        fake_like_runtime(Int32, 1, align=4),
+        Int32(1),
         Int32(1),
         Int64(1),
         cute.runtime.make_fake_stream(),
@@ -112,20 +120,16 @@ def compiled(hid, reps, ctas=WAITER_CTAS, ranks=1, arch=None):
     return cute.compile(kernel, *fake_arguments(hid, reps), options=options)
 
 
-def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None, ctas=None):
-    """Launch the waiter on the current stream for ``comm`` (an ``OprojAllReduce`` with
-    ``xmoe_reps``): rank ``rank``'s copies ``xmoes`` [reps, rows, HID] into ``dests``, or
-    with ``every_rank`` (one GPU hosting ranks 0..TP-1) every rank's, ``[TP, reps, rows,
-    HID]`` contiguous, in one launch. ValueError naming the argument before any launch."""
+def launch_values(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None):
+    """``wait_hints``' launch in plain values, validated (ValueError naming the argument):
+    ``(ranks, xmoe, dest, hint_row, rows, quota, budget_ns)``, ``ranks`` the launch's grid z
+    and the tensors rank ``first``'s (rank r's at r times their size past them)."""
     import torch
 
     from tpcomm.checks import check_device_tensor
-    from tpcomm.cuteutil import to_cute
 
     if not comm.xmoe_reps:
         raise ValueError("wait_hints needs an all-reduce built with xmoe_reps > 0")
-    if comm.device.type != "cuda":
-        raise ValueError(f"wait_hints needs a CUDA device; got {comm.device}")
     if not 1 <= comm.tokens <= MAX_ROWS:
         raise ValueError(f"rows must be in 1..{MAX_ROWS}; got {comm.tokens}")
     shape = (comm.xmoe_reps, comm.tokens, comm.hid)
@@ -142,9 +146,27 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     budget = comm.budget_ns if budget_ns is None else budget_ns
     if not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget_ns must be a positive int; got {budget!r}")
-    fn = compiled(comm.hid, comm.xmoe_reps, ctas or WAITER_CTAS, comm.tp if every_rank else 1)
     x, d = (xmoes[0], dests[0]) if every_rank else (xmoes, dests)
+    ranks = comm.tp if every_rank else 1
+    quota = hint_quota(comm.hid, comm.tokens)
+    return ranks, x, d, comm.hint_words[first], comm.tokens, quota, budget
+
+
+def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None, ctas=None):
+    """Launch the waiter on the current stream for ``comm`` (an ``OprojAllReduce`` with
+    ``xmoe_reps``): rank ``rank``'s copies ``xmoes`` [reps, rows, HID] into ``dests``, or
+    with ``every_rank`` (one GPU hosting ranks 0..TP-1) every rank's, ``[TP, reps, rows,
+    HID]`` contiguous, in one launch. ValueError naming the argument before any launch."""
+    import torch
+
+    from tpcomm.cuteutil import to_cute
+
+    if comm.device.type != "cuda":
+        raise ValueError(f"wait_hints needs a CUDA device; got {comm.device}")
+    ranks, x, d, hint_row, rows, quota, budget = launch_values(
+        comm, xmoes, dests, rank=rank, every_rank=every_rank, budget_ns=budget_ns
+    )
+    fn = compiled(comm.hid, comm.xmoe_reps, ctas or WAITER_CTAS, ranks)
     stream = torch.cuda.current_stream(comm.device)
-    fn(to_cute(x), to_cute(d), to_cute(comm.hint_words[first], 4),
-       Int32(hint_quota(comm.hid, comm.tokens)), Int64(budget),
+    fn(to_cute(x), to_cute(d), to_cute(hint_row, 4), Int32(rows), Int32(quota), Int64(budget),
        cuda.CUstream(stream.cuda_stream))  # fmt: skip
