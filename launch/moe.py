@@ -28,16 +28,12 @@ def check_xmoe(xmoe) -> None:
 
 class MoeWaiters:
     """The hint waiters of ``ranks`` (the runner's hosted ranks, in order); ``reps`` = 0:
-    none (every method does nothing). ``every_rank``: one launch for all of them.
-    ``options``: ``wait_hints``' launch options (``ctas``, ``min_blocks_per_mp``,
-    ``carveout``) for every waiter, none by default; a script may set them before the
-    first step (each configuration compiles once)."""
+    none (every method does nothing). ``every_rank``: one launch for all of them."""
 
     def __init__(self, reps: int, device, ranks, *, every_rank: bool):
         check_xmoe(reps)
         self.reps, self.device, self.ranks = reps, device, tuple(ranks)
         self.every_rank = every_rank
-        self.options: dict = {}
         on_gpu = torch.device(device).type == "cuda"  # CPU: the checks alone (tests)
         self.stream = torch.cuda.Stream(device) if reps and on_gpu else None
 
@@ -67,10 +63,10 @@ class MoeWaiters:
         self.stream.wait_event(fork)
         with torch.cuda.stream(self.stream):
             if self.every_rank:
-                wait_hints(bk.comm, bk.xmoe, bk.moe_in, every_rank=True, **self.options)
+                wait_hints(bk.comm, bk.xmoe, bk.moe_in, every_rank=True)
             else:
                 for i, r in enumerate(self.ranks):
-                    wait_hints(bk.comm, bk.xmoe[i], bk.moe_in[i], rank=r, **self.options)
+                    wait_hints(bk.comm, bk.xmoe[i], bk.moe_in[i], rank=r)
 
     def join(self) -> None:
         """The current stream after the waiters (the next step's consumers after them)."""

@@ -209,37 +209,6 @@ def test_hint_waiter_validation():
 
     assert hint_quota(7168, 64) == 4 * 7 * 64
     for kw, match in ((dict(hid=1000, reps=1), "1024"), (dict(hid=1024, reps=0), "reps"),
-                      (dict(hid=1024, reps=1, ctas=0), "ctas"),
-                      (dict(hid=1024, reps=1, carveout=101), "carveout"),
-                      (dict(hid=1024, reps=1, carveout=True), "carveout"),
-                      (dict(hid=1024, reps=1, min_blocks_per_mp=-1), "min_blocks")):  # fmt: skip
+                      (dict(hid=1024, reps=1, ctas=0), "ctas")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             HintWaiter(**kw)
-
-
-def test_hint_waiter_launch_options(tmp_path):
-    """The waiter's launch options through ``compiled``' keywords: by default no launch
-    attribute (the driver's carveout) and no launch bound; ``carveout`` alone is a launch
-    attribute (the PTX the default's); ``min_blocks_per_mp`` adds the launch bound."""
-    cute = require_dsl()
-    from cuda.bindings.driver import CUfunction_attribute
-
-    from tpcomm.oproj.hints import HintWaiter, compiled, fake_arguments
-
-    attr = CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    for kw, want in (({}, {}), (dict(carveout=100), {attr: 100}),
-                     (dict(carveout=0, ctas=2), {attr: 0}),
-                     (dict(min_blocks_per_mp=2, carveout=100), {attr: 100})):  # fmt: skip
-        fn = compiled(2048, 2, kw.pop("ctas", 8), 4, "sm_90a", **kw)
-        assert list(fn.kernel_info.values()) == [want], kw
-
-    def ptx(name, **kw):
-        (tmp_path / name).mkdir()  # a missing dump dir leaves __ptx__ a path
-        options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path / name}"
-        fn = cute.compile(HintWaiter(2048, 2, **kw), *fake_arguments(2048, 2), options=options)
-        return [line for line in fn.__ptx__.splitlines() if not line.startswith("//")]
-
-    default = ptx("default")
-    assert ptx("carveout", carveout=100) == default
-    assert not any(".minnctapersm" in line for line in default)
-    assert any(".minnctapersm 2" in line for line in ptx("bound", min_blocks_per_mp=2))

@@ -277,17 +277,15 @@ def test_dead_rank_twoshot_chunks():
     backend.teardown()
 
 
-@pytest.mark.parametrize("waiter", [{}, {"carveout": 100}], ids=["default", "carveout100"])
 @pytest.mark.parametrize("rows", [64, 1024])
-def test_xmoe_hints_gate_every_read(rows, waiter):
+def test_xmoe_hints_gate_every_read(rows):
     """The waiter (another stream, forked before a sleep that holds the consumer back,
     enqueued after the consumer so its budget never covers the host's launches) spins
     before any copy is written and reads every copy only after its hint: the copies are
     poisoned before each step, so a read before the hint would land poison in ``dests``.
     Three steps (the quota taken back each time; in at least one the host enqueued the
     waiter while the sleep still ran), then a waiter with no consumer times out and reads
-    nothing. ``waiter``: its launch options (default; all-shared carveout, the consumer's,
-    so its CTAs never hold an SM at a carveout the consumer's clusters cannot use)."""
+    nothing."""
     from tpcomm.oproj.hints import hint_quota, wait_hints
 
     nb, reps = 3, 2
@@ -304,7 +302,7 @@ def test_xmoe_hints_gate_every_read(rows, waiter):
     args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
     comm.run_ranks(a["partials"], prefixes, *args, outputs, 0, xmoes=xmoes, mode="one-launch")
     poison(dests)
-    wait_hints(comm, xmoes, dests, every_rank=True, **waiter)  # compiled, loaded; step 0's quota
+    wait_hints(comm, xmoes, dests, every_rank=True)  # compiled, loaded; takes step 0's quota
     torch.cuda.synchronize()
     assert comm.hint_words[:TP, :3].abs().sum() == 0, comm.hint_words[:TP]
     for r in range(TP):  # after the consumer on its stream: every copy of every rank read
@@ -326,7 +324,7 @@ def test_xmoe_hints_gate_every_read(rows, waiter):
         side.wait_event(fork)  # the waiter after the consumer on the host, before it on the GPU
         waited = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(side):  # its budget covers the rest of the sleep
-            wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=2_000_000_000, **waiter)
+            wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=2_000_000_000)
             waited.record(side)
         early.append(not slept.query())
         main.wait_stream(side)
@@ -347,7 +345,7 @@ def test_xmoe_hints_gate_every_read(rows, waiter):
     # no consumer: the waiter times out within its budget, reads nothing
     poison(dests)
     start = time.perf_counter()
-    wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=5_000_000, **waiter)
+    wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=5_000_000)
     torch.cuda.synchronize()
     assert time.perf_counter() - start < 10.0
     assert comm.hint_words[:TP, 2].tolist() == [1] * TP

@@ -216,13 +216,12 @@ def launch(
     options (no device query at compile time, so it compiles without a GPU);
     ``carveout``: preferred shared-memory carveout in percent (100: all shared; -1: the
     driver's choice, which may admit fewer than ``min_blocks_per_mp`` CTAs of large shared
-    memory), a launch attribute (the PTX does not change with it)."""
+    memory)."""
     options = dict(grid=list(grid), block=list(block), stream=stream, use_pdl=use_pdl)
     if cluster is not None:
         options["cluster"] = list(cluster)
     if min_blocks_per_mp > 1:
         options["min_blocks_per_mp"] = min_blocks_per_mp
-    if min_blocks_per_mp > 1 or carveout != -1:
         # An explicit carveout keeps the compile free of a device query.
         options["preferred_smem_carveout"] = carveout
     kernel_call.launch(**options)

@@ -33,7 +33,6 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.checks import is_int
 from tpcomm.cuteutil import fake_like_runtime, launch, smem_tensor
 from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
 
@@ -42,22 +41,17 @@ WAITER_CTAS = 8  # CTAs per rank: few, so the spinning waiters never crowd the c
 
 class HintWaiter:
     """Compile-time configuration: HID, reps, CTAs per rank, ``ranks`` (1, or every rank
-    of a one-GPU backend in one launch: rank r's operands r times one rank's past rank 0's),
-    and the launch options ``min_blocks_per_mp`` / ``carveout`` of ``cuteutil.launch``
-    (defaults: none, the driver's carveout), so a script can try where the waiter's CTAs
-    may sit beside the consumer's clusters."""
+    of a one-GPU backend in one launch: rank r's operands r times one rank's past rank 0's)."""
 
-    def __init__(self, hid, reps, *, ctas=WAITER_CTAS, ranks=1, min_blocks_per_mp=0,
-                 carveout=-1):  # fmt: skip
+    def __init__(self, hid, reps, *, ctas=WAITER_CTAS, ranks=1):
         check_hidden(hid)
-        for name, value, low, high in (("reps", reps, 1, 8), ("ctas", ctas, 1, 1024),
-                                       ("ranks", ranks, 1, 16),
-                                       ("min_blocks_per_mp", min_blocks_per_mp, 0, 32),
-                                       ("carveout", carveout, -1, 100)):  # fmt: skip
-            if not is_int(value) or not low <= value <= high:
-                raise ValueError(f"{name} must be an int in {low}..{high}; got {value!r}")
+        if not isinstance(reps, int) or not 1 <= reps <= 8:
+            raise ValueError(f"reps must be an int in 1..8; got {reps!r}")
+        if not isinstance(ctas, int) or not 1 <= ctas <= 1024:
+            raise ValueError(f"ctas must be an int in 1..1024; got {ctas!r}")
+        if not isinstance(ranks, int) or not 1 <= ranks <= 16:
+            raise ValueError(f"ranks must be an int in 1..16; got {ranks!r}")
         self.hid, self.reps, self.ctas, self.ranks = hid, reps, ctas, ranks
-        self.min_blocks_per_mp, self.carveout = min_blocks_per_mp, carveout
 
     @cute.jit
     def __call__(self, xmoe: cute.Tensor, dest: cute.Tensor, hints: cute.Tensor, rows: Int32,
@@ -70,8 +64,7 @@ class HintWaiter:
             quota,
             budget_ns,
         )
-        launch(call, (self.ctas, 1, self.ranks), (THREADS, 1, 1), stream,
-               min_blocks_per_mp=self.min_blocks_per_mp, carveout=self.carveout)  # fmt: skip
+        launch(call, (self.ctas, 1, self.ranks), (THREADS, 1, 1), stream)
 
     @cute.kernel
     def kernel(self, a_xmoe: Int64, a_dest: Int64, a_hints: Int64, rows: Int32, quota: Int32,
@@ -120,11 +113,9 @@ def fake_arguments(hid: int, reps: int):
 
 
 @functools.cache
-def compiled(hid, reps, ctas=WAITER_CTAS, ranks=1, arch=None, *, min_blocks_per_mp=0,
-             carveout=-1):  # fmt: skip
+def compiled(hid, reps, ctas=WAITER_CTAS, ranks=1, arch=None):
     """One compile per configuration and arch; rows are dynamic (1..``MAX_ROWS``)."""
-    kernel = HintWaiter(hid, reps, ctas=ctas, ranks=ranks, min_blocks_per_mp=min_blocks_per_mp,
-                        carveout=carveout)  # fmt: skip
+    kernel = HintWaiter(hid, reps, ctas=ctas, ranks=ranks)
     options = None if arch is None else f"--gpu-arch {arch}"
     return cute.compile(kernel, *fake_arguments(hid, reps), options=options)
 
@@ -161,14 +152,11 @@ def launch_values(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=
     return ranks, x, d, comm.hint_words[first], comm.tokens, quota, budget
 
 
-def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None, ctas=None,
-               min_blocks_per_mp=0, carveout=-1):  # fmt: skip
+def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None, ctas=None):
     """Launch the waiter on the current stream for ``comm`` (an ``OprojAllReduce`` with
     ``xmoe_reps``): rank ``rank``'s copies ``xmoes`` [reps, rows, HID] into ``dests``, or
     with ``every_rank`` (one GPU hosting ranks 0..TP-1) every rank's, ``[TP, reps, rows,
-    HID]`` contiguous, in one launch. ``ctas`` (per rank; default ``WAITER_CTAS``),
-    ``min_blocks_per_mp``, ``carveout``: ``HintWaiter``'s launch options. ValueError
-    naming the argument before any launch."""
+    HID]`` contiguous, in one launch. ValueError naming the argument before any launch."""
     import torch
 
     from tpcomm.cuteutil import to_cute
@@ -178,9 +166,7 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     ranks, x, d, hint_row, rows, quota, budget = launch_values(
         comm, xmoes, dests, rank=rank, every_rank=every_rank, budget_ns=budget_ns
     )
-    ctas = WAITER_CTAS if ctas is None else ctas
-    fn = compiled(comm.hid, comm.xmoe_reps, ctas, ranks, min_blocks_per_mp=min_blocks_per_mp,
-                  carveout=carveout)  # fmt: skip
+    fn = compiled(comm.hid, comm.xmoe_reps, ctas or WAITER_CTAS, ranks)
     stream = torch.cuda.current_stream(comm.device)
     fn(to_cute(x), to_cute(d), to_cute(hint_row, 4), Int32(rows), Int32(quota), Int64(budget),
        cuda.CUstream(stream.cuda_stream))  # fmt: skip
