@@ -186,7 +186,7 @@ def test_hint_waiter_compiles(arch, hid, reps, ranks):
     require_dsl()
     from tpcomm.oproj.hints import compiled
 
-    assert compiled(hid, reps, 8, ranks, arch) is not None
+    assert compiled(hid, reps, None, ranks, arch) is not None
 
 
 def test_hint_waiter_ptx_order(tmp_path):
@@ -209,6 +209,21 @@ def test_hint_waiter_validation():
 
     assert hint_quota(7168, 64) == 4 * 7 * 64
     for kw, match in ((dict(hid=1000, reps=1), "1024"), (dict(hid=1024, reps=0), "reps"),
-                      (dict(hid=1024, reps=1, ctas=0), "ctas")):  # fmt: skip
+                      (dict(hid=1024, reps=1, ctas=0), "ctas"),
+                      (dict(hid=1024, reps=1, ranks=17), "ranks")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             HintWaiter(**kw)
+
+
+def test_hint_waiter_ctas_per_gpu():
+    """At most ``WAITER_GPU_CTAS`` spinning waiter CTAs on a GPU, whatever ranks it hosts
+    (at least one per rank); an explicit ``ctas`` is kept."""
+    require_dsl()
+    from tpcomm.oproj.hints import WAITER_GPU_CTAS, HintWaiter, waiter_ctas
+
+    assert WAITER_GPU_CTAS == 8
+    assert [waiter_ctas(r) for r in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    for ranks in (1, 2, 8, 16):
+        w = HintWaiter(7168, 2, ranks=ranks)
+        assert w.ctas * ranks <= max(WAITER_GPU_CTAS, ranks)
+    assert HintWaiter(7168, 2, ctas=3, ranks=8).ctas == 3

@@ -129,7 +129,7 @@ def test_waiter_reads_every_copy_the_consumer_writes(tp, rows, hid, reps):
     same place of ``dests``, with the consumer's quota. (The launcher's failing eager run:
     TP 4, 16 rows, HID 2048, 2 copies.)"""
     require_dsl()
-    from tpcomm.oproj.hints import WAITER_CTAS, hint_quota, launch_values
+    from tpcomm.oproj.hints import hint_quota, launch_values, waiter_ctas
 
     comm = _comm(tp, rows, hid, reps)
     xmoes, dests = _copies(tp, rows, hid, reps)
@@ -138,7 +138,7 @@ def test_waiter_reads_every_copy_the_consumer_writes(tp, rows, hid, reps):
     for first, (ranks, x, d, hint_row, n, quota, budget) in launches:
         assert (n, quota, budget) == (rows, hint_quota(hid, rows), comm.budget_ns)
         assert quota == 4 * (hid // SLICE) * rows  # lead warps a consumer CTA, CTAs, rows
-        reads = _waiter_reads(ranks, x, d, hint_row, n, quota, reps, hid, WAITER_CTAS)
+        reads = _waiter_reads(ranks, x, d, hint_row, n, quota, reps, hid, waiter_ctas(ranks))
         for z, (a_h, a_err, src, dst) in enumerate(reads):
             r = first + z
             word, writes = _consumer_writes(xmoes[0], comm.hint_words[0], r, rows, hid, reps)

@@ -12,8 +12,10 @@ need no host state; the next step's consumer must be ordered after the waiter (j
 stream). A budget that runs out sets the waiter's error word and the CTA reads nothing;
 the budget runs from the waiter's start, so enqueue it after the consumers it waits for
 (forked from before them): launched first, it would spin while the host still launches
-them. Its few CTAs are meant not to starve a consumer, which never waits on the waiter
-(the GPU test reports when the consumer and the waiter ended should a waiter time out).
+them. Its CTAs spin, so a GPU hosts at most ``WAITER_GPU_CTAS`` of them over all its ranks
+(``waiter_ctas``): more kept the one-launch consumer's clusters off the GPU until the
+waiters gave up (measured, ``waiter_ctas``' docstring); the consumer never waits on the
+waiter (the GPU test reports when the consumer and the waiter ended should one time out).
 
 Hint row of a rank (int32 [4], ``WORD_ROW_BYTES`` apart per rank): word 0 the counter,
 word 1 the waiter CTAs done, word 2 the waiter's error word.
@@ -36,21 +38,33 @@ from tpcomm import protocol
 from tpcomm.cuteutil import fake_like_runtime, launch, smem_tensor
 from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
 
-WAITER_CTAS = 8  # CTAs per rank: few, so the spinning waiters never crowd the consumer
+WAITER_GPU_CTAS = 8  # spinning waiter CTAs per GPU, over every rank it hosts
+
+
+def waiter_ctas(ranks: int) -> int:
+    """CTAs per rank of a waiter launch hosting ``ranks`` ranks on one GPU: the GPU's budget
+    ``WAITER_GPU_CTAS`` shared out (at least one each). Measured on the H200 (loopback TP 8,
+    16 to 1024 rows): 8 CTAs per rank (64 spinning before the one-launch consumer) kept the
+    consumer's 7-CTA clusters off the GPU until the waiters' budget ran out (the consumer
+    ended after 2 s, error word 1), with the driver's carveout and with carveout 100 alike;
+    1 CTA per rank (8 in all) never did."""
+    return max(1, WAITER_GPU_CTAS // ranks)
 
 
 class HintWaiter:
-    """Compile-time configuration: HID, reps, CTAs per rank, ``ranks`` (1, or every rank
-    of a one-GPU backend in one launch: rank r's operands r times one rank's past rank 0's)."""
+    """Compile-time configuration: HID, reps, CTAs per rank (default ``waiter_ctas(ranks)``),
+    ``ranks`` (1, or every rank of a one-GPU backend in one launch: rank r's operands r
+    times one rank's past rank 0's)."""
 
-    def __init__(self, hid, reps, *, ctas=WAITER_CTAS, ranks=1):
+    def __init__(self, hid, reps, *, ctas=None, ranks=1):
         check_hidden(hid)
         if not isinstance(reps, int) or not 1 <= reps <= 8:
             raise ValueError(f"reps must be an int in 1..8; got {reps!r}")
-        if not isinstance(ctas, int) or not 1 <= ctas <= 1024:
-            raise ValueError(f"ctas must be an int in 1..1024; got {ctas!r}")
         if not isinstance(ranks, int) or not 1 <= ranks <= 16:
             raise ValueError(f"ranks must be an int in 1..16; got {ranks!r}")
+        ctas = waiter_ctas(ranks) if ctas is None else ctas
+        if not isinstance(ctas, int) or not 1 <= ctas <= 1024:
+            raise ValueError(f"ctas must be an int in 1..1024; got {ctas!r}")
         self.hid, self.reps, self.ctas, self.ranks = hid, reps, ctas, ranks
 
     @cute.jit
@@ -113,7 +127,7 @@ def fake_arguments(hid: int, reps: int):
 
 
 @functools.cache
-def compiled(hid, reps, ctas=WAITER_CTAS, ranks=1, arch=None):
+def compiled(hid, reps, ctas=None, ranks=1, arch=None):
     """One compile per configuration and arch; rows are dynamic (1..``MAX_ROWS``)."""
     kernel = HintWaiter(hid, reps, ctas=ctas, ranks=ranks)
     options = None if arch is None else f"--gpu-arch {arch}"
@@ -156,7 +170,8 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     """Launch the waiter on the current stream for ``comm`` (an ``OprojAllReduce`` with
     ``xmoe_reps``): rank ``rank``'s copies ``xmoes`` [reps, rows, HID] into ``dests``, or
     with ``every_rank`` (one GPU hosting ranks 0..TP-1) every rank's, ``[TP, reps, rows,
-    HID]`` contiguous, in one launch. ValueError naming the argument before any launch."""
+    HID]`` contiguous, in one launch; ``ctas`` per rank, default ``waiter_ctas``. ValueError
+    naming the argument before any launch."""
     import torch
 
     from tpcomm.cuteutil import to_cute
@@ -166,7 +181,7 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     ranks, x, d, hint_row, rows, quota, budget = launch_values(
         comm, xmoes, dests, rank=rank, every_rank=every_rank, budget_ns=budget_ns
     )
-    fn = compiled(comm.hid, comm.xmoe_reps, ctas or WAITER_CTAS, ranks)
+    fn = compiled(comm.hid, comm.xmoe_reps, ctas, ranks)
     stream = torch.cuda.current_stream(comm.device)
     fn(to_cute(x), to_cute(d), to_cute(hint_row, 4), Int32(rows), Int32(quota), Int64(budget),
        cuda.CUstream(stream.cuda_stream))  # fmt: skip
