@@ -260,7 +260,8 @@ class KdaWide:
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(op, acc, bound, s_decay, request, head, warp, self.tokens, self.record)
+            dev.settle_gate(op, acc, bound, a, dt, s_decay, 16 * warp, warp, request, head,
+                            self.tokens, self.record)  # fmt: skip
 
     @cute.jit
     def gate_phase_exact(self, op, fas, s_decay, request, head):
