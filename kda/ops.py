@@ -4,11 +4,10 @@
 "wide", "stream", "split"), ``cluster`` (KdaSplit's CTAs per item: 2, 4, 8), ``gate_mode``
 (raw gate reduction: 3, the default, the mma.sync chain with an error bound and an exact
 recompute of the rare values the bound leaves undecided, bitwise the reference's raw gate;
-2 the exactly rounded dot for every value, also bitwise; 0 / 1 the seed's mma.sync chains,
-which may flip a raw gate's bf16 rounding now and then), ``pdl`` (the
-kernels read the state and conv pages before ``griddepcontrol.wait``: the kernel right
-before must not write them), ``out`` (a preallocated ``[B*T, D]`` bf16 output) and
-``validate`` (``kda.reference.decode``'s: ``"full"`` adds the non-finite scan).
+0 / 1 the seed's mma.sync chains, which may flip a raw gate's bf16 rounding now and then),
+``pdl`` (the kernels read the state and conv pages before ``griddepcontrol.wait``: the
+kernel right before must not write them), ``out`` (a preallocated ``[B*T, D]`` bf16
+output) and ``validate`` (``kda.reference.decode``'s: ``"full"`` adds the non-finite scan).
 ``decode`` calls the torch op ``kimi::kda_decode`` (``kda.custom_ops``), whose
 implementation is ``launch``: validation raises ``ValueError`` before any launch (slot
 values are not read while the stream captures a CUDA graph; ``validate="full"`` is refused

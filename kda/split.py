@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm import cuteutil as ptx  # the cluster exchange: push_float, arm/wait_exchange
 from tpcomm.cuteutil import (
-    bf16x2_to_f32,
     cp_async_16,
     launch,
     ld_global_nc_b32x2,
-    ld_shared_b32x4,
     ld_shared_f32x4,
     smem_tensor,
     st_global_f32x4,
@@ -253,45 +251,6 @@ class KdaSplit(KdaWide):
                 self.push_all(target, s_gate[t, local], bars)
 
     @cute.jit
-    def gate_rows_exact(self, op, fas, s_decay, bars, request, head, rank):
-        """KdaWide.gate_phase_exact on the CTA's R features (feature ``tid % R``, tokens
-        ``tid // R`` + 2C i; the same fp64 order per value), each decay pushed into every
-        CTA's ``s_decay``."""
-        T, R = self.tokens, self.rows
-        stride = THREADS // R
-        tid, _, _ = cute.arch.thread_idx()
-        feature = rank * R + tid % R
-        parity = tid // R
-        row0 = Int64(op.f_b.iterator.toint()) + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2)
-        fas0 = Int32(fas.iterator.toint())
-        per_thread = (T + stride - 1) // stride
-        tokens = [parity + stride * i for i in range(per_thread)]
-        reads = [cutlass.min(t, T - 1) for t in tokens]
-        acc = [Float64(0.0) for _ in range(per_thread)]
-        for chunk in cutlass.range_constexpr(16):
-            words = ld_global_nc_b32x2(row0 + chunk * 16)
-            words2 = ld_global_nc_b32x2(row0 + chunk * 16 + 8)
-            weights = []
-            for w in (*words, *words2):
-                weights.extend(bf16x2_to_f32(w))
-            for i in cutlass.range_constexpr(per_thread):
-                act_words = ld_shared_b32x4(fas0 + (reads[i] * HEAD_DIM + 8 * chunk) * 2)
-                for e in cutlass.range_constexpr(4):
-                    low, high = bf16x2_to_f32(act_words[e])
-                    acc[i] = acc[i] + Float64(low * weights[2 * e])
-                    acc[i] = acc[i] + Float64(high * weights[2 * e + 1])
-        a = Float32(op.a_log[head])
-        dt = Float32(op.dt_bias[head * HEAD_DIM + feature])
-        for i in cutlass.range_constexpr(per_thread):
-            t = tokens[i]
-            if t < T:
-                raw_g = dev.to_bf16_f32(Float32(acc[i]))
-                decayed = dev.decay(a, raw_g, dt, op.lower_bound)
-                self.push_all(s_decay.iterator + (t * HEAD_DIM + feature), decayed, bars)
-                if cutlass.const_expr(self.record):
-                    op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
-
-    @cute.jit
     def normalize_cluster(self, s_q, s_k, qk_pairs, scale):
         """After the exchange: ``sum q^2``, ``sum k^2`` of the 128 channels (16-lane
         butterflies, pairs of groups, then ``(p0 + p1) + (p2 + p3)``: the pairwise tree over
@@ -346,7 +305,7 @@ class KdaSplit(KdaWide):
             s_o = smem_tensor(smem, Float32, (T, R))
             s_gate = smem_tensor(smem, Float32, (8, R))  # the gate lanes' decays, 8 tokens
             s_beta = smem_tensor(smem, Float32, (8,))
-            fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+            smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (was gate mode 2's)
             qk_pairs = smem_tensor(smem, Float32, (T, 2, 4))
             o_groups = smem_tensor(smem, Float32, (T, 1, R // GROUP))
             o_exchange = smem_tensor(smem, Float32, (T * C,))
@@ -373,20 +332,13 @@ class KdaSplit(KdaWide):
             a = Float32(op.a_log[head])
             dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * tile + lane // 4 + 8 * i])
                   for i in range(2)]  # fmt: skip
-            exact_gate = self.gate_mode == 2
-            weights = None
-            if cutlass.const_expr(not exact_gate):
-                weights = self.load_tile_weights(op.f_b, head, tile)
+            weights = self.load_tile_weights(op.f_b, head, tile)
 
             # The step's inputs (written by the kernel before): x, beta, f_a, output gate.
             cute.arch.griddepcontrol_wait()
             inputs = [op.x[token + t, column] for t in range(T)]
             self.load_beta(op.beta, s_beta, token, head)
-            activations = None
-            if cutlass.const_expr(exact_gate):
-                self.load_fa_rows(op.f_a, fas, token)
-            else:
-                activations = self.load_activations(op.f_a, token)
+            activations = self.load_activations(op.f_a, token)
             gates = [op.gate[token + t, head * HEAD_DIM + own_row] for t in range(T)]
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.cluster_wait()  # every peer's barriers are armed
@@ -407,10 +359,7 @@ class KdaSplit(KdaWide):
                         if cutlass.const_expr(self.record):
                             op.kg_records[request, head, t, channel] = BFloat16(values[t])
             # the raw gate and decays of the CTA's R features, pushed to every CTA
-            if cutlass.const_expr(exact_gate):
-                cute.arch.barrier()  # the f_a rows
-                self.gate_rows_exact(op, fas, s_decay, bars, request, head, rank)
-            elif warp >= 8 - tiles:
+            if warp >= 8 - tiles:
                 self.gate_tile(op, weights, activations, a, dt, s_gate, s_decay, bars,
                                request, head, tile)  # fmt: skip
             out_gates = [dev.sigmoid(Float32(g)) for g in gates]

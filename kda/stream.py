@@ -418,7 +418,6 @@ class KdaStream(KdaWide):
                     else:
                         bias.append(Float32(0.0))
                 a, dt, weights = self.gate_operands(op, head, warp, lane)
-                exact_gate = self.gate_mode == 2
 
                 # Staged operands.
                 taps = []
@@ -431,23 +430,17 @@ class KdaStream(KdaWide):
                     else:
                         taps.append([convs[parts[s], j * HEAD_DIM + channel] for j in range(3)])
                     inputs.append([xs[t, parts[s], channel] for t in range(T)])
-                if cutlass.const_expr(not exact_gate):
-                    fas0 = Int32(fas.iterator.toint())
-                    activations = []
-                    for chunk in cutlass.range_constexpr(8):
-                        col = 16 * chunk + 4 * quarter
-                        activations.append(
-                            ld_shared_b32x2(fas0 + ((group % T) * HEAD_DIM + col) * 2)
-                        )
+                fas0 = Int32(fas.iterator.toint())
+                activations = []
+                for chunk in cutlass.range_constexpr(8):
+                    col = 16 * chunk + 4 * quarter
+                    activations.append(ld_shared_b32x2(fas0 + ((group % T) * HEAD_DIM + col) * 2))
 
                 self.conv_phase(
                     taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
                 )
                 self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
-                if cutlass.const_expr(exact_gate):
-                    self.gate_phase_exact(op, fas, s_decay, request, head)
-                else:
-                    self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
+                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
                 cute.arch.barrier()
                 self.normalize_qk(s_q, s_k, sums, op.scale)
                 history = self.load_history(staged)

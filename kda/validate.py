@@ -177,7 +177,7 @@ def check_decode(op: DecodeOperands, *, check_values=True, full=False) -> Decode
 def check_options(kernel="auto", cluster=None, gate_mode=3, pdl=False, validate=None) -> bool:
     """The kernels' options (``kda.decode``'s; ``kda.recover`` takes ``pdl`` and
     ``validate``): ``kernel`` of ``KERNELS``, ``cluster`` (KdaSplit's CTAs per item) only
-    with ``kernel="split"``, ``gate_mode`` 0, 1, 2 or 3, ``pdl`` a bool, ``validate`` a mode
+    with ``kernel="split"``, ``gate_mode`` 0, 1 or 3, ``pdl`` a bool, ``validate`` a mode
     (``tpcomm.checks.mode``). Returns whether the checked mode is on."""
     full = mode(validate) == "full"
     if not isinstance(pdl, bool):
@@ -190,7 +190,7 @@ def check_options(kernel="auto", cluster=None, gate_mode=3, pdl=False, validate=
             f"got cluster={cluster!r}, kernel={kernel!r}"
         )
     if gate_mode not in GATE_MODES or isinstance(gate_mode, bool):
-        raise ValueError(f"gate_mode must be 0, 1, 2 or 3; got {gate_mode!r}")
+        raise ValueError(f"gate_mode must be 0, 1 or 3; got {gate_mode!r}")
     return full
 
 

@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm.cuteutil import (
-    bf16x2_to_f32,
     cp_async_16,
     launch,
-    ld_global_b32x4,
     ld_global_nc_b32x2,
-    ld_shared_b32x4,
     ld_shared_f32x4,
     prefetch_l2_bulk,
     smem_tensor,
     st_global_f32x4,
-    st_shared_b32x4,
     warp_sum,
     xor_sum,
 )
@@ -43,10 +39,9 @@ class KdaWide:
     """``tokens`` T (1: decode with slots [B]; 2..8: verify with slots [B, >= T] and
     accepted [B]); ``record``: RecoverSSM verify (state read from the checkpoint slot,
     not written; records out); ``gate_mode``: the raw gate's reduction (0: mma.sync, one
-    chain of eight; 1: mma.sync, four chains of two; 2: fp64 accumulation, the exactly
-    rounded dot, bitwise the reference's raw gate; 3: mode 0's chain with an error bound,
+    chain of eight; 1: mma.sync, four chains of two; 3: mode 0's chain with an error bound,
     and the exact dot only where the bound straddles a bf16 rounding: bitwise the
-    reference's raw gate too); ``ahead``: L2-prefetch the state page
+    reference's raw gate); ``ahead``: L2-prefetch the state page
     of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
     ``pdl``: launch with programmatic dependent launch."""
 
@@ -67,7 +62,7 @@ class KdaWide:
         if heads < 1:
             raise ValueError(f"heads must be >= 1; got {heads}")
         if gate_mode not in dev.GATE_MODES:
-            raise ValueError(f"gate_mode must be 0, 1, 2 or 3; got {gate_mode}")
+            raise ValueError(f"gate_mode must be 0, 1 or 3; got {gate_mode}")
         if record and tokens == 1:
             raise ValueError("record mode needs tokens > 1")
         if ahead < 0:
@@ -264,54 +259,6 @@ class KdaWide:
                             self.tokens, self.record)  # fmt: skip
 
     @cute.jit
-    def gate_phase_exact(self, op, fas, s_decay, request, head):
-        """Raw gate as the exactly rounded dot (bf16 x bf16 products are exact in fp32,
-        summed in fp64, rounded to fp32 then bf16): thread (feature = tid % 128) takes
-        tokens tid // 128, + 2, ...; decay into shared, the raw-gate record."""
-        f_b, a_log, dt_bias = op.f_b, op.a_log, op.dt_bias
-        lower_bound, kg_records = op.lower_bound, op.kg_records
-        tid, _, _ = cute.arch.thread_idx()
-        feature, parity = tid % 128, tid // 128
-        T = self.tokens
-        per_thread = (T + 1) // 2
-        row0 = Int64(f_b.iterator.toint()) + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2)
-        fas0 = Int32(fas.iterator.toint())
-        tokens = [parity + 2 * i for i in range(per_thread)]
-        reads = [cutlass.min(t, T - 1) for t in tokens]
-        acc = [Float64(0.0) for _ in range(per_thread)]
-        for chunk in cutlass.range_constexpr(16):
-            words = ld_global_nc_b32x2(row0 + chunk * 16)
-            words2 = ld_global_nc_b32x2(row0 + chunk * 16 + 8)
-            weights = []
-            for w in (*words, *words2):
-                weights.extend(bf16x2_to_f32(w))
-            for i in cutlass.range_constexpr(per_thread):
-                act_words = ld_shared_b32x4(fas0 + (reads[i] * HEAD_DIM + 8 * chunk) * 2)
-                for e in cutlass.range_constexpr(4):
-                    low, high = bf16x2_to_f32(act_words[e])
-                    acc[i] = acc[i] + Float64(low * weights[2 * e])
-                    acc[i] = acc[i] + Float64(high * weights[2 * e + 1])
-        a = Float32(a_log[head])
-        dt = Float32(dt_bias[head * HEAD_DIM + feature])
-        for i in cutlass.range_constexpr(per_thread):
-            raw_g = dev.to_bf16_f32(Float32(acc[i]))
-            t = tokens[i]
-            s_decay[t, feature] = dev.decay(a, raw_g, dt, lower_bound)
-            if cutlass.const_expr(self.record):  # noqa: SIM102
-                if t < T:
-                    kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
-
-    @cute.jit
-    def load_fa_rows(self, f_a, fas, token):
-        """f_a rows of the request's tokens into shared (threads 0 .. 16 T - 1)."""
-        tid, _, _ = cute.arch.thread_idx()
-        if tid < 16 * self.tokens:
-            row, k = tid // 16, tid % 16
-            source = Int64(f_a.iterator.toint()) + Int64((token + row) * HEAD_DIM + 8 * k) * 2
-            words = ld_global_b32x4(source)
-            st_shared_b32x4(Int32(fas.iterator.toint()) + (row * HEAD_DIM + 8 * k) * 2, words)
-
-    @cute.jit
     def normalize_qk(self, s_q, s_k, sums, scale):
         """q^ = q * rsqrt(sum q^2 + 1e-6) * scale, k^ = k * rsqrt(sum k^2 + 1e-6)."""
         tid, _, _ = cute.arch.thread_idx()
@@ -418,29 +365,20 @@ class KdaWide:
 
     def gate_operands(self, op, head, warp, lane):
         """Trace-time helper (no barrier): the head's a_log, the thread's two dt_bias values
-        (rows ``lane // 4`` and + 8 of its warp's gate tile) and, for the mma.sync gate, its
-        f_b fragments (None with ``gate_mode`` 2)."""
+        (rows ``lane // 4`` and + 8 of its warp's gate tile) and its f_b fragments."""
         a = Float32(op.a_log[head])
         group = lane // 4
         dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
-        weights = None
-        if cutlass.const_expr(self.gate_mode != 2):
-            weights = self.load_gate_weights(op.f_b, head)
-        return a, dt, weights
+        return a, dt, self.load_gate_weights(op.f_b, head)
 
-    def read_inputs(self, op, s_beta, fas, columns, token, head):
+    def read_inputs(self, op, s_beta, columns, token, head):
         """Trace-time helper: after ``griddepcontrol.wait``, x at the thread's two
-        ``columns``, sigmoid(beta) into ``s_beta``, f_a (rows into ``fas`` with ``gate_mode``
-        2, else the thread's fragments); then releases the dependents. Returns (inputs,
-        fragments or None)."""
+        ``columns``, sigmoid(beta) into ``s_beta``, the thread's f_a fragments; then releases
+        the dependents. Returns (inputs, fragments)."""
         cute.arch.griddepcontrol_wait()
         inputs = [[op.x[token + t, columns[s]] for t in range(self.tokens)] for s in range(2)]
         self.load_beta(op.beta, s_beta, token, head)
-        activations = None
-        if cutlass.const_expr(self.gate_mode == 2):
-            self.load_fa_rows(op.f_a, fas, token)
-        else:
-            activations = self.load_activations(op.f_a, token)
+        activations = self.load_activations(op.f_a, token)
         cute.arch.griddepcontrol_launch_dependents()
         return inputs, activations
 
@@ -524,7 +462,7 @@ class KdaWide:
             s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
             s_beta = smem_tensor(smem, Float32, (8,))
-            fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
+            smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (was gate mode 2's)
             sums = smem_tensor(smem, Float32, (T, 2, 8))
             out_sums = smem_tensor(smem, Float32, (T, 4))
 
@@ -543,19 +481,14 @@ class KdaWide:
             )  # fmt: skip
             nw = Float32(op.norm_weight[channel])
             a, dt, weights = self.gate_operands(op, head, warp, lane)
-            exact_gate = self.gate_mode == 2
-            inputs, activations = self.read_inputs(op, s_beta, fas, columns, token, head)
+            inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
 
             self.conv_phase(
                 taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
             )
             # The conv page now: frees the taps' and inputs' registers for the recurrence.
             self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
-            if cutlass.const_expr(exact_gate):
-                cute.arch.barrier()  # the f_a rows
-                self.gate_phase_exact(op, fas, s_decay, request, head)
-            else:
-                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
+            self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)
             cute.arch.barrier()

@@ -4,8 +4,8 @@ KDA outputs within 1 bf16 ulp allowing o's own bf16 flip; state pages within 1e-
 page's max |ref|, pages the step leaves alone bitwise; the o-projection prefix and output
 within the bounds of ``oproj_bound_ratios``. With the seed's gate orders (``--gate-mode``
 0/1) the gate inputs sit on grids where every fp32 order of the gate dot is exact
-(``exact_gate_*``), so they round like the reference; modes 2 and 3 (the default) round the
-raw gate exactly on any input, so the job keeps its random gate inputs.
+(``exact_gate_*``), so they round like the reference; mode 3 (the default) rounds the raw
+gate exactly on any input, so the job keeps its random gate inputs.
 """
 
 from __future__ import annotations

@@ -114,16 +114,15 @@ def parse_args(argv=None):
         "load/store; host and loopback: every rank)")
     gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
         help="KDA kernel (auto: kda.dispatch's choice)")
-    gpu("--gate-mode", type=int, choices=(0, 1, 2, 3), default=3,
+    gpu("--gate-mode", type=int, choices=(0, 1, 3), default=3,
         help="KDA raw-gate reduction (3: mma.sync with an exact recompute where its error "
-             "bound leaves the bf16 rounding open, 2: exactly rounded, 0/1: the seed's "
-             "mma.sync orders)")
+             "bound leaves the bf16 rounding open, 0/1: the seed's mma.sync orders)")
     gpu("--pdl", action=argparse.BooleanOptionalAction, default=True,
         help="programmatic dependent launch of the KDA and recover kernels (and, loopback "
-        "with --oproj-launch consumer / both, of the consumer behind the producer)")
-    gpu("--oproj-launch", choices=("per-rank", "consumer", "both"), default=None,
+        "with --oproj-launch both, of the consumer behind the producer)")
+    gpu("--oproj-launch", choices=("per-rank", "both"), default=None,
         help="loopback: o-projection launches; both (default): one producer and one consumer "
-        "launch for all ranks; consumer: producers per rank, one consumer launch; per-rank")
+        "launch for all ranks; per-rank: each rank's on its stream")
     gpu("--multicast", action=argparse.BooleanOptionalAction, default=False,
         help="nvshmem: allow NVLink multicast (NVLS); off sets NVSHMEM_DISABLE_NVLS=1 unless "
         "the environment says otherwise, and publishing goes to each peer")

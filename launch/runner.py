@@ -5,8 +5,8 @@ Per step and rank, on the rank's own stream, in stream order, through the rank's
 verify step), ``kda.recover`` (after a recorded step), ``produce`` (bf16(attn_out @ w_o^T)
 into every rank's mailbox), ``consume`` (rank-order sum, residual, AttnRes, output
 RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
-o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch),
-``consumer`` (producers per rank, one ``consume_all``) or ``per-rank``; bitwise the same.
+o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch) or
+``per-rank`` (the multi-process structure); bitwise the same.
 
 A bucket is a step shape (tokens, record): buffers allocated once, one CUDA graph per
 mailbox parity (``step & 1``) captured once and replayed. Its first use also runs it
@@ -31,10 +31,9 @@ GATE_CYCLES = 40_000_000  # ~20 ms sleep: the stage pass is enqueued behind it
 BACK_TO_BACK = 50  # steps replayed back to back after the checked ones
 STAGES = ("kda", "recover", "produce", "consume")
 # o-projection launches with every rank on one GPU (loopback): "per-rank" (producer and
-# consumer per rank on its stream), "consumer" (producers per rank, PDL behind their KDA;
-# one consumer launch for all ranks), "both" (one producer and one consumer launch)
-OPROJ_LAUNCHES = ("per-rank", "consumer", "both")
-DEFAULT_OPROJ_LAUNCH = "both"  # fastest of the three (docs/decode.md)
+# consumer per rank on its stream), "both" (one producer and one consumer launch)
+OPROJ_LAUNCHES = ("per-rank", "both")
+DEFAULT_OPROJ_LAUNCH = "both"  # the faster (docs/decode.md)
 
 
 def check_rows(requests: int, tokens: int) -> None:
@@ -290,14 +289,13 @@ class Runner:
         processes, then the consumer (compiled beforehand), so no poll budget covers a
         peer's compile or host skew."""
         ranks = self.ranks if ranks is None else tuple(ranks)
-        all_at_once = self.oproj_launch != "per-rank" and ranks == self.ranks
-        produce_all = all_at_once and self.oproj_launch == "both"
+        all_at_once = self.oproj_launch == "both" and ranks == self.ranks
 
         def chain(r):
             self._kda(bk, r)
             if bk.record:
                 self._recover(bk, r)
-            if not produce_all:
+            if not all_at_once:
                 self._produce(bk, r, parity)
 
         def consume(r):
@@ -309,10 +307,9 @@ class Runner:
             self.sync_all()
             self._on_ranks(ranks, consume)
             return
-        if all_at_once:  # per rank stream, joined; then (one producer and) one consumer
+        if all_at_once:  # per rank stream, joined; then one producer and one consumer
             self._on_ranks(ranks, chain)
-            if produce_all:
-                self._produce_all(bk, parity)
+            self._produce_all(bk, parity)
             self._consume_all(bk, parity)
             return
         self._on_ranks(ranks, chain, consume, join=True)
@@ -326,7 +323,7 @@ class Runner:
         }
         if self.oproj_launch == "both" and name == "produce":
             return lambda: self._produce_all(bk, parity)
-        if self.oproj_launch != "per-rank" and name == "consume":
+        if self.oproj_launch == "both" and name == "consume":
             return lambda: self._consume_all(bk, parity)
         return lambda: self._on_ranks(self.ranks, fns[name])
 

@@ -3,7 +3,7 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
 
 - ``ours``: ``launch.runner.Runner``, all TP ranks on the GPU, the step's CUDA graph
   replayed (median of per-replay events) and its stage breakdown; the runner's other
-  o-projection launch modes (``OPROJ_LAUNCHES``) as ``per_rank_us`` / ``consumer_us``.
+  o-projection launch modes (``OPROJ_LAUNCHES``) as ``per_rank_us``.
 - ``alone``: rank 0's chain only, the other ranks' partials published just before by an
   untimed graph: one rank of a multi-GPU run less the link latency. It reads one rank's
   ``w_o`` (11 MB at TP 16), which L2 may hold between replays; the others need no rotation.

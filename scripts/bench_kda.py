@@ -182,7 +182,7 @@ def diagnose():
     H, B, T = 96, 130, 4
     pages = 1 + B * T
     for kernel in ("wide", "stream"):
-        for gate_mode in (3, 2, 0):
+        for gate_mode in (3, 0):
             layer = kt.make_layer(H, pages, window=T + 2, seed=1, device="cuda")
             step = kt.make_step(B, T, H, pages=pages, seed=2, device="cuda")
             ref_layer = layer.clone()
@@ -225,8 +225,11 @@ def main():
     parser.add_argument(
         "--verify", action="store_true", help="verify steps: H 12, 96; B 32, 128; T 2, 4, 8"
     )
+    parser.add_argument(
+        "--splits", action="store_true", help="also time KdaSplit (cluster 2, 4, 8) on every row"
+    )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
-    parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 2, 3))
+    parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 3))
     args = parser.parse_args()
     if args.diag:
         diagnose()
@@ -257,7 +260,7 @@ def main():
         for name in ("auto", "wide", "stream"):
             fn = ours(layer, steps, name, args.gate_mode)
             result[f"{name}_us"] = time_graph(fn, inner=rotations)
-        if args.small:
+        if args.small or args.splits:
             for cluster in (2, 4, 8):
                 try:
                     fn = ours(layer, steps, "split", args.gate_mode, cluster=cluster)
@@ -298,7 +301,7 @@ def main():
             f"{f(result['speedup_composed'], 6, 2)}"
         )
         print(line)
-        if args.small:
+        if args.small or args.splits:
             splits = " ".join(f"split{c} {f(result[f'split{c}_us'])}" for c in (2, 4, 8))
             print(f"    {splits}; best {result['best']}, auto / best {result['auto_vs_best']:.3f}")
         for key in ("fla_error", "composed_error", "split2_error", "split4_error", "split8_error"):

@@ -7,13 +7,14 @@ A refactor that must not change the kernels compares the digests before and afte
     python scripts/ptx_digest.py --compare before.json after.json
 
 The PTX is normalised only where a move cannot change the code: entry names (they spell the
-module and class) and the compiler banner. Everything else must match byte for byte.
+module and class) and the compiler banner. Everything else must match byte for byte. Each
+compile's PTX is kept apart (``ptx_dump_plugin.py``) and keyed by its test and its index in
+the test, so configurations the DSL dumps under one file name are all compared.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
 import json
 import os
@@ -35,7 +36,9 @@ def normalise(text: str) -> str:
 def digest(out: pathlib.Path, select: str) -> None:
     root = pathlib.Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
+        here = str(pathlib.Path(__file__).resolve().parent)
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump, PYTHONPATH=path)
         cmd = [
             sys.executable,
             "-m",
@@ -47,27 +50,35 @@ def digest(out: pathlib.Path, select: str) -> None:
             select,
             "-p",
             "no:cacheprovider",
+            "-p",
+            "ptx_dump_plugin",
             str(root / "tests"),
         ]
         subprocess.run(cmd, cwd=root, env=env, check=True)
-        table = collections.defaultdict(list)
-        for path in sorted(pathlib.Path(dump).glob("*.ptx")):
+        table = {}  # "test__index/file" -> digest
+        for path in sorted(pathlib.Path(dump).glob("*/*.ptx")):
             body = normalise(path.read_text())
-            table[hashlib.sha256(body.encode()).hexdigest()[:16]].append(path.name[:120])
+            key = f"{path.parent.name}/{path.name[:120]}"
+            table[key] = hashlib.sha256(body.encode()).hexdigest()[:16]
     out.write_text(json.dumps(table, indent=1, sort_keys=True))
-    print(f"{sum(map(len, table.values()))} PTX files, {len(table)} distinct -> {out}")
+    print(f"{len(table)} PTX files, {len(set(table.values()))} distinct -> {out}")
 
 
 def compare(before: pathlib.Path, after: pathlib.Path) -> int:
+    """Per compile (test and index): changed digests, compiles only after, only before.
+    Non-zero when any compile of both runs changed or one appears only after."""
     old, new = json.loads(before.read_text()), json.loads(after.read_text())
-    changed = sorted(set(new) - set(old))
-    dropped = sorted(set(old) - set(new))
-    for h in changed:
-        print("NEW/CHANGED", h, new[h][0])
-    for h in dropped:
-        print("not compiled any more", h, old[h][0])
-    print(f"{len(new)} kernels after, {len(changed)} not in before, {len(dropped)} dropped")
-    return 1 if changed else 0
+    changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+    added, dropped = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    for k in changed:
+        print("CHANGED", k)
+    for k in added:
+        print("only after", k)
+    for k in dropped:
+        print("only before", k)
+    print(f"{len(new)} compiles after: {len(changed)} changed, {len(added)} only after, "
+          f"{len(dropped)} only before")  # fmt: skip
+    return 1 if changed or added else 0
 
 
 def main() -> int:

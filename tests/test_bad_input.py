@@ -147,7 +147,8 @@ def test_checked_mode_passes_good_inputs_and_skips_padding():
 def test_kernels_refuse_cpu_tensors_before_cuda():
     args, kw = decode_args()
     refused(lambda: run_decode(kda.decode, args, kw, {}), list(args.values()), "CUDA")
-    for extra in ({"kernel": "fast"}, {"gate_mode": True}, {"pdl": 1}, {"cluster": 2}):
+    for extra in ({"kernel": "fast"}, {"gate_mode": True}, {"gate_mode": 2}, {"pdl": 1},
+                  {"cluster": 2}):  # fmt: skip
         refused(lambda e=extra: run_decode(kda.decode, args, kw, e), list(args.values()),
                 next(iter(extra)))  # fmt: skip
     assert not torch.cuda.is_initialized()

@@ -32,7 +32,7 @@ def launch(layer, step, kernel, cluster, out, **kw):
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
         layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, kernel=kernel,
-        cluster=cluster, gate_mode=2, out=out, **kw,
+        cluster=cluster, gate_mode=3, out=out, **kw,
     )  # fmt: skip
 
 

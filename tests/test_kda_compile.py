@@ -46,8 +46,8 @@ def fake_args(heads, tokens, *, record=False, has_bias=True, conv_dim_first=True
 WIDE_CASES = [
     # heads, tokens, record, gate_mode, has_bias, ahead, pdl
     (2, 1, False, 0, True, 0, False),
-    (2, 5, False, 2, True, 0, False),
-    (2, 8, True, 2, False, 264, True),
+    (2, 5, False, 3, True, 0, False),
+    (2, 8, True, 3, False, 264, True),
     (3, 4, False, 1, False, 264, True),
     (2, 8, True, 0, True, 0, True),
     (2, 1, False, 3, True, 0, False),
@@ -73,8 +73,8 @@ STREAM_CASES = [
     (3, 5, False, 1, False, False, 8),
     (2, 8, True, 0, True, False, 10),
     (2, 2, True, 1, False, True, 6),
-    (2, 3, True, 2, False, True, 6),
-    (3, 1, False, 2, True, False, 3),
+    (2, 3, True, 3, False, True, 6),
+    (3, 1, False, 3, True, False, 3),
     (2, 1, False, 3, True, True, 4),
     (3, 3, True, 3, False, False, 6),
 ]

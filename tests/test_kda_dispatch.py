@@ -125,8 +125,9 @@ def test_decode_rejects_bad_arguments_on_cpu():
         _call(layer, step, kernel="bogus")
     with pytest.raises(ValueError, match="cluster"):
         _call(layer, step, kernel="split", cluster=16)
-    with pytest.raises(ValueError, match="gate_mode"):
-        _call(layer, step, gate_mode=4)
+    for gate_mode in (2, 4):  # 2: the removed exact-for-every-value mode
+        with pytest.raises(ValueError, match="gate_mode"):
+            _call(layer, step, gate_mode=gate_mode)
     with pytest.raises(ValueError, match="CUDA"):
         _call(layer, step)
     assert torch.equal(layer.state, state0)
@@ -167,4 +168,4 @@ def test_default_gate_mode_is_the_exactly_rounded_one():
     for entry in entries:
         assert inspect.signature(entry).parameters["gate_mode"].default == 3, entry
     assert decode.parse_args([]).gate_mode == 3
-    assert dispatch.GATE_MODES == (0, 1, 2, 3)
+    assert dispatch.GATE_MODES == (0, 1, 3)

@@ -121,7 +121,7 @@ def written_pages(step, records):
     return pages
 
 
-def call_kernel(layer, step, kernel, records=None, gate_mode=2, pdl=False, cluster=None,
+def call_kernel(layer, step, kernel, records=None, gate_mode=3, pdl=False, cluster=None,
                 scalars=SCALARS[0], out=None):  # fmt: skip
     """``kda.decode`` on a layer and a step into a poisoned (or the given) output;
     ``gate_mode=None`` leaves ``kda.decode``'s default."""
@@ -245,16 +245,16 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
 
 CASES = [
     # H, B, T, dim_first, bias, record, padding, gate_mode, conv dtype, holes
-    (1, 1, 1, True, True, False, (), 2, torch.bfloat16, False),
-    (6, 3, 2, False, False, True, (1,), 2, torch.bfloat16, False),
-    (12, 64, 5, True, True, False, (0, 63), 2, torch.float32, True),
-    (96, 130, 8, False, True, False, (5,), 2, torch.bfloat16, True),
-    (96, 130, 1, True, False, False, (7, 100), 2, torch.bfloat16, False),
-    (6, 130, 8, True, True, True, (3,), 2, torch.float32, False),
-    (12, 3, 1, False, True, False, (), 2, torch.float32, False),
-    (1, 64, 2, True, False, False, (), 2, torch.bfloat16, True),
-    (96, 1, 5, False, False, True, (), 2, torch.bfloat16, False),
-    (12, 130, 2, False, True, False, (0,), 2, torch.bfloat16, True),
+    (1, 1, 1, True, True, False, (), 3, torch.bfloat16, False),
+    (6, 3, 2, False, False, True, (1,), 3, torch.bfloat16, False),
+    (12, 64, 5, True, True, False, (0, 63), 3, torch.float32, True),
+    (96, 130, 8, False, True, False, (5,), 3, torch.bfloat16, True),
+    (96, 130, 1, True, False, False, (7, 100), 3, torch.bfloat16, False),
+    (6, 130, 8, True, True, True, (3,), 3, torch.float32, False),
+    (12, 3, 1, False, True, False, (), 3, torch.float32, False),
+    (1, 64, 2, True, False, False, (), 3, torch.bfloat16, True),
+    (96, 1, 5, False, False, True, (), 3, torch.bfloat16, False),
+    (12, 130, 2, False, True, False, (0,), 3, torch.bfloat16, True),
     # The seed's mma.sync gate orders, on gate inputs whose dot is exact in any order.
     (6, 64, 1, True, True, False, (9,), 0, torch.bfloat16, False),
     (12, 130, 4, False, False, True, (2,), 1, torch.bfloat16, False),
@@ -267,10 +267,10 @@ CASES = [
     (12, 64, 8, True, False, True, (0,), 3, torch.float32, False),
     (6, 130, 2, False, True, False, (3,), 3, torch.bfloat16, True),
     # T = 6, 7 (with 2..5 and 8 above: every verify length), several items per stream CTA.
-    (12, 130, 6, True, True, True, (4, 129), 2, torch.bfloat16, False),
-    (12, 130, 7, False, False, False, (0,), 2, torch.bfloat16, True),
-    (6, 130, 6, False, True, False, (), 2, torch.float32, False),
-    (6, 130, 7, True, False, True, (2,), 2, torch.bfloat16, False),
+    (12, 130, 6, True, True, True, (4, 129), 3, torch.bfloat16, False),
+    (12, 130, 7, False, False, False, (0,), 3, torch.bfloat16, True),
+    (6, 130, 6, False, True, False, (), 3, torch.float32, False),
+    (6, 130, 7, True, False, True, (2,), 3, torch.bfloat16, False),
 ]
 KERNELS = ["wide", "stream"]
 # (kernel, cluster) for the tests that every kernel must pass (KdaSplit at each cluster size)
@@ -437,7 +437,8 @@ HOST_BAD = [  # message, change of kda.decode's keyword arguments
     ("kernel must be one of", lambda k: k.update(kernel="fast")),
     ("cluster must be None or one of", lambda k: k.update(kernel="wide", cluster=2)),
     ("cluster must be None or one of", lambda k: k.update(kernel="split", cluster=3)),
-    ("gate_mode must be 0, 1, 2 or 3", lambda k: k.update(gate_mode=4)),
+    ("gate_mode must be 0, 1 or 3", lambda k: k.update(gate_mode=4)),
+    ("gate_mode must be 0, 1 or 3", lambda k: k.update(gate_mode=2)),
     (r"accepted\[0\] = 3 is outside", lambda k: k["accepted"].__setitem__(0, 3)),
     ("past the state pool", lambda k: k["slots"].__setitem__((1, 1), 99)),
 ]  # fmt: skip

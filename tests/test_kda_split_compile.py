@@ -16,7 +16,8 @@ def _cases():
         for tokens, record in ((1, False), (4, False), (4, True), (8, False), (8, True)):
             i = len(cases)
             # gate_mode, has_bias, conv_dim_first, pdl
-            cases.append((cluster, tokens, record, i % 4, i % 2 == 0, i % 4 < 2, i % 3 == 1))
+            gate_mode = (0, 1, 3, 3)[i % 4]
+            cases.append((cluster, tokens, record, gate_mode, i % 2 == 0, i % 4 < 2, i % 3 == 1))
     return cases
 
 
@@ -45,6 +46,8 @@ def test_split_config_errors():
         KdaSplit(2, 1, cluster=1)
     with pytest.raises(ValueError, match="tokens"):
         KdaSplit(2, 9, cluster=2)
+    with pytest.raises(ValueError, match="gate_mode"):  # mode 2 was removed
+        KdaSplit(2, 1, gate_mode=2, cluster=2)
 
 
 @pytest.mark.parametrize(

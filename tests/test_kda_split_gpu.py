@@ -27,15 +27,15 @@ CLUSTERS = [2, 4, 8]
 
 CASES = [
     # H, B, T, dim_first, bias, record, padding, gate_mode, conv dtype, holes
-    (6, 1, 1, True, True, False, (), 2, torch.bfloat16, False),
-    (6, 1, 4, False, False, True, (), 2, torch.bfloat16, False),
-    (6, 1, 8, True, True, False, (), 2, torch.float32, True),
-    (6, 3, 2, False, False, True, (1,), 2, torch.bfloat16, False),
-    (12, 8, 5, True, True, False, (0, 7), 2, torch.float32, True),
-    (6, 8, 8, False, True, True, (3,), 2, torch.bfloat16, False),
-    (1, 2, 3, True, False, False, (), 2, torch.bfloat16, True),
-    (12, 4, 1, False, True, False, (2,), 2, torch.float32, False),
-    (6, 1, 1, True, True, False, (0,), 2, torch.bfloat16, False),  # all padding
+    (6, 1, 1, True, True, False, (), 3, torch.bfloat16, False),
+    (6, 1, 4, False, False, True, (), 3, torch.bfloat16, False),
+    (6, 1, 8, True, True, False, (), 3, torch.float32, True),
+    (6, 3, 2, False, False, True, (1,), 3, torch.bfloat16, False),
+    (12, 8, 5, True, True, False, (0, 7), 3, torch.float32, True),
+    (6, 8, 8, False, True, True, (3,), 3, torch.bfloat16, False),
+    (1, 2, 3, True, False, False, (), 3, torch.bfloat16, True),
+    (12, 4, 1, False, True, False, (2,), 3, torch.float32, False),
+    (6, 1, 1, True, True, False, (0,), 3, torch.bfloat16, False),  # all padding
     # The seed's mma.sync gate orders, on gate inputs whose dot is exact in any order.
     (6, 2, 1, True, True, False, (), 0, torch.bfloat16, False),
     (6, 4, 4, False, False, True, (1,), 1, torch.bfloat16, False),
@@ -78,8 +78,7 @@ def test_auto_picks_split_for_one_request():
     kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, gate_mode=2,
-        out=out,
+        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, out=out,
     )  # fmt: skip
     torch.cuda.synchronize()
     check_state(layer.state, ref_layer.state, before, written_pages(step, None))

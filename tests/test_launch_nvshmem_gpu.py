@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "decode.py")
 BENCH = os.path.join(ROOT, "scripts", "bench_allreduce.py")
 HAZARDS = os.path.join(ROOT, "tests", "nvshmem_hazards.py")
+DOMAIN_HAZARDS = os.path.join(ROOT, "tests", "nvshmem_domain_hazards.py")
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -216,6 +217,17 @@ def test_hazards_across_gpus(nproc):
     p, lines = torchrun(nproc, HAZARDS, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert lines and lines[-1] == "HAZARDS OK", p.stdout[-4000:] + p.stderr[-4000:]
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+def test_hazards_across_domains(nproc):
+    """Issue 14 part 6: the same hazards with every peer in another domain (put with
+    signal, the consumer waiting on signal words): 1000 replays, a delayed rank, a dead
+    rank named within the budget, reset, signal words zero."""
+    p, lines = torchrun(nproc, DOMAIN_HAZARDS, "1", timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert lines and lines[-1] == "DOMAIN HAZARDS OK", p.stdout[-4000:] + p.stderr[-4000:]
     print(p.stdout)
 
 

@@ -83,8 +83,9 @@ def test_host_job_refusals(argv, world, message, capsys, monkeypatch):
 
 
 def test_argument_parser_refusals(capsys):
-    for argv in (["--kernel", "fast"], ["--gate-mode", "4"], ["--conv-layout", "x"],
-                 ["--backend", "mpi"], ["--oproj-launch", "all"]):  # fmt: skip
+    for argv in (["--kernel", "fast"], ["--gate-mode", "4"], ["--gate-mode", "2"],
+                 ["--conv-layout", "x"], ["--backend", "mpi"],
+                 ["--oproj-launch", "all"]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             decode.parse_args(argv)
         assert e.value.code == 2

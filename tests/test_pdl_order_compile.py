@@ -46,12 +46,12 @@ def _kda_names():
 
 
 KDA_CASES = [  # kernel, heads, tokens, record, gate_mode, has_bias, dim_first
-    ("wide", 2, 1, False, 2, True, True),
+    ("wide", 2, 1, False, 3, True, True),
     ("wide", 3, 3, True, 0, False, True),
     ("wide", 2, 4, False, 1, True, True),
-    ("stream", 2, 1, False, 2, True, True),
+    ("stream", 2, 1, False, 3, True, True),
     ("stream", 2, 3, True, 0, False, False),
-    ("split", 2, 1, False, 2, True, True),
+    ("split", 2, 1, False, 3, True, True),
     ("split", 3, 2, True, 1, False, False),
     ("wide", 2, 2, True, 3, True, True),
     ("stream", 2, 1, False, 3, True, False),
@@ -148,7 +148,7 @@ def test_the_check_sees_a_missing_wait(tmp_path):
 
     from kda.wide import KdaWide
 
-    text = _ptx(KdaWide(2, 1, False, 2, True, 0, pdl=True), fake_args(2, 1), tmp_path)
+    text = _ptx(KdaWide(2, 1, False, 3, True, 0, pdl=True), fake_args(2, 1), tmp_path)
     early, _ = loads_before_wait(text.replace("griddepcontrol.wait;", ""))
     index = {n: i for i, n in enumerate(_kda_names())}
     assert {index[n] for n in KDA_AFTER_WAIT} <= early

@@ -27,8 +27,6 @@ __all__ = [
     "st_global_f32x4",
     "ld_global_nc_b32x2",
     "ld_shared_b32x2",
-    "ld_global_b32x4",
-    "st_shared_b32x4",
     "ld_shared_b32x4",
     "bf16x2_to_f32",
     "prefetch_l2_bulk",
@@ -125,23 +123,6 @@ def ld_global_b32x2(address: Int64):
         "ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];",
         write_only_types=[Uint32] * 2,
         read_only_args=[address],
-    )
-
-
-def ld_global_b32x4(address: Int64):
-    """Weak 16-byte global load as four 32-bit words."""
-    return cute.arch.inline_ptx(
-        "ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Uint32] * 4,
-        read_only_args=[address],
-    )
-
-
-def st_shared_b32x4(shared: Int32, words):
-    """Weak 16-byte shared store of four 32-bit words."""
-    cute.arch.inline_ptx(
-        "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-        read_only_args=[shared, *words],
     )
 
 
