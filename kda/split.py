@@ -32,7 +32,6 @@ from tpcomm import cuteutil as ptx  # the cluster exchange: push_float, arm/wait
 from tpcomm.cuteutil import (
     cp_async_16,
     launch,
-    ld_global_nc_b32x2,
     ld_shared_f32x4,
     smem_tensor,
     st_global_f32x4,
@@ -203,21 +202,6 @@ class KdaSplit(KdaWide):
             ptx.push_float(target, value, bars, peer)
 
     @cute.jit
-    def load_tile_weights(self, f_b, head, tile):
-        """``KdaWide.load_gate_weights`` for gate tile ``tile`` (features 16 tile ..)."""
-        lane = cute.arch.lane_idx()
-        group, quarter = lane // 4, lane % 4
-        base = Int64(f_b.iterator.toint())
-        feature = head * HEAD_DIM + 16 * tile + group
-        weights = []
-        for chunk in cutlass.range_constexpr(8):
-            col = 16 * chunk + 4 * quarter
-            low = ld_global_nc_b32x2(base + Int64(feature * HEAD_DIM + col) * 2)
-            high = ld_global_nc_b32x2(base + Int64((feature + 8) * HEAD_DIM + col) * 2)
-            weights.append((low[0], high[0], low[1], high[1]))
-        return weights
-
-    @cute.jit
     def gate_tile(self, op, weights, activations, a, dt, s_gate, s_decay, bars, request, head,
                   tile):  # fmt: skip
         """KdaWide.gate_phase on one 16-feature tile: raw gate (mode 3: settled exactly
@@ -332,7 +316,7 @@ class KdaSplit(KdaWide):
             a = Float32(op.a_log[head])
             dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * tile + lane // 4 + 8 * i])
                   for i in range(2)]  # fmt: skip
-            weights = self.load_tile_weights(op.f_b, head, tile)
+            weights = self.load_gate_weights(op.f_b, head, tile, cute.arch.lane_idx())
 
             # The step's inputs (written by the kernel before): x, beta, f_a, output gate.
             cute.arch.griddepcontrol_wait()

@@ -164,15 +164,13 @@ class KdaWide:
         return history
 
     @cute.jit
-    def load_gate_weights(self, f_b, head):
-        """f_b A fragments of this thread's warp's 16-feature tile, 8 k16 chunks (K permuted
-        within a chunk identically for A and B: thread columns 4q..4q+3 -> k 2q, 2q+1, 2q+8,
-        2q+9)."""
-        tid, _, _ = cute.arch.thread_idx()
-        lane, m = tid % 32, tid // 32
+    def load_gate_weights(self, f_b, head, tile, lane):
+        """f_b A fragments of gate tile ``tile`` (features 16 tile ..) for lane ``lane`` of
+        its warp, 8 k16 chunks (K permuted within a chunk identically for A and B: thread
+        columns 4q..4q+3 -> k 2q, 2q+1, 2q+8, 2q+9)."""
         group, quarter = lane // 4, lane % 4
         base = Int64(f_b.iterator.toint())
-        feature = head * HEAD_DIM + 16 * m + group
+        feature = head * HEAD_DIM + 16 * tile + group
         weights = []
         for chunk in cutlass.range_constexpr(8):
             col = 16 * chunk + 4 * quarter
@@ -369,7 +367,8 @@ class KdaWide:
         a = Float32(op.a_log[head])
         group = lane // 4
         dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
-        return a, dt, self.load_gate_weights(op.f_b, head)
+        tid, _, _ = cute.arch.thread_idx()  # read here: KdaStream's own lane here spilled
+        return a, dt, self.load_gate_weights(op.f_b, head, tid // 32, tid % 32)
 
     def read_inputs(self, op, s_beta, columns, token, head):
         """Trace-time helper: after ``griddepcontrol.wait``, x at the thread's two

@@ -34,6 +34,10 @@ GPU_TIMEOUT = 300.0  # --timeout default on the GPU backends (kernel compiles be
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 10**6
 REFUSAL_TICK_S = 2.0  # refusing ranks of a job exit together on this clock's ticks
+# Rank 0 prints the refusal and leaves on its next tick; the others wait up to this many
+# ticks for it (the launcher stops them, status 2, once rank 0 leaves), so a rank 0 that
+# started late is not stopped before it speaks (a 4-rank job under load lost its line).
+QUIET_TICKS = 3
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,8 +47,13 @@ class Parser(argparse.ArgumentParser):
         if env_rank() == 0:
             print(f"DECODE FAILED: {self.prog}: {message}", flush=True)
         if job_processes() > 1:  # the launcher stops the other ranks once one exits: every
-            hard_exit(2, REFUSAL_TICK_S)  # rank leaves on one clock tick, at once
+            hard_exit(2, REFUSAL_TICK_S, refusal_ticks())  # rank leaves on a tick, rank 0 first
         sys.exit(2)
+
+
+def refusal_ticks() -> int:
+    """Ticks a refusing rank waits before it leaves: 1 for rank 0 (which speaks)."""
+    return 1 if env_rank() == 0 else QUIET_TICKS
 
 
 def ranged(kind, low, high=None):
@@ -174,5 +183,5 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     status = main()
     if status == 2 and job_processes() > 1:  # a refusal: the launcher stops the other ranks
-        hard_exit(2, REFUSAL_TICK_S)  # once one exits, so every rank leaves on one tick
+        hard_exit(2, REFUSAL_TICK_S, refusal_ticks())  # once one exits: rank 0 first
     sys.exit(status)

@@ -26,11 +26,12 @@ SUSPECT_S = 3.0  # heartbeat limit after a collective failed or the launcher sai
 PREFIX = "decode/live/"
 
 
-def hard_exit(code: int, tick_s: float | None = None) -> None:
-    """``os._exit(code)``, at the next multiple of ``tick_s`` on the clock when given (ranks
-    leaving together; SIGTERM meanwhile exits with ``code`` at once), after flushing stdio
-    and, when coverage measures this process (the test suite's subprocess measurement),
-    saving its data first, which ``os._exit`` would drop with the ``atexit`` hooks."""
+def hard_exit(code: int, tick_s: float | None = None, ticks: int = 1) -> None:
+    """``os._exit(code)``, at the ``ticks``-th next multiple of ``tick_s`` on the clock when
+    given (ranks leaving together; SIGTERM meanwhile exits with ``code`` at once), after
+    flushing stdio and, when coverage measures this process (the test suite's subprocess
+    measurement), saving its data first, which ``os._exit`` would drop with the ``atexit``
+    hooks."""
     coverage = sys.modules.get("coverage")
     current = getattr(getattr(coverage, "Coverage", None), "current", None)
     measuring = current() if current is not None else None
@@ -43,7 +44,7 @@ def hard_exit(code: int, tick_s: float | None = None) -> None:
     if tick_s:  # a rank that reached this wait just after a tick is stopped by the launcher
         # (SIGTERM) when the others leave: it leaves with ``code`` too
         signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
-        time.sleep(tick_s - time.time() % tick_s)
+        time.sleep(tick_s * ticks - time.time() % tick_s)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -406,17 +406,23 @@ class Runner:
                 self._stage(bk, name, parity)()
             graphs.append(g)
         self.sync_all()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
+        return dict(zip(stages, self.timed_replays(bk, graphs, "stage pass"), strict=True))
+
+    def timed_replays(self, bk: Bucket, graphs, what: str) -> list[float]:
+        """``graphs`` replayed in order behind one sleep (the host enqueues everything
+        while it runs) and one on-stream barrier, an event after each: us per graph on this
+        process's clock. Collective; raises (naming ``what``) on a consumer timeout."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)]
         if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(GATE_CYCLES)  # the host enqueues everything while this runs
+            torch.cuda._sleep(GATE_CYCLES)
         self.stream_barrier()
         events[0].record()
         for g, e in zip(graphs, events[1:], strict=True):
             g.replay()
             e.record()
         torch.cuda.synchronize(self.device)
-        self.raise_on_timeout(bk, "stage pass")
-        return {n: events[i].elapsed_time(events[i + 1]) * 1e3 for i, n in enumerate(stages)}
+        self.raise_on_timeout(bk, what)
+        return [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(len(graphs))]
 
     def timeout_masks(self, bk: Bucket) -> list[int]:
         """Every rank's consumer error word (missing-rank mask; 0: none), in rank order."""
@@ -451,17 +457,7 @@ class Runner:
         engine runs a layer step after step. One more step runs first and is left out (it
         pays for the checks' host work before it). Collective; raises on a timeout."""
         graphs = [bk.graphs[(parity + i) % 2] for i in range(steps + 1)]
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 2)]
-        if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(GATE_CYCLES)
-        self.stream_barrier()
-        events[0].record()
-        for g, e in zip(graphs, events[1:], strict=True):
-            g.replay()
-            e.record()
-        torch.cuda.synchronize(self.device)
-        self.raise_on_timeout(bk, "back-to-back steps")
-        return [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(1, steps + 1)]
+        return self.timed_replays(bk, graphs, "back-to-back steps")[1:]
 
     # --- reading back (collective; the whole layer on process 0, None elsewhere) ---------
     def all_ranks(self, t: torch.Tensor) -> torch.Tensor | None:

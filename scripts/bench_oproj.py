@@ -41,7 +41,7 @@ import argparse
 import json
 
 import torch
-from oproj_rows import graph_us  # the rows sweep's timer (this folder)
+from oproj_rows import graph_us, torch_epilogue  # the rows sweep's (this folder)
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.api import OprojAllReduce
@@ -74,16 +74,7 @@ def torch_consume(a, prefix, out):
     attn = a["partials"].float().sum(0).to(torch.bfloat16)
     p = (prefix.float() + attn.float()).to(torch.bfloat16)
     prefix.copy_(p)
-    pf = p.float()
-    hid = pf.shape[-1]
-    if a["blocks"] is None:
-        h = pf
-    else:
-        w = a["norm"].float() * a["query"].float()
-        v = torch.cat([a["blocks"].float(), pf[:, None]], dim=1)
-        logits = (v @ w) * torch.rsqrt(v.pow(2).sum(-1) / hid + EPS)
-        h = (torch.softmax(logits, dim=1)[..., None] * v).sum(1)
-    out.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * a["out_norm"].float())
+    torch_epilogue(p, a, out)
 
 
 def bench_row(tp, tokens, nb, hid, iters, repeats):

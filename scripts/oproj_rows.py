@@ -93,23 +93,29 @@ def floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops):
     return max(hbm / (tbps * 1e6), 2 * tp * rows * hid * d_local / (tflops * 1e6))
 
 
-def peer_step(a, prefixes, outputs):
-    """The composed peer: bmm partials, fp32 sum, residual, AttnRes, RMSNorm in torch."""
-    partials = torch.bmm(a["attn"], a["w_os"].transpose(1, 2))
-    total = partials.float().sum(0)
-    p = (prefixes.float() + total.to(torch.bfloat16).float()).to(torch.bfloat16)
-    prefixes.copy_(p)
+def torch_epilogue(p, a, out):
+    """The peers' AttnRes (softmax over ``a["blocks"]`` [rows, nb, HID] and ``p``) and
+    RMSNorm in fp32 torch ops into ``out``; ``p`` [..., rows, HID] is the new prefix."""
     pf = p.float()
     hid = pf.shape[-1]
     if a["blocks"] is None:
         h = pf
     else:
         w = a["norm"].float() * a["query"].float()
-        v = torch.cat([a["blocks"].float()[None].expand(pf.shape[0], -1, -1, -1),
-                       pf[:, :, None]], dim=2)  # fmt: skip
+        blocks = a["blocks"].float().expand(*pf.shape[:-2], -1, -1, -1)
+        v = torch.cat([blocks, pf[..., None, :]], dim=-2)  # [..., rows, nb + 1, HID]
         logits = (v @ w) * torch.rsqrt(v.pow(2).sum(-1) / hid + EPS)
-        h = (torch.softmax(logits, dim=2)[..., None] * v).sum(2)
-    outputs.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * a["out_norm"].float())
+        h = (torch.softmax(logits, dim=-1)[..., None] * v).sum(-2)
+    out.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * a["out_norm"].float())
+
+
+def peer_step(a, prefixes, outputs):
+    """The composed peer: bmm partials, fp32 sum, residual, AttnRes, RMSNorm in torch."""
+    partials = torch.bmm(a["attn"], a["w_os"].transpose(1, 2))
+    total = partials.float().sum(0)
+    p = (prefixes.float() + total.to(torch.bfloat16).float()).to(torch.bfloat16)
+    prefixes.copy_(p)
+    torch_epilogue(p, a, outputs)
 
 
 def peer_us(a, iters, repeats):

@@ -22,30 +22,21 @@ Every rank draws every rank's partials from one seed, so each checks locally.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-for _var, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ[_var] = _value
+import torch
 
-import torch  # noqa: E402
+# the multicast-off environment (set before CUDA starts), sys.path, the shared constants
+from nvshmem_hazards import BUDGET_NS, HID, REPLAYS, TOKENS
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch.checks import ulp_check
+from tpcomm.backends import make_backend
+from tpcomm.oproj import bound as B
+from tpcomm.oproj import reference as R
+from tpcomm.oproj.api import OprojAllReduce
 
-from launch.checks import ulp_check  # noqa: E402
-from tpcomm.backends import make_backend  # noqa: E402
-from tpcomm.oproj import bound as B  # noqa: E402
-from tpcomm.oproj import reference as R  # noqa: E402
-from tpcomm.oproj.api import OprojAllReduce  # noqa: E402
-
-TOKENS, HID, NB = 4, 7168, 3
-REPLAYS = 1000
-BUDGET_NS = 20_000_000
+NB = 3
 EPS, OUT_EPS = 1e-6, 1e-5
 POISON = 0x7F81
 OK = "DOMAIN HAZARDS OK"
