@@ -8,14 +8,14 @@ the three per-head sums and of the rows' dot products (butterflies over 2 C lane
 The per-item prologue is done once per cluster: CTA i convolves q, k and v of its R
 channels (threads 0 .. 3R - 1) and computes the raw gate and decay of its R features (the
 last R / 16 warps, one 16-feature mma.sync tile each; gate mode 3 settles undecided raw
-gates with ``dev.settle_gate``, re-reading their f_a and f_b rows, as KdaWide does); it
-pushes its q, k (SiLU outputs, before the norm) and decays into ``s_q``, ``s_k``,
-``s_decay`` of every CTA of the cluster, itself included (st.async + mbarrier complete_tx;
-the barrier is armed before a cluster barrier that every CTA passes before pushing). Each
-CTA then forms ``sum q^2``, ``sum k^2`` of all 128 channels itself: 16-channel
-butterflies, then the pairwise tree over the eight groups (the order the partial exchange
-used to give, so every CTA normalises with identical bits). ``sum o^2`` crosses the
-cluster as partials (each CTA pushes the pairwise sum of its 16-channel groups; the C
+gates with ``dev.settle_gate``, re-reading their f_a and f_b rows, four per round where
+KdaWide takes one at a time); it pushes its q, k (SiLU outputs, before the norm) and decays
+into ``s_q``, ``s_k``, ``s_decay`` of every CTA of the cluster, itself included (st.async +
+mbarrier complete_tx; the barrier is armed before a cluster barrier that every CTA passes
+before pushing). Each CTA then forms ``sum q^2``, ``sum k^2`` of all 128 channels itself:
+16-channel butterflies, then the pairwise tree over the eight groups (the order the partial
+exchange used to give, so every CTA normalises with identical bits). ``sum o^2`` crosses
+the cluster as partials (each CTA pushes the pairwise sum of its 16-channel groups; the C
 partials are added pairwise in rank order). CTA i writes its rows of the state, v records
 and outputs, its channels of the conv page, the k record and the raw-gate record of its
 features. The state rows are staged by cp.async first; the output gate is read with the
@@ -50,6 +50,8 @@ GROUPS = HEAD_DIM // GROUP
 class KdaSplit(KdaWide):
     """KdaWide's configuration (``tokens``, ``record``, ``gate_mode``, ``has_bias``,
     ``arch``, ``pdl``) plus ``cluster``: CTAs per (request, head) item (2, 4 or 8)."""
+
+    settle_batch = 4  # gate mode 3: four undecided raw gates per round (faster here)
 
     def __init__(
         self,
@@ -225,7 +227,7 @@ class KdaSplit(KdaWide):
                     op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
             dev.settle_gate(op, acc, bound, a, dt, s_gate, first, tile, request, head,
-                            self.tokens, self.record)  # fmt: skip
+                            self.tokens, self.record, self.settle_batch)  # fmt: skip
         # each lane reads back only what it wrote itself
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2

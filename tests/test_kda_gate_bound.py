@@ -113,11 +113,15 @@ def test_bound_contains_the_exact_dot():
 
 
 def test_next_flagged_takes_every_flag_once():
-    """``kda.device.next_flagged`` (settle_gate's picker, run here on Python ints): rounds
-    of SETTLE_BATCH picks take every flagged (accumulator, lane) of the four ballot words
-    once, accumulator-major and lowest lane first, then report nothing found."""
+    """``kda.device.next_flagged`` (settle_rounds' picker, run here on Python ints): rounds
+    of KdaSplit's ``settle_batch`` picks take every flagged (accumulator, lane) of the four
+    ballot words once, accumulator-major and lowest lane first, then report nothing found."""
     pytest.importorskip("cutlass")
-    from kda.device import SETTLE_BATCH, next_flagged
+    from kda.device import next_flagged
+    from kda.split import KdaSplit
+
+    batch = KdaSplit.settle_batch
+    assert batch > 1
 
     def select(cond, a, b):
         return a if cond else b
@@ -135,11 +139,11 @@ def test_next_flagged_takes_every_flag_once():
         taken, rounds = [], 0
         while any(words):
             rounds += 1
-            for _ in range(SETTLE_BATCH):
+            for _ in range(batch):
                 found, e, lane, words = next_flagged(words, select, popc)
                 if found:
                     taken.append((e, lane))
                 else:
                     assert words == [0, 0, 0, 0]
         assert taken == expected
-        assert rounds == -(-len(expected) // SETTLE_BATCH)
+        assert rounds == -(-len(expected) // batch)
