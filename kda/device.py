@@ -30,7 +30,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
-from tpcomm.cuteutil import bf16x2_to_f32, ld_global_b32x2, ld_global_nc_b32x2, mma_bf16_16816
+from tpcomm.cuteutil import (
+    bf16x2_to_f32,
+    ld_global_b32x2,
+    ld_global_nc_b32x2,
+    mma_bf16_16816,
+)
 
 from .dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
 from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
@@ -227,53 +232,147 @@ def gate_straddles(value, bound):
     return low != high
 
 
+def select_i32(cond, a, b):
+    """``a if cond else b`` on the device (Int32, no branch)."""
+    return cutlass.select_(cond, Int32(a), Int32(b))
+
+
+def next_flagged(words, select=select_i32, popc=cute.arch.popc):
+    """The next undecided value of the four ballot words (``words[e]`` bit l: lane l's
+    accumulator e): the lowest lane of the first non-empty word. Returns (found, e, lane,
+    the words without it), by selects only (``select``, ``popc``: the device's by
+    default; the CPU test passes Python's)."""
+    e, word = 3, words[3]
+    for i in (2, 1, 0):
+        e = select(words[i] != 0, i, e)
+        word = select(words[i] != 0, words[i], word)
+    lane = popc((word & (0 - word)) - 1)
+    rest = [select(e == i, words[i] & (words[i] - 1), words[i]) for i in range(4)]
+    return word != 0, e, lane, rest
+
+
+def exact_dots_warp(rows):
+    """The exactly rounded fp32 dots of several pairs of 128-element bf16 rows, computed by
+    the whole warp: ``rows`` holds per pair lane l's words of elements 4l..4l+3 of both
+    rows (loaded beforehand, so that the loads of all pairs are in flight together); the
+    products are exact in fp32, summed in fp64 (as the reference does) in one fixed order,
+    the butterflies of the pairs interleaved, and rounded once to fp32."""
+    totals = []
+    for a, b in rows:
+        terms = []
+        for i in range(2):
+            a_low, a_high = bf16x2_to_f32(a[i])
+            b_low, b_high = bf16x2_to_f32(b[i])
+            terms.append(Float64(a_low * b_low) + Float64(a_high * b_high))
+        totals.append(terms[0] + terms[1])
+    for shift in (16, 8, 4, 2, 1):
+        totals = [x + cute.arch.shuffle_sync_bfly(x, offset=shift) for x in totals]
+    return [Float32(x) for x in totals]
+
+
 def exact_dot_warp(row_a, row_b):
-    """The exactly rounded fp32 dot of two 128-element bf16 rows at global addresses
-    ``row_a`` and ``row_b`` (uniform across the warp), computed by the whole warp: lane l
-    takes elements 4l..4l+3; the products are exact in fp32, summed in fp64 (as the
-    reference does), rounded once to fp32."""
+    """``exact_dots_warp`` of one pair of rows at global addresses ``row_a``, ``row_b``
+    (uniform across the warp), loaded here."""
     lane = cute.arch.lane_idx()
     a = ld_global_b32x2(row_a + Int64(lane * 8))
     b = ld_global_nc_b32x2(row_b + Int64(lane * 8))
-    terms = []
-    for i in range(2):
-        a_low, a_high = bf16x2_to_f32(a[i])
-        b_low, b_high = bf16x2_to_f32(b[i])
-        terms.append(Float64(a_low * b_low) + Float64(a_high * b_high))
-    total = terms[0] + terms[1]
-    for shift in (16, 8, 4, 2, 1):
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=shift)
-    return Float32(total)
+    return exact_dots_warp([(a, b)])[0]
 
 
 @cute.jit
-def settle_gate(op, acc, bound, s_decay, request, head, warp, tokens: cutlass.Constexpr,
-                record: cutlass.Constexpr):  # fmt: skip
-    """Gate mode 3, after the fast path wrote its decays (and records): a lane's
-    accumulators whose bound straddles a bf16 rounding (tokens < T only) are recomputed
-    exactly by the whole warp, lane by lane (lowest first, ``warp`` the 16-feature tile),
-    and the owning lane rewrites that decay (and raw-gate record) from the exact raw gate."""
+def settle_gate(op, acc, bound, a, dt, s_gate, first, tile, request, head,
+                tokens: cutlass.Constexpr, record: cutlass.Constexpr,
+                batch: cutlass.Constexpr):  # fmt: skip
+    """Gate mode 3, after the fast path wrote its decays (and records): the accumulators
+    whose bound straddles a bf16 rounding (tokens < T only) are recomputed exactly by the
+    whole warp, and the owning lane rewrites ``s_gate[t, first + row]`` (and the raw-gate
+    record) from the exact raw gate. ``tile``: the warp's 16 features of the head (row
+    ``r`` is feature 16 tile + r). ``batch`` 1: one value at a time (``settle_each``);
+    more (up to 32): ``batch`` values per round (``settle_rounds``, which takes ``a``,
+    ``dt``: the lane's a_log and dt_bias of rows ``lane // 4``, + 8)."""
     lane = cute.arch.lane_idx()
-    pending = []
+    flags = []
     for e in cutlass.range_constexpr(4):
         t = 2 * (lane % 4) + e % 2
-        pending.append(cute.arch.vote_ballot_sync(gate_straddles(acc[e], bound[e]) & (t < tokens)))
-    lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
+        flags.append(cute.arch.vote_ballot_sync(gate_straddles(acc[e], bound[e]) & (t < tokens)))
+    if cutlass.const_expr(batch == 1):
+        settle_each(op, lane, flags, s_gate, first, tile, request, head, tokens, record)
+    else:
+        settle_rounds(op, flags, a, dt, s_gate, first, tile, request, head, tokens, record,
+                      batch)  # fmt: skip
+
+
+@cute.jit
+def settle_each(op, lane, flags, s_gate, first, tile, request, head,
+                tokens: cutlass.Constexpr, record: cutlass.Constexpr):  # fmt: skip
+    """``settle_gate`` lane by lane (lowest first), a lane's flagged accumulators in turn:
+    each value's f_a and f_b rows loaded and summed alone; the owner reloads a_log and its
+    dt_bias (no registers held across the loop)."""
+    stride = HEAD_DIM * 2  # bytes per f_a / f_b row
+    lanes = (flags[0] | flags[1]) | (flags[2] | flags[3])
     while lanes != 0:
         source = cute.arch.popc((lanes & (0 - lanes)) - 1)
         for e in cutlass.range_constexpr(4):
-            if (pending[e] >> source) & 1 != 0:
+            if (flags[e] >> source) & 1 != 0:
                 t = 2 * (source % 4) + e % 2
-                feature = 16 * warp + source // 4 + 8 * (e // 2)
-                exact = exact_dot_warp(
-                    Int64(op.f_a.iterator.toint()) + Int64(request * tokens + t) * (HEAD_DIM * 2),
-                    Int64(op.f_b.iterator.toint())
-                    + Int64(head * HEAD_DIM + feature) * (HEAD_DIM * 2),
-                )
+                feature = 16 * tile + source // 4 + 8 * (e // 2)
+                row_a = Int64(op.f_a.iterator.toint()) + Int64(request * tokens + t) * stride
+                row_b = Int64(op.f_b.iterator.toint()) + Int64(head * HEAD_DIM + feature) * stride
+                exact = exact_dot_warp(row_a, row_b)
                 if lane == source:
                     raw_g = to_bf16_f32(exact)
                     dt = Float32(op.dt_bias[head * HEAD_DIM + feature])
-                    s_decay[t, feature] = decay(Float32(op.a_log[head]), raw_g, dt, op.lower_bound)
+                    a = Float32(op.a_log[head])
+                    column = first + source // 4 + 8 * (e // 2)
+                    s_gate[t, column] = decay(a, raw_g, dt, op.lower_bound)
                     if cutlass.const_expr(record):
                         op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         lanes = lanes & (lanes - 1)
+
+
+@cute.jit
+def settle_rounds(op, flags, a, dt, s_gate, first, tile, request, head,
+                  tokens: cutlass.Constexpr, record: cutlass.Constexpr,
+                  batch: cutlass.Constexpr):  # fmt: skip
+    """``settle_gate`` ``batch`` values per round (``next_flagged`` order): the f_a and f_b
+    row loads of a round are issued together, the butterflies interleaved, lane ``l``
+    computes the decay of the round's value ``l % batch`` (dt_bias shuffled from the
+    owner), the owner writes it."""
+    lane = cute.arch.lane_idx()
+    w0, w1, w2, w3 = flags
+    rows_a = Int64(op.f_a.iterator.toint()) + Int64(request * tokens) * (HEAD_DIM * 2)
+    rows_b = Int64(op.f_b.iterator.toint()) + Int64(head * HEAD_DIM + 16 * tile) * (HEAD_DIM * 2)
+    while ((w0 | w1) | (w2 | w3)) != 0:
+        words = [w0, w1, w2, w3]
+        found, es, sources = [], [], []
+        for k in cutlass.range_constexpr(batch):
+            valid, e, source, words = next_flagged(words)
+            if cutlass.const_expr(k > 0):  # an empty slot repeats the first one's value
+                e, source = select_i32(valid, e, es[0]), select_i32(valid, source, sources[0])
+            found.append(valid)
+            es.append(e)
+            sources.append(source)
+        w0, w1, w2, w3 = words
+        ts = [2 * (sources[k] % 4) + es[k] % 2 for k in range(batch)]
+        rows = [sources[k] // 4 + 8 * (es[k] // 2) for k in range(batch)]
+        loaded = []
+        for k in cutlass.range_constexpr(batch):
+            words_a = ld_global_b32x2(rows_a + Int64(ts[k] * (HEAD_DIM * 2) + lane * 8))
+            words_b = ld_global_nc_b32x2(rows_b + Int64(rows[k] * (HEAD_DIM * 2) + lane * 8))
+            loaded.append((words_a, words_b))
+        raws = [to_bf16_f32(x) for x in exact_dots_warp(loaded)]
+        mine = lane % batch
+        raw_g, e, source = raws[0], es[0], sources[0]
+        for k in cutlass.range_constexpr(1, batch):
+            raw_g = cutlass.select_(mine == k, raws[k], raw_g)
+            e, source = select_i32(mine == k, es[k], e), select_i32(mine == k, sources[k], source)
+        dt_low = cute.arch.shuffle_sync(dt[0], offset=source)
+        dt_high = cute.arch.shuffle_sync(dt[1], offset=source)
+        value = decay(a, raw_g, cutlass.select_(e >= 2, dt_high, dt_low), op.lower_bound)
+        for k in cutlass.range_constexpr(batch):
+            value_k = cute.arch.shuffle_sync(value, offset=k)
+            if found[k] & (lane == sources[k]):
+                s_gate[ts[k], first + rows[k]] = value_k
+                if cutlass.const_expr(record):
+                    feature = 16 * tile + rows[k]
+                    op.kg_records[request, head, ts[k], HEAD_DIM + feature] = BFloat16(raws[k])

@@ -7,30 +7,29 @@ the three per-head sums and of the rows' dot products (butterflies over 2 C lane
 
 The per-item prologue is done once per cluster: CTA i convolves q, k and v of its R
 channels (threads 0 .. 3R - 1) and computes the raw gate and decay of its R features (the
-last R / 16 warps, one 16-feature mma.sync tile each; gate mode 3 recomputes an undecided
-raw gate exactly from the warp's own fragments, bitwise ``dev.exact_dot_warp``); it pushes
-its q, k (SiLU outputs, before the norm) and decays into ``s_q``, ``s_k``, ``s_decay`` of
-every CTA of the cluster, itself included (st.async + mbarrier complete_tx; the barrier is
-armed before a cluster barrier that every CTA passes before pushing). Each CTA then forms
-``sum q^2``, ``sum k^2`` of all 128 channels itself: 16-channel butterflies, then the
-pairwise tree over the eight groups (the order the partial exchange used to give, so
-every CTA normalises with identical bits). ``sum o^2`` crosses the cluster as partials
-(each CTA pushes the pairwise sum of its 16-channel groups; the C partials are added
-pairwise in rank order). CTA i writes its rows of the state, v records and outputs, its
-channels of the conv page, the k record and the raw-gate record of its features. The
-state rows are staged by cp.async first; the output gate is read with the step's other
-inputs, after ``griddepcontrol.wait``.
+last R / 16 warps, one 16-feature mma.sync tile each; gate mode 3 settles undecided raw
+gates with ``dev.settle_gate``, re-reading their f_a and f_b rows, four per round where
+KdaWide takes one at a time); it pushes its q, k (SiLU outputs, before the norm) and decays
+into ``s_q``, ``s_k``, ``s_decay`` of every CTA of the cluster, itself included (st.async +
+mbarrier complete_tx; the barrier is armed before a cluster barrier that every CTA passes
+before pushing). Each CTA then forms ``sum q^2``, ``sum k^2`` of all 128 channels itself:
+16-channel butterflies, then the pairwise tree over the eight groups (the order the partial
+exchange used to give, so every CTA normalises with identical bits). ``sum o^2`` crosses
+the cluster as partials (each CTA pushes the pairwise sum of its 16-channel groups; the C
+partials are added pairwise in rank order). CTA i writes its rows of the state, v records
+and outputs, its channels of the conv page, the k record and the raw-gate record of its
+features. The state rows are staged by cp.async first; the output gate is read with the
+step's other inputs, after ``griddepcontrol.wait``.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm import cuteutil as ptx  # the cluster exchange: push_float, arm/wait_exchange
 from tpcomm.cuteutil import (
-    bf16x2_to_f32,
     cp_async_16,
     launch,
     ld_shared_f32x4,
@@ -51,6 +50,8 @@ GROUPS = HEAD_DIM // GROUP
 class KdaSplit(KdaWide):
     """KdaWide's configuration (``tokens``, ``record``, ``gate_mode``, ``has_bias``,
     ``arch``, ``pdl``) plus ``cluster``: CTAs per (request, head) item (2, 4 or 8)."""
+
+    settle_batch = 4  # gate mode 3: four undecided raw gates per round (faster here)
 
     def __init__(
         self,
@@ -225,8 +226,8 @@ class KdaSplit(KdaWide):
                     feature = 16 * tile + group + 8 * (e // 2)
                     op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            self.settle_tile(op, weights, activations, acc, bound, a, dt, s_gate, request,
-                             head, tile)  # fmt: skip
+            dev.settle_gate(op, acc, bound, a, dt, s_gate, first, tile, request, head,
+                            self.tokens, self.record, self.settle_batch)  # fmt: skip
         # each lane reads back only what it wrote itself
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
@@ -234,35 +235,6 @@ class KdaSplit(KdaWide):
                 local = first + group + 8 * (e // 2)
                 target = s_decay.iterator + (t * HEAD_DIM + 16 * tile + group + 8 * (e // 2))
                 self.push_all(target, s_gate[t, local], bars)
-
-    @cute.jit
-    def settle_tile(self, op, weights, activations, acc, bound, a, dt, s_gate, request, head,
-                    tile):  # fmt: skip
-        """``dev.settle_gate`` on the tile's fragments: the exact dot from registers
-        (``exact_dot_fragments``), no global reload; the owning lane rewrites its decay
-        (its own dt_bias registers) and raw-gate record."""
-        lane = cute.arch.lane_idx()
-        first = 16 * (tile % (self.rows // 16))
-        pending = []
-        for e in cutlass.range_constexpr(4):
-            t = 2 * (lane % 4) + e % 2
-            straddles = dev.gate_straddles(acc[e], bound[e]) & (t < self.tokens)
-            pending.append(cute.arch.vote_ballot_sync(straddles))
-        lanes = (pending[0] | pending[1]) | (pending[2] | pending[3])
-        while lanes != 0:
-            source = cute.arch.popc((lanes & (0 - lanes)) - 1)
-            for e in cutlass.range_constexpr(4):
-                if (pending[e] >> source) & 1 != 0:
-                    t = 2 * (source % 4) + e % 2
-                    exact = exact_dot_fragments(weights, activations, source // 4, e // 2, t)
-                    if lane == source:
-                        raw_g = dev.to_bf16_f32(exact)
-                        local = first + source // 4 + 8 * (e // 2)
-                        s_gate[t, local] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
-                        if cutlass.const_expr(self.record):
-                            feature = 16 * tile + source // 4 + 8 * (e // 2)
-                            op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
-            lanes = lanes & (lanes - 1)
 
     @cute.jit
     def normalize_cluster(self, s_q, s_k, qk_pairs, scale):
@@ -402,31 +374,3 @@ class KdaSplit(KdaWide):
                     column = head * HEAD_DIM + own_row
                     result = ((s_o[t, tid] * rstd) * nw) * out_gates[t]
                     op.output[token + t, column] = BFloat16(result)
-
-
-@cute.jit
-def exact_dot_fragments(weights, activations, group, half: cutlass.Constexpr[int], t):
-    """``dev.exact_dot_warp`` of gate-tile feature row ``group + 8 half`` and token ``t``
-    from the warp's mma fragments (``load_gate_weights``, ``load_activations``: lane
-    (g, q) holds columns 16 c + 4 q .. + 3 of every chunk c; group t holds token t):
-    lane l gathers elements 4l .. 4l + 3 by shuffles and sums them in exact_dot_warp's
-    order, so the result is bitwise its."""
-    lane = cute.arch.lane_idx()
-    quarter, mine = lane % 4, lane // 4
-    zero = Uint32(0)
-    a_words, b_words = [zero, zero], [zero, zero]
-    for c in cutlass.range_constexpr(8):
-        for i in cutlass.range_constexpr(2):
-            b = Uint32(cute.arch.shuffle_sync(weights[c][2 * i + half], offset=4 * group + quarter))
-            a = Uint32(cute.arch.shuffle_sync(activations[c][i], offset=4 * t + quarter))
-            b_words[i] = Uint32(cutlass.select_(mine == c, b, b_words[i]))
-            a_words[i] = Uint32(cutlass.select_(mine == c, a, a_words[i]))
-    terms = []
-    for i in cutlass.range_constexpr(2):
-        a_low, a_high = bf16x2_to_f32(a_words[i])
-        b_low, b_high = bf16x2_to_f32(b_words[i])
-        terms.append(Float64(a_low * b_low) + Float64(a_high * b_high))
-    total = terms[0] + terms[1]
-    for level in cutlass.range_constexpr(5):
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> level)
-    return Float32(total)

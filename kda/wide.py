@@ -45,6 +45,10 @@ class KdaWide:
     of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
     ``pdl``: launch with programmatic dependent launch."""
 
+    # gate mode 3: undecided raw gates dev.settle_gate recomputes per round (KdaSplit: 4;
+    # here 1, where the batched rounds slowed KdaStream at T = 4)
+    settle_batch = 1
+
     def __init__(
         self,
         heads,
@@ -253,7 +257,8 @@ class KdaWide:
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(op, acc, bound, s_decay, request, head, warp, self.tokens, self.record)
+            dev.settle_gate(op, acc, bound, a, dt, s_decay, 16 * warp, warp, request, head,
+                            self.tokens, self.record, self.settle_batch)  # fmt: skip
 
     @cute.jit
     def normalize_qk(self, s_q, s_k, sums, scale):

@@ -110,3 +110,40 @@ def test_bound_contains_the_exact_dot():
         rate = flagged(a, b, 16, 0)[1][:2000].float().mean().item()
         assert rate < 0.1, (scale, rate)
         print(f"scale {scale}: flagged {rate:.4f} (plain)")
+
+
+def test_next_flagged_takes_every_flag_once():
+    """``kda.device.next_flagged`` (settle_rounds' picker, run here on Python ints): rounds
+    of KdaSplit's ``settle_batch`` picks take every flagged (accumulator, lane) of the four
+    ballot words once, accumulator-major and lowest lane first, then report nothing found."""
+    pytest.importorskip("cutlass")
+    from kda.device import next_flagged
+    from kda.split import KdaSplit
+
+    batch = KdaSplit.settle_batch
+    assert batch > 1
+
+    def select(cond, a, b):
+        return a if cond else b
+
+    def popc(x):
+        return bin(x & 0xFFFFFFFF).count("1")
+
+    g = torch.Generator().manual_seed(5)
+    cases = [[0, 0, 0, 0], [1 << 31, 0, 0, 1], [0, 0xFFFFFFFF, 0, 0x80000001]]
+    for _ in range(200):
+        bits = torch.rand(4, 32, generator=g) < torch.rand(1, generator=g).item() * 0.3
+        cases.append([sum(1 << i for i in range(32) if bits[e, i]) for e in range(4)])
+    for words in cases:
+        expected = [(e, lane) for e in range(4) for lane in range(32) if words[e] >> lane & 1]
+        taken, rounds = [], 0
+        while any(words):
+            rounds += 1
+            for _ in range(batch):
+                found, e, lane, words = next_flagged(words, select, popc)
+                if found:
+                    taken.append((e, lane))
+                else:
+                    assert words == [0, 0, 0, 0]
+        assert taken == expected
+        assert rounds == -(-len(expected) // batch)
