@@ -6,7 +6,8 @@ rank of a one-GPU backend), forked at the step's start but enqueued after the co
 (its poll budget runs from its start, which must not cover the host's consumer launches),
 acquires the rank's hints and only then reads the copies (into the bucket's ``moe_in``);
 the step joins it at the end, so the next step's consumers come after this step's
-waiters. Its few CTAs (8 a rank) cannot starve a consumer, which never waits on a waiter.
+waiters. Its few CTAs (at most 8 on a GPU, ``tpcomm.oproj.hints.waiter_ctas``) cannot
+starve a consumer, which never waits on a waiter.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from launch import decode, trace
+from launch.moe import MoeWaiters
 from launch.runner import Runner
 from launch.trace import SLOTS
 
@@ -169,6 +170,7 @@ class _Stub(Runner):
     def __init__(self, ranks, oproj_launch):
         self.ranks, self.local = ranks, {r: i for i, r in enumerate(ranks)}
         self.oproj_launch, self.multiprocess, self.calls = oproj_launch, False, []
+        self.moe = MoeWaiters(0, "cpu", ranks, every_rank=oproj_launch == "both")  # none
 
     def _on_ranks(self, ranks, *phases, join=False):
         for phase in phases:
