@@ -176,9 +176,9 @@ class Runner:
         if cfg.groups is not None:
             options = [cfg.groups]
         elif self.oproj_launch != "per-rank":  # one consumer launch: no co-residency rule
-            options = [choose(cfg.tp, rows, cfg.hidden).groups]
-        else:
-            options = range(choose(cfg.tp, rows, cfg.hidden).groups, 0, -1)
+            options = [choose(cfg.tp, rows, cfg.hidden, one_launch=True).groups]
+        else:  # one-shot (the checks read the partials from the mailbox)
+            options = range(choose(cfg.tp, rows, cfg.hidden, twoshot=False).groups, 0, -1)
         one = {"one_launch": True} if self.oproj_launch != "per-rank" else {}
         error = None
         for groups in options:

@@ -26,10 +26,11 @@ the same step composed from peers (T = 1, Kimi-K3 shapes, every request live).
 request live), ``ours`` (the default o-projection launches) and ``peer`` (T = 1 only: the
 fla composition decodes one token) per (TP, requests, tokens); floor = max((state + w_o +
 the exchange's mailbox bytes) / copy bandwidth, o-projection GEMM FLOPs / a large cuBLAS
-GEMM's rate), both measured in the run; the plan's choice per rows bucket. Plot:
-``python scripts/plot_rows.py docs/decode_rows.json --out docs/decode_rows.png``.
+GEMM's rate), both measured in the run; the plan of the runner's path per rows bucket
+(one launch for every rank: one-shot). Plot (one file per TP, as in ``docs/data/``):
+``python scripts/plot_rows.py dec8.json dec16.json --out docs/decode_rows.png``.
 
-    python scripts/bench_decode.py --rows [--tp 8 16] [--json docs/decode_rows.json]
+    python scripts/bench_decode.py --rows [--tp 8 16] [--json dec.json]
 """
 
 from __future__ import annotations
@@ -426,7 +427,10 @@ def rows_main(args) -> int:
                 if GRIDS:
                     exact_gate_weights(model.kda)
                 b = step_bytes(cfg, "decode" if tokens == 1 else "verify", tokens)
-                plan = choose(tp, rows, cfg.hidden)
+                # the runner's path: one launch for every rank (one-shot), else per-rank
+                # launches, one-shot too (the launcher's checks read the mailbox)
+                launch = dict(one_launch=True) if DEFAULT_OPROJ_LAUNCH == "both" else {}
+                plan = choose(tp, rows, cfg.hidden, twoshot=False, **launch)
                 exchange = tp * plan.bytes // 2  # every rank's mailbox, one parity
                 hbm = b["state"] + b["w_o"] + exchange
                 flops = 2 * rows * cfg.hidden * cfg.heads * 128

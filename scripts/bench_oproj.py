@@ -33,7 +33,7 @@ floor as ``prod+cons all``. The plan's tiles per producer group (T) are reported
 Rows sweep (``scripts/oproj_rows.py``: one-shot one launch, each producer, one-shot and
 twoshot per-rank chunks, the torch peer, the floor, the plan's choice per bucket):
 
-    python scripts/bench_oproj.py --rows [--tp 8 16] [--json docs/oproj_rows.json]
+    python scripts/bench_oproj.py --rows [--tp 8 16] [--row-counts ...] [--json PATH]
                                   [--write-crossovers]
 """
 

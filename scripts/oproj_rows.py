@@ -16,7 +16,8 @@ of ``repeats`` replays, us per step):
 Floor: max(HBM bytes / the copy bandwidth, GEMM FLOPs / a large cuBLAS GEMM's rate), both
 measured in this run; HBM bytes = every rank's ``w_o`` and ``attn_out`` + the exchange's
 buffers (one-shot: ``TP * plan.bytes / 2``, one parity) + the consumer's row traffic.
-``--write-crossovers`` rewrites ``tpcomm/oproj/crossovers.json`` from the chunked pair.
+``--write-crossovers`` rewrites ``tpcomm/oproj/crossovers.json`` from the chunked pair (the
+crossover of per-rank launches) and the one-launch comparison (one launch stays one-shot).
 """
 
 from __future__ import annotations
@@ -174,12 +175,14 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
         d_local = heads * 128 // tp
         for rows in rows_list:
             a = inputs(tp, rows, hid, nb, d_local)
-            plan = choose(tp, rows, hid)
+            plan = choose(tp, rows, hid, one_launch=True)  # ours: one launch, one-shot
+            chunks = choose(tp, rows, hid)  # per-rank launches (RowChunks): the crossover
             exchange = tp * buffer_bytes(tp, rows, hid, False) // 2
             floor = floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops)
             row = dict(tp=tp, rows=rows, hid=hid, nb=nb, d_local=d_local, floor_us=floor,
                        plan=dict(producer=plan.producer, twoshot=plan.twoshot,
-                                 bytes=plan.bytes, reason=plan.reason))  # fmt: skip
+                                 bytes=plan.bytes, reason=plan.reason),
+                       chunks_plan=dict(twoshot=chunks.twoshot, reason=chunks.reason))  # fmt: skip
             kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
             if rows <= 8:
                 kinds.insert(1, "oneshot_1l_cublas")
@@ -230,14 +233,55 @@ def crossovers(rows_out):
     return table
 
 
-def write_crossovers(rows_out, device, path=CROSSOVERS):
+def one_launch_fastest(rows_out):
+    """Per TP: the measured rows counts and whether one launch for every rank (one-shot,
+    ``oneshot_1l``) beat both chunked variants (per-rank launches, one-shot and twoshot)
+    at every one of them (a variant that did not run counts as beaten)."""
+    table = {}
+    for tp in sorted({r["tp"] for r in rows_out}):
+        mine = sorted((r for r in rows_out if r["tp"] == tp), key=lambda r: r["rows"])
+        wins = [r.get("oneshot_1l_us") is not None and all(
+                    r.get(k) is None or r["oneshot_1l_us"] < r[k]
+                    for k in ("oneshot_chunks_us", "twoshot_chunks_us"))
+                for r in mine]  # fmt: skip
+        table[str(tp)] = dict(rows=[r["rows"] for r in mine], fastest=all(wins))
+    return table
+
+
+def write_crossovers(rows_out, device, path=CROSSOVERS, date=None):
+    """Rewrite ``crossovers.json``: ``twoshot_from_rows`` (``crossovers``), the device, the
+    one-launch comparison (``one_launch``) and ``source``; ``date`` (ISO) of the run,
+    default today."""
     data = json.loads(pathlib.Path(path).read_text())
     data["twoshot_from_rows"] = crossovers(rows_out)
     data["device"] = device
+    fastest = one_launch_fastest(rows_out)
+    data["one_launch"] = {
+        "twoshot": False,
+        "fastest": fastest,
+        "why": "one launch for every rank of one GPU (the loopback launcher's path, "
+               "OprojAllReduce(one_launch=True)) exists one-shot only; where 'fastest' it beat "
+               "chunked one-shot and chunked twoshot at every measured rows count, so choose("
+               "..., one_launch=True) ignores twoshot_from_rows",
+    }  # fmt: skip
+    on = device if "loopback" in device else f"{device} (loopback)"
+    measured = ", ".join(f"TP {tp} rows {'/'.join(map(str, f['rows']))}"
+                         for tp, f in fastest.items())  # fmt: skip
+    chunk = {}  # per TP the largest one-shot chunk the GPU held (its co-residency rule)
+    for r in rows_out:
+        if isinstance(r.get("oneshot_chunks_note"), int):
+            tp = int(r["tp"])
+            chunk[tp] = max(chunk.get(tp, 1), r["oneshot_chunks_note"])
+    chunks = ", ".join(f"TP {tp}: {n}" for tp, n in sorted(chunk.items()))
     data["source"] = (
-        f"measured {datetime.date.today()} on {device} (loopback) by python "
-        "scripts/bench_oproj.py --rows --write-crossovers: twoshot vs one-shot, per-rank "
-        "launches in row chunks (RowChunks), HID 7168, nb 8; null: twoshot never faster"
+        f"measured {date or datetime.date.today()} on {on} by python scripts/bench_oproj.py "
+        f"--rows ({measured}; HID 7168, nb 8): twoshot_from_rows[tp] = the first rows count "
+        "from which twoshot beat one-shot, both as per-rank launches in row chunks "
+        "(RowChunks), at that and every larger measured count; null: never. It applies to "
+        "per-rank launches (multi-GPU backends, RowChunks). Measured on one GPU, where "
+        "one-shot's per-rank chunks hold only what fits the GPU together (rows per chunk, "
+        f"at most {chunks or '-'}): across GPUs it is provisional until re-measured there. "
+        "The one-launch path stays one-shot (one_launch)."
     )
     pathlib.Path(path).write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}: twoshot_from_rows {data['twoshot_from_rows']}")

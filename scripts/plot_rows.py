@@ -1,9 +1,11 @@
 """Step latency against rows per step (ours, the peer, the floor), one colour per TP,
-from ``bench_decode.py --rows --json`` (and ``bench_oproj.py --rows --json`` for an
-o-projection panel).
+from ``bench_decode.py --rows --json`` (one or more files, e.g. one per TP; a panel per
+tokens count: decode steps T = 1, verify steps T = 4) and ``bench_oproj.py --rows --json``
+(``--oproj``, one or more files: the o-projection alone in its own panel).
 
-    python scripts/plot_rows.py docs/decode_rows.json [--oproj docs/oproj_rows.json]
-                                --out docs/decode_rows.png
+    python scripts/plot_rows.py docs/data/decode_rows_tp8.json docs/data/decode_rows_tp16.json \
+        --oproj docs/data/oproj_rows_tp8.json docs/data/oproj_rows_tp16.json \
+        --out docs/decode_rows.png
 """
 
 from __future__ import annotations
@@ -24,47 +26,94 @@ def lines(rows, x="rows"):
         for key, *_ in SERIES:
             if r.get(key) is not None:
                 out.setdefault((r["tp"], key), []).append((r[x], r[key]))
-    return {k: sorted(v) for k, v in sorted(out.items())}
+    order = [key for key, *_ in SERIES]
+    return {k: sorted(out[k]) for k in sorted(out, key=lambda k: (k[0], order.index(k[1])))}
+
+
+def merged(paths):
+    """(rows of every file, the devices named, in order)."""
+    rows, devices = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        device = data.get("device")
+        if device and "loopback" in data.get("measured", {}).get("machine", ""):
+            device += " (loopback)"  # docs/data's files say how they were measured
+        if device and device not in devices:
+            devices.append(device)
+    return rows, devices
+
+
+def panels(decode, oproj=None):
+    """[(title, rows, devices)]: the decode rows per tokens count (one panel when they
+    name none), then the o-projection rows."""
+    rows, devices = merged(decode)
+    tokens = sorted({r.get("tokens") for r in rows}, key=lambda t: (t is None, t))
+    out = []
+    for t in tokens:
+        mine = [r for r in rows if r.get("tokens") == t]
+        if t is None:
+            title = "decode step (KDA + o-projection), all ranks"
+        elif t == 1:
+            title = "decode step (T = 1: KDA + o-projection), all ranks"
+        else:
+            title = f"verify step (T = {t}, rows = requests x {t}), all ranks"
+        if t is not None and t > 1 and all(r.get("peer_us") is None for r in mine):
+            title += "; peer: T = 1 only"
+        out.append((title, mine, devices))
+    if oproj:
+        rows, devices = merged(oproj)
+        out.append(("o-projection alone (producer + exchange + consumer), all ranks", rows,
+                    devices))  # fmt: skip
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("decode", help="JSON of bench_decode.py --rows")
-    p.add_argument("--oproj", default=None, help="JSON of bench_oproj.py --rows")
+    p.add_argument("decode", nargs="+", help="JSON of bench_decode.py --rows (one or more)")
+    p.add_argument("--oproj", nargs="+", default=None,
+                   help="JSON of bench_oproj.py --rows (one or more)")  # fmt: skip
     p.add_argument("--out", default="docs/decode_rows.png")
     args = p.parse_args(argv)
-    panels = [("decode step (KDA + o-projection), all ranks", args.decode)]
-    if args.oproj:
-        panels.append(("o-projection alone, all ranks", args.oproj))
+    shown = panels(args.decode, args.oproj)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    n = len(shown)
+    fig, axes = plt.subplots(1, n, figsize=(5.6 * n, 4.8), squeeze=False)
+    tps = sorted({r["tp"] for _, rows, _ in shown for r in rows})
+    colours = {tp: f"C{i}" for i, tp in enumerate(tps)}
     count = 0
-    for ax, (title, path) in zip(axes[0], panels, strict=True):
-        with open(path) as f:
-            data = json.load(f)
-        colours = {}
-        for (tp, key), points in lines(data["rows"]).items():
+    for ax, (title, rows, devices) in zip(axes[0], shown, strict=True):
+        ticks = set()
+        for (tp, key), points in lines(rows).items():
             style, marker, name = next((s, m, n) for k, s, m, n in SERIES if k == key)
-            colour = colours.setdefault(tp, f"C{len(colours)}")
             ax.plot([x for x, _ in points], [y for _, y in points], style, marker=marker,
-                    color=colour, label=f"TP {tp} {name}")  # fmt: skip
+                    color=colours[tp], label=f"TP {tp} {name}", markersize=4)  # fmt: skip
+            ticks.update(x for x, _ in points)
             count += len(points)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        if ticks:
+            ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+            ax.minorticks_off()
         ax.set_xlabel("rows per step (requests x tokens)")
         ax.set_ylabel("latency, us (median)")
-        ax.set_title(f"{title}\n{data.get('device', '')}", fontsize=9)
-        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{title}\n{', '.join(devices)}", fontsize=9)
+        ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=120)
     plt.close(fig)
-    print(f"wrote {args.out} ({count} points)")
+    print(f"wrote {args.out} ({count} points, {n} panels)")
     return 0 if count else 1
 
 

@@ -28,12 +28,43 @@ def test_written_crossovers_drive_choose(tmp_path):
     path = tmp_path / "crossovers.json"
     shutil.copy(plan.CROSSOVERS, path)
     rows = _rows(8, [(8, 9, 10), (64, 5, 9)]) + _rows(16, [(8, 12, 10), (64, 5, 9)])
-    oproj_rows.write_crossovers(rows, "H200 test", path=str(path))
+    oproj_rows.write_crossovers(rows, "H200 test", path=str(path), date="2026-11-30")
     data = plan.load_crossovers(str(path))
     assert data["twoshot_from_rows"] == {"8": 8, "16": 64} and "H200 test" in data["source"]
+    assert "2026-11-30" in data["source"] and "per-rank launches" in data["source"]
+    assert data["one_launch"]["twoshot"] is False  # no oneshot_1l measured: not "fastest"
+    assert data["one_launch"]["fastest"]["8"] == dict(rows=[8, 64], fastest=False)
     assert json.loads(path.read_text())["expected_from_rows"] == {"8": 4, "16": 4}
     assert plan.choose(16, 64, 7168, crossovers=data).twoshot
     assert not plan.choose(16, 32, 7168, crossovers=data).twoshot
+
+
+def test_one_launch_fastest_needs_every_row():
+    rows = _rows(8, [(1, 5, 4), (32, 9, 10)]) + _rows(16, [(1, 5, 4), (32, 9, 10)])
+    for r, ours in zip(rows, (3.0, 8.0, 3.0, 9.5), strict=True):  # TP 16 x 32: 9.5 > 9
+        r["oneshot_1l_us"] = ours
+    rows[1]["twoshot_chunks_us"] = None  # a variant that did not run is beaten
+    got = oproj_rows.one_launch_fastest(rows)
+    assert got == {"8": dict(rows=[1, 32], fastest=True), "16": dict(rows=[1, 32], fastest=False)}
+
+
+def test_committed_crossovers_are_the_measured_rows():
+    """tpcomm/oproj/crossovers.json is what write_crossovers makes of docs/data's H200 rows:
+    twoshot (chunks) from TP 8 x 8 and TP 16 x 4 rows, and one launch (one-shot, the
+    launcher's loopback path) faster than both chunked variants at every measured row."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    rows = []
+    for tp in (8, 16):
+        with open(os.path.join(root, "docs", "data", f"oproj_rows_tp{tp}.json")) as f:
+            rows += json.load(f)["rows"]
+    data = plan.load_crossovers()
+    assert data["twoshot_from_rows"] == oproj_rows.crossovers(rows) == {"8": 8, "16": 4}
+    assert data["one_launch"]["fastest"] == oproj_rows.one_launch_fastest(rows)
+    assert all(f["fastest"] for f in data["one_launch"]["fastest"].values())
+    for r in rows:  # what the plan now picks per path is the faster measured option
+        assert not plan.choose(r["tp"], r["rows"], r["hid"], one_launch=True).twoshot
+        per_rank = plan.choose(r["tp"], r["rows"], r["hid"]).twoshot
+        assert per_rank == (r["twoshot_chunks_us"] < r["oneshot_chunks_us"]), r["rows"]
 
 
 def test_floor_is_the_larger_bound():
@@ -55,3 +86,32 @@ def test_plot_rows(tmp_path):
     out = tmp_path / "rows.png"
     assert plot_rows.main([str(path), "--oproj", str(path), "--out", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_plot_rows_one_file_per_tp_and_a_panel_per_tokens(tmp_path):
+    """bench_decode --rows files of TP 8 and TP 16 on one plot: a decode panel (T = 1) and a
+    verify panel (T = 4, no peer), then the o-projection panel from two --oproj files."""
+    import plot_rows
+
+    paths, oproj = [], []
+    for tp in (8, 16):
+        rows = [dict(tp=tp, requests=b, tokens=t, rows=b * t, ours_us=float(b * t + tp),
+                     peer_us=3.0 * b if t == 1 else None, floor_us=0.5 * b * t)
+                for t in (1, 4) for b in (1, 8)]  # fmt: skip
+        paths.append(tmp_path / f"dec{tp}.json")
+        paths[-1].write_text(json.dumps({"device": "test", "rows": rows}))
+        oproj.append(tmp_path / f"oproj{tp}.json")
+        oproj[-1].write_text(json.dumps({"device": "test", "rows": [
+            dict(tp=tp, rows=r, ours_us=2.0 * r, peer_us=5.0 * r, floor_us=1.0 * r)
+            for r in (1, 32)]}))  # fmt: skip
+    shown = plot_rows.panels([str(p) for p in paths], [str(p) for p in oproj])
+    assert [len(rows) for _, rows, _ in shown] == [4, 4, 4]
+    assert "T = 1" in shown[0][0] and "T = 4" in shown[1][0] and "peer: T = 1 only" in shown[1][0]
+    assert {r["tp"] for r in shown[1][1]} == {8, 16} and "o-projection" in shown[2][0]
+    got = plot_rows.lines(shown[0][1])
+    assert list(got) == [(8, "ours_us"), (8, "peer_us"), (8, "floor_us"),
+                         (16, "ours_us"), (16, "peer_us"), (16, "floor_us")]  # fmt: skip
+    assert (8, "peer_us") not in plot_rows.lines(shown[1][1])
+    out = tmp_path / "rows.png"
+    argv = [*map(str, paths), "--oproj", *map(str, oproj), "--out", str(out)]
+    assert plot_rows.main(argv) == 0 and out.stat().st_size > 0

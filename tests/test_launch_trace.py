@@ -289,6 +289,33 @@ def test_plot_timeline(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_timeline_aligns_a_clock_offset_between_gpus(tmp_path):
+    """Rank 1's globaltimer 1000 us ahead (two GPUs; 484 us on two H200s): its median skew
+    exceeds a step, which no real skew can (each consumer waits for every rank's partial
+    of the step), so ``auto`` shifts each lane by its median skew, like ``rank``."""
+    plot = _plot_script()
+    ahead = [[[v + 1_000_000 if v else 0 for v in row] for row in STAMPS[1]]]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"ok": True, "timeline": trace.report(
+        [(STAMPS[0], 8.0), (ahead[0], 8.5)], "decode", record=False)}))  # fmt: skip
+    tl, clock = plot.load(path, steps=2, align="clock")
+    assert [e["skew_us"] for e in tl["ranks"][1]] == [1000.5, 999.0]
+    assert clock[1][0] == ("launch", 1000.5, 1.0)
+    assert plot.offsets(tl, "auto") == plot.offsets(tl, "rank") == [0.0, 999.75]
+    _, bars = plot.load(path, steps=2)
+    assert bars[0][0] == ("launch", 0.0, 1.0) and bars[0][4] == ("launch", 50.0, 1.5)
+    assert bars[1][0] == ("launch", 0.75, 1.0) and bars[1][4] == ("launch", 49.25, 1.0)
+    same = tmp_path / "same.json"  # one clock (STAMPS): auto leaves the lanes as stamped
+    same.write_text(json.dumps({"ok": True, "timeline": trace.report(
+        [(STAMPS[0], 8.0), (STAMPS[1], 8.5)], "decode", record=False)}))  # fmt: skip
+    assert plot.offsets(plot.load(same, 1)[0]) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="align"):
+        plot.offsets(tl, "drift")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "timeline.png"
+    assert plot.main([str(path), "--out", str(out)]) == 0 and out.stat().st_size > 0
+
+
 def test_plot_timeline_without_a_timeline(tmp_path, capsys):
     plot = _plot_script()
     path = tmp_path / "report.json"

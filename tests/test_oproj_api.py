@@ -16,13 +16,57 @@ def test_groups_poll_at_most_four_slots(tp, groups):
 
 
 def test_twoshot_choice():
-    assert "no measured" in api.choose(16, 8, 7168).reason
-    assert not api.choose(16, 8, 7168).twoshot
-    assert api.choose(16, 8, 7168, twoshot_available=True).twoshot
-    assert api.choose(8, 4, 7168, twoshot_available=True).twoshot
-    assert not api.choose(8, 3, 7168, twoshot_available=True).twoshot
-    assert not api.choose(4, 8, 7168, twoshot_available=True).twoshot
-    assert api.choose(16, 8, 1024, twoshot_available=True).twoshot
+    """Without a measured crossover, twoshot only with ``twoshot_available`` (the expected
+    rule); the launch structure's one-shot (one launch, or asked) is never twoshot."""
+    unmeasured = dict(plan.load_crossovers(), twoshot_from_rows={"8": None, "16": None})
+
+    def pick(tp, rows, hid=7168, **kw):
+        return api.choose(tp, rows, hid, crossovers=unmeasured, **kw)
+
+    assert "no measured" in pick(16, 8).reason
+    assert not pick(16, 8).twoshot
+    assert pick(16, 8, twoshot_available=True).twoshot
+    assert pick(8, 4, twoshot_available=True).twoshot
+    assert not pick(8, 3, twoshot_available=True).twoshot
+    assert not pick(4, 8, twoshot_available=True).twoshot
+    assert pick(16, 8, 1024, twoshot_available=True).twoshot
+    assert not pick(16, 8, twoshot_available=True, one_launch=True).twoshot
+    assert pick(4, 8, twoshot=True).twoshot and "asked" in pick(4, 8, twoshot=True).reason
+    with pytest.raises(ValueError, match="one-shot only"):
+        pick(16, 8, one_launch=True, twoshot=True)
+    with pytest.raises(ValueError, match="twoshot"):
+        pick(3, 8, 1024, twoshot=True)  # 1024 % 24 != 0
+    with pytest.raises(ValueError, match="twoshot"):
+        pick(16, 8, twoshot=1)
+
+
+def test_measured_crossovers_by_launch_structure():
+    """crossovers.json as measured on the H200 (loopback): twoshot from TP 8 x 8 and
+    TP 16 x 4 rows for per-rank launches (RowChunks, multi-GPU backends); one launch for
+    every rank stays one-shot with the one-shot groups at every rows count (it beat both
+    chunked variants at every measured row), and so does a per-rank path that asks for it."""
+    data = plan.load_crossovers()
+    assert data["twoshot_from_rows"] == {"8": 8, "16": 4} and "loopback" in data["device"]
+    assert not data["one_launch"]["twoshot"]
+    assert all(f["fastest"] for f in data["one_launch"]["fastest"].values())
+    for tp, below, start in ((8, 4, 8), (16, 1, 4)):
+        assert not api.choose(tp, below, 7168).twoshot
+        assert f"below the measured twoshot crossover ({start} rows)" in api.choose(
+            tp, below, 7168).reason  # fmt: skip
+        for rows in (start, 32, 1024):
+            per_rank = api.choose(tp, rows, 7168)
+            assert per_rank.twoshot and per_rank.groups == 1, (tp, rows)
+            assert "crossover of per-rank launches" in per_rank.reason
+            assert per_rank.bytes == plan.buffer_bytes(tp, rows, 7168, True)
+            for kw in (dict(one_launch=True), dict(twoshot=False)):
+                one = api.choose(tp, rows, 7168, **kw)
+                assert not one.twoshot and one.groups == tp // 4, (tp, rows, kw)
+                assert one.bytes == plan.buffer_bytes(tp, rows, 7168, False)
+            assert "one launch for every rank: one-shot" in api.choose(
+                tp, rows, 7168, one_launch=True).reason  # fmt: skip
+            assert "not applied" in api.choose(tp, rows, 7168, twoshot=False).reason
+    assert not api.choose(2, 1024, 7168).twoshot  # no TP entry <= 2: one-shot
+    assert not api.choose(12, 64, 7168).twoshot  # TP 8's entry; 7168 % 96 != 0
 
 
 def test_choose_reads_measured_crossovers():
@@ -45,10 +89,13 @@ ROWS_PRODUCERS = [(1, "mma"), (8, "mma"), (9, "cublas"), (1024, "cublas")]
 
 @pytest.mark.parametrize("rows, producer", ROWS_PRODUCERS)
 def test_choose_every_rows_count(rows, producer):
-    p = api.choose(16, rows, 7168)
+    p = api.choose(16, rows, 7168, one_launch=True)
     assert p.producer == producer and ("cuBLAS" in p.reason) == (producer == "cublas")
     assert f"{p.bytes} B per rank" in p.reason
     assert p.bytes == 2 * 16 * rows * 7168 * 2  # the one-shot mailbox of this bucket
+    two = api.choose(16, rows, 7168)  # per-rank launches: twoshot from 4 rows (measured)
+    assert two.producer == producer and f"{two.bytes} B per rank" in two.reason
+    assert two.bytes == (2 * rows * 7168 * 2 * 2 if rows >= 4 else p.bytes)
 
 
 def test_load_crossovers_rejects_bad_data(tmp_path):
@@ -407,10 +454,25 @@ def test_row_chunks_refuse_before_any_launch():
 
 
 def test_measured_twoshot_is_not_the_default_on_one_gpu(monkeypatch):
+    """On one GPU the measured crossover only drives RowChunks (which asks for twoshot);
+    a default or one-launch all-reduce there is one-shot with the one-shot plan's groups
+    (not the twoshot plan's single gather slot) and says why."""
     data = dict(plan.load_crossovers(), twoshot_from_rows={"8": 4, "16": 4})
     monkeypatch.setattr(plan, "load_crossovers", lambda path=None: data)
     backend = LoopbackBackend(8, device="cpu")
-    comm = api.OprojAllReduce(backend, 16, 1024, 0)
-    assert comm.plan.twoshot and not comm.twoshot and comm.mailbox is not None
-    assert api.OprojAllReduce(backend, 16, 1024, 0, twoshot=True).twoshot
+    assert api.choose(8, 16, 1024).twoshot  # the per-rank plan
+    for kw in ({}, dict(one_launch=True)):
+        comm = api.OprojAllReduce(backend, 16, 1024, 0, **kw)
+        assert not comm.plan.twoshot and not comm.twoshot and comm.mailbox is not None
+        assert comm.groups == comm.plan.groups == 2 and comm.bytes == comm.plan.bytes
+    assert "not applied" in api.OprojAllReduce(backend, 16, 1024, 0).plan.reason
+    assert "one launch" in api.OprojAllReduce(backend, 16, 1024, 0, one_launch=True).plan.reason
+    two = api.OprojAllReduce(backend, 16, 1024, 0, twoshot=True)
+    assert two.twoshot and two.plan.twoshot and two.groups == 1
+    from tpcomm.oproj.rows import RowChunks
+
+    chunks = RowChunks(backend, 16, 1024, 0)  # per-rank launches: the crossover's twoshot
+    assert chunks.twoshot and all(c.twoshot for _, _, c in chunks.parts)
+    one = RowChunks(backend, 16, 1024, 0, twoshot=False)
+    assert not one.twoshot and one.groups == 2
     backend.teardown()

@@ -45,27 +45,36 @@ class OprojAllReduce:
     ``step`` picks the mailbox parity (consecutive calls, consecutive steps). ``error(rank)``
     holds the mask of ranks it never heard from within ``budget_ns`` (then ``reset()``);
     ``hints(rank)`` counts the consumer's release increments (4 per CTA and step with
-    ``xmoe_reps``). ``groups``, ``twoshot`` and ``producer`` default to ``choose``'s plan;
-    ``fence`` (a sys fence before each publish) to on unless every rank shares one GPU.
-    ``one_launch``: for the ``*_all`` launches only (no co-residency of the ranks'
-    consumers needed; no twoshot unless asked). Buffers (``plan.bytes`` per rank) that do
-    not fit the symmetric memory are refused before allocation.
+    ``xmoe_reps``). ``groups``, ``twoshot`` and ``producer`` default to ``choose``'s plan
+    of the path run (``plan``): twoshot from the measured crossover of per-rank launches
+    with a rank per GPU; one-shot on one GPU unless asked (``RowChunks`` asks for it where
+    the crossover says), with a split domain and with ``one_launch``. ``fence`` (a sys
+    fence before each publish) to on unless every rank shares one GPU. ``one_launch``: for
+    the ``*_all`` launches only (no co-residency of the ranks' consumers needed; one-shot
+    only, which beat chunked twoshot at every measured row). Buffers (``plan.bytes`` per
+    rank) that do not fit the symmetric memory are refused before allocation.
     """
 
     def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
                  xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
                  fence=None, twoshot=None, one_launch=False, producer=None):  # fmt: skip
-        plan = choose(backend.world, tokens, hid)
+        split = backend.domain.split  # other domains by put-with-signal: per rank, one-shot
+        if split and (twoshot or one_launch):
+            raise ValueError("domain_size < TP needs twoshot=False, one_launch=False")
+        if twoshot is None and (one_launch or backend.single_device or split):
+            # one launch: one-shot only (and it beat chunked twoshot at every measured row);
+            # per-rank on one GPU: twoshot only when asked for (RowChunks); a split domain
+            twoshot = False
+        # the plan of the path this all-reduce runs (its groups, bytes and reason): the
+        # measured twoshot crossover applies to per-rank launches across GPUs
+        plan = choose(backend.world, tokens, hid, one_launch=bool(one_launch),
+                      twoshot=None if twoshot is None else bool(twoshot))  # fmt: skip
+        twoshot = plan.twoshot
         producer = plan.producer if producer is None else producer
         if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
             raise ValueError(f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
                              f"got {producer!r} for {tokens} rows")  # fmt: skip
-        split = backend.domain.split  # other domains by put-with-signal: per rank, one-shot
-        if twoshot is None:  # one GPU: twoshot only when asked for (per-rank, RowChunks)
-            twoshot = plan.twoshot and not one_launch and not backend.single_device and not split
-        if split and (twoshot or one_launch):
-            raise ValueError("domain_size < TP needs twoshot=False, one_launch=False")
-        groups = (plan.groups if not twoshot else 1) if groups is None else groups
+        groups = plan.groups if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not is_int(budget_ns) or budget_ns <= 0:
             raise ValueError(f"budget_ns must be a positive int; got {budget_ns!r}")

@@ -159,20 +159,39 @@ def buffer_bytes(tp: int, rows: int, hid: int, twoshot: bool) -> int:
 
 
 def choose(tp: int, rows: int, hid: int, *, twoshot_available: bool = False,
-           crossovers: dict | None = None):  # fmt: skip
+           crossovers: dict | None = None, one_launch: bool = False,
+           twoshot: bool | None = None):  # fmt: skip
     """The o-projection plan for a TP group size, rows (tokens) per step and hidden width.
 
     Every group polls at most ``POLL_CHUNK`` slots (one round of four 16-byte loads per
-    thread in flight): ``groups = ceil(TP / 4)``. Twoshot (about ``2 / TP`` of one-shot's
-    bytes into each rank plus a second hop) is chosen from ``rows`` = the crossover measured
-    for this TP (``crossovers.json``); where none is measured, only with
-    ``twoshot_available`` and the expected rule. Producer: ``OprojProducer`` (mma.sync,
+    thread in flight): ``groups = ceil(TP / 4)``. Producer: ``OprojProducer`` (mma.sync,
     N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): cuBLAS into a
     staging partial, then ``PartialPublisher``.
+
+    One-shot or twoshot (about ``2 / TP`` of one-shot's bytes into each rank plus a second
+    hop), by launch structure:
+
+    - per-rank launches (one producer / consumer launch per rank: every multi-GPU backend,
+      and ``RowChunks`` on one GPU), the default: twoshot from ``rows`` = the crossover
+      measured for this TP (``crossovers.json``'s ``twoshot_from_rows``, measured between
+      one-shot and twoshot both run as per-rank launches in row chunks); where none is
+      measured, only with ``twoshot_available`` and the expected rule;
+    - ``one_launch=True`` (every rank of a one-GPU backend in one producer and one consumer
+      launch: the loopback launcher's path): one-shot at every rows count, the crossovers do
+      not apply. One launch exists one-shot only, and in the sweep that measured the
+      crossovers it beat both chunked variants, twoshot included, at every measured row
+      (``crossovers.json``'s ``one_launch``);
+    - ``twoshot`` True / False: the caller's path (a one-shot all-reduce on one GPU outside
+      ``RowChunks``, a split domain, the launcher's checks, or asked); the plan, its groups
+      and bytes are that path's, and the reason says when the crossover would differ.
     """
     check_tp_hid(tp, hid)
     if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in 1..{MAX_ROWS} (requests x tokens); got {rows!r}")
+    if twoshot is not None and not isinstance(twoshot, bool):
+        raise ValueError(f"twoshot must be None, True or False; got {twoshot!r}")
+    if one_launch and twoshot:
+        raise ValueError("one launch for every rank is one-shot only: twoshot=False")
     data = load_crossovers() if crossovers is None else crossovers
     groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK))
     if rows <= MAX_TOKENS:
@@ -184,14 +203,32 @@ def choose(tp: int, rows: int, hid: int, *, twoshot_available: bool = False,
     if start is None and twoshot_available and tp >= TWOSHOT_MIN_TP:
         start = crossover(data["expected_from_rows"], tp) or TWOSHOT_MIN_TOKENS
         source = "expected (not measured)"
-    if start is not None and rows >= start and hid % (8 * tp) == 0:
+    per_rank = start is not None and rows >= start and hid % (8 * tp) == 0
+    if twoshot:
+        _check_twoshot(tp, hid, True)
         size = buffer_bytes(tp, rows, hid, True)
-        return Plan(1, True, f"twoshot: TP {tp} x {rows} rows >= {start} ({source} crossover); "
-                    f"one gather slot; {why}; {size} B per rank", producer, size)  # fmt: skip
+        how = f"TP {tp} x {rows} rows >= {start} ({source} crossover)" if per_rank else "asked"
+        return Plan(1, True, f"twoshot: {how}; one gather slot; {why}; {size} B per rank",
+                    producer, size)  # fmt: skip
+    if twoshot is None and not one_launch and per_rank:
+        size = buffer_bytes(tp, rows, hid, True)
+        return Plan(1, True, f"twoshot: TP {tp} x {rows} rows >= {start} ({source} crossover "
+                    f"of per-rank launches); one gather slot; {why}; {size} B per rank",
+                    producer, size)  # fmt: skip
     size = buffer_bytes(tp, rows, hid, False)
     reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}; {why}; {size} B per rank"
-    if start is None:
+    if one_launch:
+        reason += ("; one launch for every rank: one-shot (it beat chunked one-shot and "
+                   "twoshot at every measured row; the crossovers are per-rank ones)")  # fmt: skip
+    elif per_rank:
+        reason += (f"; one-shot on this path (twoshot from {start} rows, the {source} crossover of "
+                   "per-rank launches, not applied)")  # fmt: skip
+    elif start is None:
         reason += "; no measured twoshot crossover for this TP: one-shot"
+    elif rows < start:
+        reason += f"; one-shot below the {source} twoshot crossover ({start} rows)"
+    else:
+        reason += f"; twoshot needs hid divisible by 8 * TP ({8 * tp}): one-shot"
     return Plan(groups, False, reason, producer, size)
 
 

@@ -50,8 +50,10 @@ class RowChunks:
             raise ValueError(f"chunk must be an int in 1..rows = {rows}; got {chunk!r}")
         if kw.get("xmoe_reps") or kw.get("one_launch"):
             raise ValueError("RowChunks runs per-rank launches without xmoe copies")
-        self.plan = choose(backend.world, rows, hid)
-        twoshot = self.plan.twoshot if twoshot is None else bool(twoshot)
+        # per-rank launches: the measured crossover of chunked one-shot vs chunked twoshot
+        asked = None if twoshot is None else bool(twoshot)
+        self.plan = choose(backend.world, rows, hid, twoshot=asked)
+        twoshot = self.plan.twoshot
         self.rows, self.twoshot = rows, twoshot
         kw = dict(kw, twoshot=twoshot)
         n = rows if chunk is None else chunk
@@ -59,7 +61,7 @@ class RowChunks:
         while first is None:
             groups = kw.get("groups")
             if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:  # OprojAllReduce's pick
-                groups = 1 if twoshot else choose(backend.world, n, hid).groups
+                groups = choose(backend.world, n, hid, twoshot=twoshot).groups
             try:  # refused before anything is allocated
                 backend.check_coresident(chunk_ctas(hid, n), GROUP_THREADS * groups,
                                          min_blocks_per_sm(groups))  # fmt: skip
