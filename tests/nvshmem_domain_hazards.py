@@ -8,16 +8,27 @@ waits on its signal word). Run by ``tests/test_launch_nvshmem_gpu.py::
 test_hazards_across_domains``; prints ``DOMAIN HAZARDS OK`` on rank 0 when every case
 passed on every rank:
 
+0. ``warm``: the first step in the launcher's eager order (``launch/runner.py``
+   ``enqueue(eager=True)``): every rank publishes and puts, synchronises and meets the
+   others, and only then consumes, so no poll budget covers a peer's first-use host work
+   (first put, first launch of each kernel); before any consumer polls, every signal word
+   and slot of every other rank must already be in this rank's mailbox.
 1. ``graph``: publish + put + consume captured as two CUDA graphs (both parities) and
-   replayed 1000 times back to back, no host synchronisation between replays; fresh
-   partials every 100 replays, each checked (prefix bitwise the rank-order sum, output
-   within 1 bf16 ulp of ``tpcomm.oproj.reference.consume``).
+   replayed 1000 times; each block of 99 back to back, no host synchronisation between
+   replays, behind a sleep and an on-stream barrier (the launcher's ``timed_replays``: the
+   host enqueues the block while the GPUs wait, so the budget covers GPU drift, not host
+   skew); then fresh partials and one checked replay (prefix bitwise the rank-order sum,
+   output within 1 bf16 ulp of ``tpcomm.oproj.reference.consume``).
 2. ``delayed``: one rank sleeps 5 ms on its stream before each publish; every output right.
 3. ``dead``: the last rank never publishes; every live rank's error word names it (bit
    ``N - 1``) within the poll budget, nothing hangs, no output is written; after ``reset``
    on every rank the next step is right again and every signal word is zero.
 
-Every rank draws every rank's partials from one seed, so each checks locally.
+Every rank draws every rank's partials from one seed, so each checks locally. The ranks
+agree on each case's outcome (gloo) before anyone goes on: a failure is named on every
+rank (rank, case, error word as missing ranks), and no rank runs into the next case while
+a peer has left (a leaving rank's teardown frees are nvshmem collectives that would meet
+the survivors' barriers and let them run on against nobody).
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ import torch
 from nvshmem_hazards import BUDGET_NS, HID, REPLAYS, TOKENS
 
 from launch.checks import ulp_check
+from launch.procs import Procs
+from tpcomm import mailbox as mb
 from tpcomm.backends import make_backend
 from tpcomm.oproj import bound as B
 from tpcomm.oproj import reference as R
@@ -39,6 +52,8 @@ from tpcomm.oproj.api import OprojAllReduce
 NB = 3
 EPS, OUT_EPS = 1e-6, 1e-5
 POISON = 0x7F81
+CHECK_EVERY = 100  # replays per block: 99 back to back, then a checked one
+GATE_CYCLES = 40_000_000  # ~20 ms at 1.98 GHz (launch/runner.py): a block is enqueued meanwhile
 OK = "DOMAIN HAZARDS OK"
 
 
@@ -70,6 +85,13 @@ def check(a, prefix, out, what):
         raise AssertionError(f"{what}: output {detail}")
 
 
+def error_text(mask: int) -> str:
+    """A consumer's error word: bit r set = nothing from rank r within the poll budget
+    (its signal word, or its slot after the signal, never came)."""
+    ranks = [r for r in range(mask.bit_length()) if mask >> r & 1]
+    return f"error word {mask:#x} (nothing from rank(s) {ranks} within {BUDGET_NS / 1e6:g} ms)"
+
+
 def main() -> int:
     domain = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     backend = make_backend("nvshmem", domain_size=domain)
@@ -77,17 +99,25 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     if not backend.domain.split:
         raise SystemExit(f"domain size {domain} does not split {world} ranks")
+    procs = Procs(world, rank)
     comm = OprojAllReduce(backend, TOKENS, HID, NB, groups=1, eps=EPS, out_eps=OUT_EPS,
                           budget_ns=BUDGET_NS)  # fmt: skip
     bf = dict(dtype=torch.bfloat16, device=device)
     partial, prefix = torch.empty(TOKENS, HID, **bf), torch.empty(TOKENS, HID, **bf)
     out = torch.empty(TOKENS, HID, **bf)
+    remote = backend.domain.remote(rank)
     results = []
 
-    def step(a, s, stream=None):
+    def publish(s, stream=None):
         comm.publish(partial, s, stream=stream)
+
+    def consume(a, s, stream=None):
         comm.consume(prefix, a["blocks"], a["norm"], a["query"], a["out_norm"], out, s,
                      stream=stream)  # fmt: skip
+
+    def step(a, s, stream=None):
+        publish(s, stream)
+        consume(a, s, stream)
 
     def load(seed, operands=None):
         """New partials and prefix into the step's buffers; ``operands``: the other
@@ -111,16 +141,66 @@ def main() -> int:
     def progress(text):  # every rank, so a case that stalls names itself and its rank
         print(f"rank {rank} {time.perf_counter() - t0:7.2f} s: {text}", file=sys.stderr, flush=True)
 
+    def outcome(what, a=None):
+        """None when this rank's last step was right, else why not (this rank's view)."""
+        if errors():
+            return f"{what}: {error_text(int(comm.error()))}"
+        if a is not None:
+            try:
+                check(a, prefix, out, what)
+            except AssertionError as e:
+                return str(e)
+        return None
+
+    def agree(case, failure):
+        """Every rank's outcome of ``case``; each rank raises naming every failed rank."""
+        failed = [f"rank {r}: {f}" for r, f in enumerate(procs.objects(failure)) if f]
+        if failed:
+            progress(f"{case} FAILED on {len(failed)} rank(s)")
+            raise AssertionError(f"{case} failed: " + "; ".join(failed))
+
+    def landed(s):
+        """After every rank's put of step ``s`` and a barrier, before any consumer polls:
+        the ranks whose signal word (other domains) or slot this rank's mailbox lacks."""
+        words = backend.local(comm.remote.signals, rank)[s & 1].tolist()
+        box = comm.mailbox.local(rank)[s & 1]
+        unsignalled = [p for p in remote if words[p] != 1]
+        empty = [p for p in range(world) if not bool(mb.published(box[p]).all())]
+        return sorted(set(unsignalled) | set(empty))
+
+    def gate(stream):
+        """Every GPU behind a sleep, then an on-stream barrier (the launcher's
+        ``timed_replays``): the host enqueues what follows while the GPUs wait, so what it
+        enqueues starts on every GPU together whatever the hosts' skew."""
+        import nvshmem.core as nv
+
+        from tpcomm.backends.nvshmem import TorchStream
+
+        torch.cuda._sleep(GATE_CYCLES)
+        nv.barrier_all(TorchStream(stream))
+
     # compiled everywhere and every slot and signal armed before anyone publishes or polls
     comm.functions()
     torch.cuda.synchronize()
     backend.barrier()
+
+    # 0. the warm step, in the launcher's eager order (publish + put, synchronise, meet,
+    #    consume): its first puts and first launches are outside every poll budget
+    progress(f"compiled; warm step (domain size {domain}: ranks {list(remote)} by put)")
     a = load(1)
-    step(a, 0)
+    start = time.perf_counter()
+    publish(0)
     torch.cuda.synchronize()
-    if errors():
-        raise AssertionError(f"warm step: error word {int(comm.error()):#x}")
-    check(a, prefix, out, "warm step")
+    put_ms = (time.perf_counter() - start) * 1e3
+    backend.barrier()
+    lost = landed(0)
+    progress(f"warm step: published and put in {put_ms:.1f} ms; after the barrier the "
+             f"mailbox lacks ranks {lost}")  # fmt: skip
+    failure = f"after every rank's put and a barrier, no signal or slot from ranks {lost}"
+    agree("warm step (puts)", failure if lost else None)
+    consume(a, 0)
+    torch.cuda.synchronize()
+    agree("warm step", outcome("warm step", a))
     backend.barrier()
 
     progress("warm step right; capturing the graphs")
@@ -140,24 +220,32 @@ def main() -> int:
     torch.cuda.synchronize()
     backend.barrier()
     progress("captured; replaying")
-    start, checked = time.perf_counter(), 0
+    gpu_ms, checked = 0.0, 0
     with torch.cuda.stream(stream):
-        for i in range(REPLAYS):
-            if i % 100 == 99:  # the checked replay starts from a known prefix
-                stream.synchronize()
-                a = load(100 + i, captured)
-            graphs[i % 2].replay()
-            if i % 100 == 99:
-                stream.synchronize()
-                if errors():
-                    raise AssertionError(f"replay {i}: error word {int(comm.error()):#x}")
-                check(a, prefix, out, f"replay {i}")
-                checked += 1
+        for first in range(0, REPLAYS, CHECK_EVERY):
+            last = min(first + CHECK_EVERY, REPLAYS) - 1
+            gate(stream)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            for i in range(first, last):  # back to back: no host synchronisation
+                graphs[i % 2].replay()
+            end.record(stream)
+            stream.synchronize()
+            gpu_ms += begin.elapsed_time(end)
+            a = load(100 + last, captured)  # the checked replay starts from a known prefix
+            gate(stream)
+            graphs[last % 2].replay()
+            stream.synchronize()
+            block = f"replays {first}..{last}"  # the error word covers the whole block
+            agree(block, outcome(block, a))
+            checked += 1
+            each = begin.elapsed_time(end) * 1e3 / max(1, last - first)
+            progress(f"replays {first}..{last} right ({each:.1f} us each back to back)")
     torch.cuda.synchronize()
-    if errors():
-        raise AssertionError(f"graph replays: error word {int(comm.error()):#x}")
-    per_replay = (time.perf_counter() - start) / REPLAYS * 1e6
-    results.append(f"graph: {REPLAYS} replays, {checked} checked, {per_replay:.1f} us each")
+    agree("graph replays", outcome("graph replays"))
+    per_replay = gpu_ms * 1e3 / (REPLAYS - checked)
+    results.append(f"graph: {REPLAYS} replays, {checked} checked, {per_replay:.1f} us each "
+                   "back to back")  # fmt: skip
     del graphs
     backend.barrier()
 
@@ -175,9 +263,7 @@ def main() -> int:
         step(a, s)
         s += 1
         torch.cuda.synchronize()
-        if errors():
-            raise AssertionError(f"delayed rank: error word {int(comm.error()):#x}")
-        check(a, prefix, out, f"delayed rank step {k}")
+        agree(f"delayed rank step {k}", outcome(f"delayed rank step {k}", a))
     results.append(f"delayed: rank {late} 5 ms late, 3 steps right, no error")
     backend.barrier()
 
@@ -195,27 +281,28 @@ def main() -> int:
     elapsed = time.perf_counter() - start
     s += 1
     err = int(comm.error())
+    failure = None
     if rank != dead:
         if err != 1 << dead:
-            raise AssertionError(f"dead rank: rank {rank} error word {err:#x}, want {1 << dead:#x}")
-        if not bool((out.view(torch.int16) == POISON).all()):
-            raise AssertionError(f"dead rank: rank {rank} wrote output")
-        if elapsed > 50 * BUDGET_NS / 1e9:
-            raise AssertionError(f"dead rank: rank {rank} took {elapsed:.3f} s")
-    progress(f"dead rank: error word {err:#x} after {elapsed * 1e3:.1f} ms")
+            failure = f"{error_text(err)}, want {1 << dead:#x} (rank {dead} alone)"
+        elif not bool((out.view(torch.int16) == POISON).all()):
+            failure = "wrote output"
+        elif elapsed > 50 * BUDGET_NS / 1e9:
+            failure = f"took {elapsed:.3f} s"
+    progress(f"dead rank: {error_text(err)} after {elapsed * 1e3:.1f} ms")
+    agree("dead rank", failure)
     backend.barrier()
     comm.reset()
     backend.barrier()
     a = load(5000)
     step(a, s)
     torch.cuda.synchronize()
-    if errors():
-        raise AssertionError(f"after reset: error word {int(comm.error()):#x}")
-    check(a, prefix, out, "step after reset")
+    failure = outcome("step after reset", a)
     backend.barrier()
     signals = backend.local(comm.remote.signals, rank)
-    if int(signals.abs().sum()):
-        raise AssertionError(f"after reset: signal words {signals.tolist()} not zero")
+    if failure is None and int(signals.abs().sum()):
+        failure = f"after reset: signal words {signals.tolist()} not zero"
+    agree("after reset", failure)
     results.append(f"dead: rank {dead} silent, live ranks errored with mask {1 << dead:#x} "
                    f"after {elapsed * 1e3:.1f} ms (budget {BUDGET_NS / 1e6:.0f} ms), no "
                    "output; reset, next step right, signals zero")  # fmt: skip
