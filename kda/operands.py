@@ -105,7 +105,9 @@ MIN_RING, MAX_RING = 2, 16
 
 class Ring(NamedTuple):
     """Per state slot ``s``: ``v`` [S, R, H, 128] fp32 (v_new), ``kg`` [S, R, H, 256] bf16
-    (k, raw gate), ``length`` [S, 2] int32 (committed, pending entries)."""
+    (k, raw gate), ``length`` [S, H, 2] int32 (committed, pending entries; one pair per
+    head, all equal: a kernel item per head then reads and writes only its own, so no
+    item can see another's update within a step)."""
 
     v: torch.Tensor
     kg: torch.Tensor
@@ -124,7 +126,7 @@ def make_ring(state: torch.Tensor, size: int) -> Ring:
     return Ring(
         torch.zeros(pages, size, heads, dim, dtype=torch.float32, device=state.device),
         torch.zeros(pages, size, heads, 2 * dim, dtype=torch.bfloat16, device=state.device),
-        torch.zeros(pages, 2, dtype=torch.int32, device=state.device),
+        torch.zeros(pages, heads, 2, dtype=torch.int32, device=state.device),
     )
 
 

@@ -35,10 +35,9 @@ from .operands import DecodeOperands, RecoverOperands, Ring, takes
 from .validate import (
     HEAD_DIM,
     check_decode,
-    check_decode_finite,
     check_recover,
+    check_replay,
     check_ring,
-    check_ring_finite,
     mode,
     step_slots,
 )
@@ -273,13 +272,17 @@ def recover(*args, validate=None, **kwargs):
         state[targets[keep, t]] = S[keep]
 
 
-@takes(DecodeOperands, ring=inspect.Parameter.empty, o_out=None, validate=None)
-def replay_decode(*args, ring: Ring, o_out=None, validate=None, **kwargs):
+@takes(DecodeOperands, ring=inspect.Parameter.empty, o_out=None, o_abs=None, v_abs=None,
+       validate=None)  # fmt: skip
+def replay_decode(*args, ring: Ring, o_out=None, o_abs=None, v_abs=None, validate=None,
+                  **kwargs):  # fmt: skip
     """One replay decode (T = 1) or verify (T = 2..8) step: ``decode``'s arguments
     (``state`` is the checkpoint pool; ``records`` must be None) plus ``ring``; mutates
     ``ring`` and ``conv_state``, and ``state`` only where a full ring is materialised.
     A request's slot is ``slots[b]`` (T = 1) or ``slots[b, 0]``. Returns ``output``;
-    ``o_out`` ([B*T, H*128] fp32), if given, receives the fp32 ``o`` before its rounding.
+    ``o_out`` ([B*T, H*128] fp32), if given, receives the fp32 ``o`` before its rounding;
+    ``o_abs`` and ``v_abs`` (same shape) the sums of |terms| that ``o`` and ``v_new`` add up
+    (tests bound another fp32 summation order's error by them).
 
     A slot's state is its checkpoint ``C`` and ring entries ``j < n`` (records:
     ``k_j``, ``raw_g_j`` bf16, ``v_new_j`` fp32). With the decays ``d_j`` (from ``raw_g_j``),
@@ -289,25 +292,21 @@ def replay_decode(*args, ring: Ring, o_out=None, validate=None, **kwargs):
     ``S q^`` are ``C (D * k^)``, ``C (D * q^)`` plus ``n`` weighted ``v_new_j``: one read
     of the page, no write.
 
-    Counters ``ring.length[s] = (committed, pending)``: the step first commits pending
-    entries (``accepted[b]`` of them; all at T = 1), folds the committed ones into the
-    checkpoint when ``committed + T > R``, then writes its T entries after them; a T = 1
-    entry is committed at once, a verify step's stay pending until the next step.
-    ``validate`` as ``decode``'s (the checked mode also scans the live slots' pages and
-    ring entries); live slots must be unique across requests."""
+    Counters ``ring.length[s, h] = (committed, pending)`` (equal across heads): the step
+    first commits pending entries (``accepted[b]`` of them; one at T = 1, as the per-step
+    path reads ``slots[b]`` = ``slots[b, 0]`` with the conv window at offset 0), folds the
+    committed ones into the checkpoint when ``committed + T > R``, then writes its T
+    entries after them; a T = 1 entry is committed at once, a verify step's stay pending
+    until the next step. ``validate`` as ``decode``'s (the checked mode also scans the
+    live slots' pages and ring entries); live slots must be unique across requests."""
     full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
-    if op.records is not None:
-        raise ValueError("records must be None in replay decode (the ring holds the records)")
-    shape = check_decode(op)
+    shape, size = check_replay(op, ring, full=full)
     B, T, H, D = shape.requests, shape.tokens, shape.heads, shape.dim
     _, slot, offset = step_slots(op.slots, op.accepted, T)
-    size = check_ring(ring, op.state, T, slot)
-    if full:
-        check_decode_finite(op, T, op.conv_dim_first, pages=slot)
-        check_ring_finite(ring, slot)
-    if o_out is not None:
-        check_tensor("o_out", o_out, (torch.float32,), shape=(B * T, D), device=op.state.device)
+    for name, extra in (("o_out", o_out), ("o_abs", o_abs), ("v_abs", v_abs)):
+        if extra is not None:
+            check_tensor(name, extra, (torch.float32,), shape=(B * T, D), device=op.state.device)
     device = op.state.device
     output = torch.zeros(B * T, D, dtype=torch.bfloat16, device=device)
     live = (slot > 0).nonzero()[:, 0]
@@ -317,8 +316,9 @@ def replay_decode(*args, ring: Ring, o_out=None, validate=None, **kwargs):
     slot_l, off_l = slot[live].to(device), offset[live].to(device)
     pre = _prologue(op, shape, lv, slot_l, off_l)
 
-    counts = ring.length[slot_l].long()
-    commit = counts[:, 1] if op.accepted is None else op.accepted[lv].long().clamp(0)
+    counts = ring.length[slot_l, 0].long()
+    # T = 1 reads the conv window after the last step's token 0: one pending entry commits.
+    commit = counts[:, 1].clamp(max=1) if op.accepted is None else op.accepted[lv].long()
     n = counts[:, 0] + torch.minimum(commit, counts[:, 1])
     full = n + T > size
     if full.any():
@@ -327,25 +327,29 @@ def replay_decode(*args, ring: Ring, o_out=None, validate=None, **kwargs):
 
     C = op.state[slot_l]  # [L, H, 128, 128]
     o = torch.empty(T, live.numel(), H, HEAD_DIM, device=device)
+    sums = torch.empty(2, T, live.numel(), H, HEAD_DIM, device=device)
     for t in range(T):
-        o[t] = _replay_token(C, ring, slot_l, n + t, pre, t, op)
+        o[t], sums[0, t], sums[1, t] = _replay_token(C, ring, slot_l, n, pre, t, op, sums[1, :t])
     counters = (n + 1, n * 0) if T == 1 else (n, n * 0 + T)
-    ring.length[slot_l] = torch.stack(counters, 1).int()
-    if o_out is not None:
-        o_out.view(B, T, D)[lv] = o.transpose(0, 1).reshape(-1, T, D)
+    ring.length[slot_l] = torch.stack(counters, 1).int()[:, None, :].expand(-1, H, 2)
+    for extra, value in ((o_out, o), (o_abs, sums[0]), (v_abs, sums[1])):
+        if extra is not None:
+            extra.view(B, T, D)[lv] = value.transpose(0, 1).reshape(-1, T, D)
     _finish(op, shape, lv, slot_l, _bf16(o), pre, output)
     return output
 
 
-def _replay_token(C, ring, slot_l, entries, pre, t, op):
-    """Token ``t`` of the step for the live slots ``slot_l`` whose rings hold ``entries``
-    [L] entries before it: writes its ring entry, returns its fp32 ``o`` [L, H, 128]."""
-    L = slot_l.numel()
+def _replay_token(C, ring, slot_l, kept, pre, t, op, v_abs_before):
+    """Token ``t`` of the step for the live slots ``slot_l`` whose rings hold ``kept`` [L]
+    entries before the step's: writes its ring entry, returns its fp32 ``o`` [L, H, 128]
+    and the sums of |terms| of ``o`` and ``v_new`` (the earlier tokens' ``v_new``, entries
+    ``kept + t'``, count with their own sums ``v_abs_before`` [t, L, H, 128])."""
+    L, entries = slot_l.numel(), kept + t
     k_hat, q_hat, v, d = pre.k_hat[t], pre.q_hat[t], pre.v[t], pre.decay[t]
     kg = ring.kg[slot_l].float()  # [L, R, H, 256]
     k_j = kg[..., :HEAD_DIM]
     d_j = _decay(kg[..., HEAD_DIM:], op.a_log, op.dt_bias, op.lower_bound)
-    k_hat_j = k_j * torch.rsqrt((k_j.double() ** 2).sum(-1, keepdim=True) + 1e-6).float()
+    k_hat_j = k_j * _l2(k_j)  # as the step that wrote the entry (and apply_record) had it
     # Suffix products P_j over the entries j < entries (newest first), D = P_0 * d_0.
     prod = d.clone()
     dk = torch.zeros(L, ring.size, *d.shape[1:], device=d.device)  # P_j * k^_j
@@ -359,13 +363,25 @@ def _replay_token(C, ring, slot_l, entries, pre, t, op):
     alpha = _dot(dk, k_hat[:, None]).double()  # [L, R, H]
     gamma = _dot(dk, q_hat[:, None]).double()
     s_k = (_matvec(C, prod * k_hat).double() + (v_j * alpha[..., None]).sum(1)).float()
-    v_new = (v - s_k) * pre.beta_t[t][..., None]
+    beta = pre.beta_t[t][..., None]
+    v_new = (v - s_k) * beta
+    kq = _dot(k_hat, q_hat).double()[..., None]
     s_q = _matvec(C, prod * q_hat).double() + (v_j * gamma[..., None]).sum(1)
-    o = (s_q + v_new.double() * _dot(k_hat, q_hat).double()[..., None]).float()
+    o = (s_q + v_new.double() * kq).float()
+    # |terms|: C's dot, the ring's weighted v_j (their dots' terms), v_new's own terms.
+    ka, qa, ca = k_hat.abs(), q_hat.abs(), C.abs()
+    va = v_j.abs()
+    for before in range(t):  # an earlier token's v_new carries its own error
+        va[torch.arange(L, device=d.device), kept + before] += v_abs_before[before].double()
+    sk_abs = _matvec(ca, prod * ka).double() + (va * _dot(dk.abs(), ka[:, None])[..., None]).sum(1)
+    v_abs = ((v.abs().double() + sk_abs) * beta.double()).float()
+    sq_abs = _matvec(ca, prod * qa).double() + (va * _dot(dk.abs(), qa[:, None])[..., None]).sum(1)
+    kq_abs = _dot(ka, qa).double()[..., None]
+    o_abs = (sq_abs + (v_new.abs().double() + v_abs.double()) * kq_abs).float()
     ring.v[slot_l, entries] = v_new
     ring.kg[slot_l, entries, :, :HEAD_DIM] = pre.k[t].to(torch.bfloat16)
     ring.kg[slot_l, entries, :, HEAD_DIM:] = pre.raw_g[:, t].to(torch.bfloat16)
-    return o
+    return o, o_abs, v_abs
 
 
 def _fold(state, ring, slots, counts, a_log, dt_bias, lower_bound):
@@ -394,7 +410,7 @@ def materialize(state, ring: Ring, a_log, dt_bias, *, lower_bound, slots=None, a
         raise ValueError(f"slots must be in 1..{pages - 1}; got {s.min()}..{s.max()}")
     if s.unique().numel() != s.numel():
         raise ValueError("slots must be unique")
-    counts = ring.length[s].long()
+    counts = ring.length[s, 0].long()
     if accepted is not None:
         check_tensor("accepted", accepted, (torch.int32,), shape=s.shape, device=state.device)
         if (accepted < 0).any():

@@ -28,8 +28,8 @@ _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = [
     "CONV_TAPS", "GATE_RANK", "HEAD_DIM", "MAX_TOKENS", "DecodeShape", "RecoverShape",
     "capturing", "check_decode", "check_decode_finite", "check_options", "check_out",
-    "check_pages_shared", "check_recover", "check_ring", "check_ring_finite", "check_scalars",
-    "check_slot_values", "mode", "step_slots",
+    "check_pages_shared", "check_recover", "check_replay", "check_ring", "check_ring_finite",
+    "check_scalars", "check_slot_values", "mode", "step_slots",
 ]  # fmt: skip
 
 
@@ -368,7 +368,7 @@ def check_recover(op: RecoverOperands, *, check_values=True, full=False) -> Reco
 
 def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
     """Validate ``ring`` against the state pool (and, with ``slots``, the live slots'
-    counters: committed + pending <= R, slots unique); returns R."""
+    counters: equal across heads, committed + pending <= R, slots unique); returns R."""
     if not isinstance(ring, Ring):
         raise ValueError(f"ring must be a kda.operands.Ring; got {type(ring).__name__}")
     pages, heads = state.shape[:2]
@@ -380,7 +380,8 @@ def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
     check_tensor("ring.v", ring.v, (torch.float32,), shape=shape, device=state.device)
     shape = (pages, size, heads, 2 * HEAD_DIM)
     check_tensor("ring.kg", ring.kg, (torch.bfloat16,), shape=shape, device=state.device)
-    check_tensor("ring.length", ring.length, (torch.int32,), shape=(pages, 2), device=state.device)
+    shape = (pages, heads, 2)
+    check_tensor("ring.length", ring.length, (torch.int32,), shape=shape, device=state.device)
     if tokens > size:
         raise ValueError(f"ring size R = {size} must be >= the step's tokens T = {tokens}")
     if slots is not None:
@@ -390,7 +391,12 @@ def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
                 "slots: two live requests name the same state slot (live slots must be "
                 "unique across requests)"
             )
-        counts = ring.length.cpu()[live]
+        counts = ring.length.cpu()[live]  # [L, H, 2]
+        split = (counts != counts[:, :1]).any(2).any(1)
+        if split.any():
+            s = int(live[split.nonzero()[0, 0]])
+            raise ValueError(f"ring.length[{s}]: the heads' counters differ (they move together)")
+        counts = counts[:, 0]
         bad = (counts < 0).any(1) | (counts.sum(1) > size)
         if bad.any():
             s = int(live[bad.nonzero()[0, 0]])
@@ -405,6 +411,24 @@ def check_ring_finite(ring, slots) -> None:
     """Checked mode: the ring entries (committed and pending) of the live ``slots`` are
     finite."""
     for s in slots[slots > 0].tolist():
-        held = int(ring.length[s].sum())
+        held = int(ring.length[s, 0].sum())
         check_finite("ring.v", ring.v[s, :held])
         check_finite("ring.kg", ring.kg[s, :held])
+
+
+def check_replay(op: DecodeOperands, ring, *, check_values=True, full=False):
+    """Validate a replay step's arguments (``kda.reference.replay_decode``; shared with
+    any replay kernel's host entry): ``check_decode``'s checks, no records, ``check_ring``
+    (the live slots' counters too with ``check_values``), and with ``full`` the non-finite
+    scan of the checkpoint pages and held ring entries. Returns (``DecodeShape``, R)."""
+    if op.records is not None:
+        raise ValueError("records must be None in replay decode (the ring holds the records)")
+    shape = check_decode(op, check_values=check_values)
+    slot = None
+    if check_values:
+        _, slot, _ = step_slots(op.slots, op.accepted, shape.tokens)
+    size = check_ring(ring, op.state, shape.tokens, slot)
+    if full and check_values:
+        check_decode_finite(op, shape.tokens, op.conv_dim_first, pages=slot)
+        check_ring_finite(ring, slot)
+    return shape, size

@@ -106,7 +106,7 @@ def test_decode_matches_per_step(size, lower_bound):
         assert torch.equal(conv, layer.conv_state), "conv pages differ"
         if n % 21 == 20:
             check_states(materialized(layer, state, ring, lower_bound), layer.state, owner)
-    assert (ring.length[:, 0] <= size).all() and (ring.length[:, 1] == 0).all()
+    assert (ring.length[..., 0] <= size).all() and (ring.length[..., 1] == 0).all()
     assert not_bitwise <= 0.01 * 64 * B * H, f"{not_bitwise} head rows not bitwise"
 
 
@@ -148,6 +148,34 @@ def test_verify_steps_match_per_step():
         assert err <= 1e-5 * scale, f"request {b}: {err:.3g} vs {scale:.3g}"
 
 
+def test_decode_step_after_verify_matches_per_step():
+    """A T = 1 step right after a verify step reads the conv window after the verify step's
+    token 0 (offset 0) and, on the per-step path, the state in ``slots[b, 0]``: token 0
+    accepted. The replay step commits that one pending entry (not all T), so both paths
+    agree, and the ring keeps no pending entry."""
+    B, T, size = 3, 3, 8
+    pages = 1 + B * T
+    layer = kt.make_layer(H, pages, window=T + 2, seed=6)
+    state, conv = layer.state.clone(), layer.conv_state.clone()
+    ring = make_ring(state, size)
+    table = 1 + torch.arange(B * T, dtype=torch.int32).view(B, T)
+    accepted = torch.ones(B, dtype=torch.int32)
+    for n in range(3):
+        step = kt.make_step(B, T, H, pages=pages, slot_table=table, accepted=accepted, seed=n)
+        call(ref.decode, layer, layer.state, layer.conv_state, step)
+        call(ref.replay_decode, layer, state, conv, step, ring=ring)
+        accepted = torch.tensor([3, 2, 3], dtype=torch.int32)
+    step = kt.make_step(B, 1, H, pages=pages, slot_table=table, seed=9)  # slots[b, 0]
+    want = call(ref.decode, layer, layer.state, layer.conv_state, step)
+    o32 = torch.full((B, H * 128), float("nan"))
+    got = call(ref.replay_decode, layer, state, conv, step, ring=ring, o_out=o32)
+    check_outputs(got, want, o32, step.slots > 0)
+    assert torch.equal(conv, layer.conv_state), "conv pages differ"
+    assert (ring.length[table[:, 0], :, 1] == 0).all()
+    base = table[:, 0].contiguous()
+    check_states(materialized(layer, state, ring, slots=base), layer.state, base.tolist())
+
+
 def test_materialize_then_per_step_continues():
     """An engine that needs the plain state materialises; the per-step path continues from it."""
     B, pages = 2, 4
@@ -158,7 +186,7 @@ def test_materialize_then_per_step_continues():
         step = kt.make_step(B, 1, H, pages=pages, seed=n)
         call(ref.decode, layer, layer.state, layer.conv_state, step)
         call(ref.replay_decode, layer, state, conv, step, ring=ring)
-    assert ring.length[1:3, 0].tolist() == [5, 5]
+    assert ring.length[1:3, :, 0].tolist() == [[5] * H] * 2
     ref.materialize(state, ring, layer.a_log, layer.dt_bias, lower_bound=kt.LOWER_BOUND)
     assert ring.length.abs().sum() == 0
     check_states(state, layer.state, [1, 2])
@@ -186,6 +214,9 @@ def test_bad_ring_refused_nothing_written():
     bad = Ring(ring.v, ring.kg, ring.length.clone())
     bad.length[1] = torch.tensor([4, 1])
     refused(r"ring.length\[1\]", ring=bad)
+    bad.length[1] = torch.tensor([1, 0])
+    bad.length[1, 2, 0] = 2
+    refused(r"ring.length\[1\]: the heads' counters differ", ring=bad)
     step.slots[1] = step.slots[0]
     refused("live slots must be unique", ring=ring)
     with pytest.raises(ValueError, match="size"):
