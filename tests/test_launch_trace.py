@@ -3,9 +3,10 @@ stamp points the runner enqueues around each stage, the options, and
 ``scripts/plot_timeline.py`` on a synthetic report (skipped without matplotlib). The GPU
 runs are in ``test_launch_gpu.py`` and ``test_launch_nvshmem_gpu.py``."""
 
-import importlib.util
+import importlib
 import json
 import os
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ from launch.runner import Runner
 from launch.trace import SLOTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 
 def _row(start, launch, kda, produce, consume, recover=0):
@@ -265,12 +267,11 @@ def test_host_backend_refuses_trace(capsys):
 
 
 def _plot_script():
-    spec = importlib.util.spec_from_file_location(
-        "plot_timeline", os.path.join(ROOT, "scripts", "plot_timeline.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``scripts/plot_timeline.py`` imported as the other script tests do (scripts/ on
+    the path; it imports matplotlib only to draw)."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    return importlib.import_module("plot_timeline")
 
 
 def test_plot_timeline(tmp_path):
