@@ -1,4 +1,5 @@
-"""The KDA kernels as torch ops: ``kimi::kda_decode`` and ``kimi::kda_recover``.
+"""The KDA kernels as torch ops: ``kimi::kda_decode``, ``kimi::kda_recover`` and
+``kimi::kda_replay_decode``.
 
 Registered with ``torch.library.custom_op`` so that a ``torch.compile``d model calling
 ``kda.decode`` / ``kda.recover`` traces them as single ops (no graph break) and knows what
@@ -16,9 +17,18 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .operands import DecodeOperands, RecoverOperands
+from .dispatch import choose_replay
+from .operands import DecodeOperands, RecoverOperands, Ring
 from .recover import launch as launch_recover
-from .validate import check_decode, check_options, check_out, check_recover
+from .replay_ops import launch as launch_replay
+from .validate import (
+    check_decode,
+    check_options,
+    check_out,
+    check_recover,
+    check_replay,
+    check_replay_kernel,
+)
 
 NAMESPACE = "kimi"
 
@@ -115,4 +125,59 @@ def _kda_recover_fake(state, slots, v_records, kg_records, a_log, dt_bias, accep
     check_recover(op, check_values=False)
 
 
-__all__ = ["NAMESPACE", "kda_decode", "kda_recover"]
+_REPLAY_MUTATES = ("conv_state", "state", "out", "ring_v", "ring_kg", "ring_length")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::kda_replay_decode", mutates_args=_REPLAY_MUTATES)
+def kda_replay_decode(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    f_a: torch.Tensor,
+    beta: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    slots: torch.Tensor,
+    state: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    f_b: torch.Tensor,
+    out: torch.Tensor,
+    accepted: torch.Tensor | None,
+    ring_v: torch.Tensor,
+    ring_kg: torch.Tensor,
+    ring_length: torch.Tensor,
+    lower_bound: float,
+    scale: float,
+    eps: float,
+    conv_dim_first: bool,
+    gate_mode: int,
+    pdl: bool,
+    validate: str | None = None,
+    kernel: str = "auto",
+) -> None:
+    """``kda.replay_decode`` into ``out``; the ring is passed as its three tensors."""
+    op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
+                   state, gate, norm_weight, f_b, accepted, None, None, lower_bound, scale, eps,
+                   conv_dim_first)  # fmt: skip
+    ring = Ring(ring_v, ring_kg, ring_length)
+    launch_replay(op, ring, out, gate_mode=gate_mode, pdl=pdl, validate=validate, kernel=kernel)
+
+
+@kda_replay_decode.register_fake
+def _kda_replay_decode_fake(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias,
+                            slots, state, gate, norm_weight, f_b, out, accepted, ring_v, ring_kg,
+                            ring_length, lower_bound, scale, eps, conv_dim_first, gate_mode, pdl,
+                            validate=None, kernel="auto"):  # fmt: skip
+    op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
+                   state, gate, norm_weight, f_b, accepted, None, None, lower_bound, scale, eps,
+                   conv_dim_first)  # fmt: skip
+    check_options(gate_mode=gate_mode, pdl=pdl, validate=validate)
+    check_replay_kernel(kernel)
+    shape, size = check_replay(op, Ring(ring_v, ring_kg, ring_length), check_values=False)
+    check_out(out, shape, state.device)
+    choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)  # fits?
+
+
+__all__ = ["NAMESPACE", "kda_decode", "kda_recover", "kda_replay_decode"]

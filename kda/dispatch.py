@@ -120,3 +120,57 @@ def choose(
         ahead = resident if items > resident else 0
         return Choice("wide", items, ahead, why)
     return Choice("stream", min(items, resident), 0, why)
+
+
+# ``kda.replay_decode``'s kernels: KdaReplay ("wide": one CTA per item) and KdaReplayStream
+# ("stream": persistent, the next item's page and ring entries copied during the current one).
+REPLAY_KERNELS = ("auto", "wide", "stream")
+SMEM_PER_CTA = 113 * 1024  # two CTAs per SM on sm_90 / sm_100 (227 KB per SM, 1 KB each reserved)
+
+
+def replay_stream_smem_bytes(size: int, tokens: int) -> int:
+    """Shared memory of one KdaReplayStream CTA (bytes, before alignment padding): the page,
+    the step's vectors, the decoded ring (k^, decay), v_new twice (the next item's copy lands
+    beside the current one's), the copied bf16 entries and the suffix phase's outputs."""
+    T, R, D = tokens, size, 128
+    page = D * D * 4
+    # T * D * 2: KdaWide's f_a buffer (unused since gate mode 2 went; the layout kept)
+    vectors = 4 * T * D * 4 + 8 * D * 4 + 8 * 4 + T * D * 2 + T * 16 * 4 + T * 4 * 4
+    ring = 2 * R * D * 4 + 2 * R * D * 4 + R * 4 * 4 + R * 2 * D * 2
+    suffix = (2 * T * D + 2 * T * R * 4 + T * 4) * 4
+    return page + vectors + ring + suffix
+
+
+def choose_replay(requests, heads, tokens, size, *, sms=H200_SMS, kernel="auto") -> Choice:
+    """The replay step's kernel for ``requests`` x ``heads`` items: KdaReplayStream at T = 1
+    when the items are more than one wave of resident CTAs and its buffers fit two CTAs per
+    SM, else KdaReplay (``kernel`` forces one; "stream" must fit)."""
+    if kernel not in REPLAY_KERNELS:
+        raise ValueError(f"kernel must be one of {REPLAY_KERNELS}; got {kernel!r}")
+    items = requests * heads
+    resident = CTAS_PER_SM * sms
+    need = replay_stream_smem_bytes(size, tokens)
+    fits = need <= SMEM_PER_CTA
+    if kernel == "stream" and not fits:
+        raise ValueError(
+            f"kernel='stream' needs {need} bytes of shared memory at R = {size}, T = {tokens};"
+            f" at most {SMEM_PER_CTA} (use kernel='wide')"
+        )
+    if kernel == "auto":
+        if tokens == 1 and items > resident and fits:
+            kernel = "stream"
+            why = (
+                f"{items} items are several waves of {resident} resident CTAs: stream copies "
+                "each next item's page and ring entries during the current item"
+            )
+        else:
+            kernel = "wide"
+            why = (
+                f"{items} items, T = {tokens}, R = {size}: wide (one wave, a verify step, or "
+                "stream's buffers do not fit two CTAs per SM)"
+            )
+    else:
+        why = f"kernel={kernel!r} requested ({items} items, {resident} resident CTAs)"
+    if kernel == "stream":
+        return Choice("stream", min(items, resident), 0, why)
+    return Choice("wide", items, 0, why)

@@ -100,14 +100,41 @@ class RecoverKernelOperands(NamedTuple):
     lower_bound: Float32
 
 
+class ReplayKernelOperands(NamedTuple):
+    """KdaReplay's operands as CuTe values (``kda.replay``), in its ``__call__``'s order:
+    ``KernelOperands``' step fields to ``accepted``, then the ring's three tensors."""
+
+    x: cute.Tensor
+    conv_weight: cute.Tensor
+    conv_bias: cute.Tensor
+    conv_state: cute.Tensor
+    f_a: cute.Tensor
+    beta: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    slots: cute.Tensor
+    state: cute.Tensor
+    output: cute.Tensor
+    gate: cute.Tensor
+    norm_weight: cute.Tensor
+    lower_bound: Float32
+    scale: Float32
+    eps: Float32
+    f_b: cute.Tensor
+    accepted: cute.Tensor
+    ring_v: cute.Tensor
+    ring_kg: cute.Tensor
+    ring_length: cute.Tensor
+
+
 MIN_RING, MAX_RING = 2, 16
 
 
 class Ring(NamedTuple):
     """Per state slot ``s``: ``v`` [S, R, H, 128] fp32 (v_new), ``kg`` [S, R, H, 256] bf16
     (k, raw gate), ``length`` [S, H, 2] int32 (committed, pending entries; one pair per
-    head, all equal: a kernel item per head then reads and writes only its own, so no
-    item can see another's update within a step)."""
+    head, all equal: each head's kernel item reads and writes only its own, so no item
+    can see another's update within a step)."""
 
     v: torch.Tensor
     kg: torch.Tensor

@@ -80,7 +80,7 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
     ``kimi::kda_decode`` (``kda.custom_ops``), so ``torch.compile`` traces it as one op."""
     op = DecodeOperands(*args, **kwargs)
     check_options(kernel, cluster, gate_mode, pdl, validate)
-    if not _typed(op):  # a non-tensor where a tensor goes: the check names it
+    if not typed(op):  # a non-tensor where a tensor goes: the check names it
         check_decode(op, check_values=False)
     if out is not None and not isinstance(out, torch.Tensor):
         check_out(out, check_decode(op, check_values=False), op.state.device)
@@ -97,7 +97,7 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
     return out
 
 
-def _typed(op: DecodeOperands) -> bool:
+def typed(op: DecodeOperands) -> bool:
     """Every operand the op's schema types is of that type (2-D ``x`` and ``gate``, a
     ``(v_records, kg_records)`` pair, real scalars and a bool ``conv_dim_first``), so the
     op call itself cannot raise a TypeError."""

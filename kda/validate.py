@@ -16,7 +16,7 @@ import torch
 
 from tpcomm.checks import capturing, check_finite, check_real, check_tensor, mode
 
-from .dispatch import CLUSTERS, GATE_MODES, KERNELS
+from .dispatch import CLUSTERS, GATE_MODES, KERNELS, REPLAY_KERNELS
 from .operands import MAX_RING, MIN_RING, DecodeOperands, RecoverOperands, Ring
 
 HEAD_DIM = 128
@@ -28,8 +28,8 @@ _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = [
     "CONV_TAPS", "GATE_RANK", "HEAD_DIM", "MAX_TOKENS", "DecodeShape", "RecoverShape",
     "capturing", "check_decode", "check_decode_finite", "check_options", "check_out",
-    "check_pages_shared", "check_recover", "check_replay", "check_ring", "check_ring_finite",
-    "check_scalars", "check_slot_values", "mode", "step_slots",
+    "check_pages_shared", "check_recover", "check_ring", "check_ring_finite", "check_scalars",
+    "check_slot_values", "mode", "step_slots",
 ]  # fmt: skip
 
 
@@ -192,6 +192,12 @@ def check_options(kernel="auto", cluster=None, gate_mode=3, pdl=False, validate=
     if gate_mode not in GATE_MODES or isinstance(gate_mode, bool):
         raise ValueError(f"gate_mode must be 0, 1 or 3; got {gate_mode!r}")
     return full
+
+
+def check_replay_kernel(kernel) -> None:
+    """``kda.replay_decode``'s ``kernel``: one of ``REPLAY_KERNELS``."""
+    if not isinstance(kernel, str) or kernel not in REPLAY_KERNELS:
+        raise ValueError(f"kernel must be one of {REPLAY_KERNELS}; got {kernel!r}")
 
 
 def check_out(out, shape: DecodeShape, device) -> None:
@@ -417,10 +423,10 @@ def check_ring_finite(ring, slots) -> None:
 
 
 def check_replay(op: DecodeOperands, ring, *, check_values=True, full=False):
-    """Validate a replay step's arguments (``kda.reference.replay_decode``; shared with
-    any replay kernel's host entry): ``check_decode``'s checks, no records, ``check_ring``
-    (the live slots' counters too with ``check_values``), and with ``full`` the non-finite
-    scan of the checkpoint pages and held ring entries. Returns (``DecodeShape``, R)."""
+    """Validate a replay step's arguments (shared by ``kda.reference.replay_decode`` and
+    ``kda.replay_decode``): ``check_decode``'s checks, no records, ``check_ring`` (the live
+    slots' counters too with ``check_values``), and with ``full`` the non-finite scan of the
+    checkpoint pages and held ring entries. Returns (``DecodeShape``, R)."""
     if op.records is not None:
         raise ValueError("records must be None in replay decode (the ring holds the records)")
     shape = check_decode(op, check_values=check_values)
