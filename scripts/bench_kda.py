@@ -19,7 +19,24 @@ measured in the same run (bytes read + written).
 ``--verify``: verify steps (H in {12, 96}, B in {32, 128}, T in {2, 4, 8}), Wide beside
 Stream, for ``STREAM_MAX_TOKENS`` in ``kda/dispatch.py`` (docs/kda_dispatch.md).
 
-Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify] [--diag]
+Replay rows (issue 15; after the default table, or alone with ``--replay-only``): the grid
+``replay_grid()`` of H in {12, 96}, B in {32, 128, 256}, T in {1, 4}, ring size R in
+{4, 8, 16}, the headline rows H96 B128 T1 / T4 R8 first. Each times ``kda.replay_decode``
+with each replay kernel whose buffers fit (KdaReplay "wide", one CTA per item; the
+persistent KdaReplayStream "stream") on the per-step rows' pools and steps, with a ring
+whose fill levels are staggered (1/R of the items fold per decode step), R steps per
+rotation in one graph; the dispatcher's choice is reported with its kernel's time. Beside
+it, on the same (H, B, T): the per-step path (``kda.decode``, the dispatcher's kernel, timed
+exactly as the per-step rows) and fla's recurrence where the per-step table timed it. Bytes
+per step (``replay_bytes``): state traffic as the per-step rows count it, the page read, the
+ring entries each item holds read, the step's entries written and the pages its folds write
+back, from the ring counters over the timed steps. ``--replay-only``
+times the replay grid and the per-step kernel for its shapes only (``--quick``: the two
+headline rows); the JSON (``rows``: per-step rows, ``replay_rows``) is rewritten after every
+row, so a run cut short keeps what it measured.
+
+Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify]
+       [--replay-only] [--diag]
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 
 import torch
@@ -79,14 +97,14 @@ def copy_bandwidth():
     return 2 * 4 * n / (us * 1e-6) / 1e12
 
 
-def setup(H, B, T, rotations, seed=0):
+def setup(H, B, T, rotations, seed=0, device="cuda"):
     pages = 1 + rotations * B * T
-    layer = kt.make_layer(H, pages, window=T + 2, bias=True, seed=seed, device="cuda")
+    layer = kt.make_layer(H, pages, window=T + 2, bias=True, seed=seed, device=device)
     steps = []
     for r in range(rotations):
         table = 1 + r * B * T + torch.arange(B * T, dtype=torch.int32).view(B, T)
         steps.append(kt.make_step(B, T, H, pages=pages, slot_table=table, seed=seed + r,
-                                  device="cuda"))  # fmt: skip
+                                  device=device))  # fmt: skip
     return layer, steps
 
 
@@ -106,6 +124,107 @@ def ours(layer, steps, kernel, gate_mode=3, cluster=None):
             )  # fmt: skip
 
     return fn
+
+
+ENTRY = 128 * 4 + 256 * 2  # a ring entry of one head: v_new fp32, k and raw gate bf16
+REPLAY_HEADS, REPLAY_REQUESTS, REPLAY_TOKENS = (96, 12), (128, 32, 256), (1, 4)
+REPLAY_SIZES = (8, 4, 16)  # ring sizes R, in the order each shape times them
+HEADLINE = ((96, 128, 1, 8), (96, 128, 4, 8))
+
+
+def replay_grid(quick=False):
+    """The replay rows (H, B, T, R) in the order they are timed: the headline rows first,
+    then shape by shape (H 96 before 12, B 128, 32, 256, T 1 before 4), R 8, 4, 16 each."""
+    if quick:
+        return list(HEADLINE)
+    rows = list(HEADLINE)
+    for B in REPLAY_REQUESTS:
+        for H in REPLAY_HEADS:
+            for T in REPLAY_TOKENS:
+                rows += [(H, B, T, R) for R in REPLAY_SIZES if (H, B, T, R) not in rows]
+    return rows
+
+
+def rotations_for(H, B, T):
+    """Slot tables per graph (>= ROTATE_BYTES of state, at most 64) and the per-step state
+    traffic of one launch, (1 + T) x 64 KB per item."""
+    per_launch = B * H * (1 + T) * PAGE
+    return max(1, min(64, math.ceil(ROTATE_BYTES / per_launch))), per_launch
+
+
+def replay_setup(layer, size, seed=0):
+    """A ring of ``size`` for the pool, each step's slots staggered in their fill level
+    (slot s holds ``replay_fill(s, size)`` committed finite entries), so that 1/size of the
+    items fold per decode step."""
+    from kda.operands import make_ring
+
+    ring = make_ring(layer.state, size)
+    device = layer.state.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    ring.v.copy_(torch.randn(ring.v.shape, generator=g, device=device) * 0.05)
+    ring.kg.copy_(torch.randn(ring.kg.shape, generator=g, device=device).to(torch.bfloat16))
+    slots = torch.arange(ring.length.shape[0], device=device, dtype=torch.int32)
+    ring.length[:, :, 0] = replay_fill(slots, size)[:, None]
+    return ring
+
+
+def replay_fill(slot, size):
+    """Committed entries ``replay_setup`` gives slot ``slot`` (1..size)."""
+    return 1 + slot % size
+
+
+REPLAY_KERNELS = ("wide", "stream")
+
+
+def replay(layer, steps, ring, gate_mode=3, kernel="auto"):
+    """``size`` replay steps over the rotations (one fold per decode item per call)."""
+    import kda
+
+    out = torch.empty_like(steps[0].gate)
+
+    def fn():
+        for _ in range(ring.size):
+            for s in steps:
+                kda.replay_decode(
+                    s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
+                    layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
+                    layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+                    accepted=s.accepted, ring=ring, gate_mode=gate_mode, kernel=kernel, out=out,
+                )  # fmt: skip
+
+    return fn
+
+
+def replay_bytes(heads, size, tokens, slots, accepted=None, calls=9, timed=7):
+    """State bytes of one replay launch (all items), averaged over the last ``timed`` of
+    ``calls`` calls of ``replay``'s ``fn`` (``size`` passes over the rotations each) from
+    ``replay_setup``'s ring: per live item the page read, the entries it holds read (the
+    committed ones and the pending ones it commits), its T entries written and, when it
+    folds, the page written back (``kda.reference.replay_decode``'s counters). ``slots``:
+    per rotation the requests' replay slots (``slots[b, 0]`` at T > 1); ``accepted``: per
+    rotation the requests' accepted counts (T > 1). time_graph's fn runs ``replays + 2``
+    times (a warm-up, the first replay, the timed ones)."""
+    counts = {s: (int(replay_fill(s, size)), 0) for rot in slots for s in rot if s > 0}
+    total = launches = 0
+    for call in range(calls):
+        for _ in range(size):
+            for r, rot in enumerate(slots):
+                moved = 0
+                for b, s in enumerate(rot):
+                    if s <= 0:
+                        continue
+                    committed, pending = counts[s]
+                    commit = 1 if tokens == 1 else accepted[r][b]
+                    held = committed + min(commit, pending)
+                    moved += PAGE + (held + tokens) * ENTRY
+                    if held + tokens > size:  # fold: the page written back, the ring empty
+                        moved += PAGE
+                        held = 0
+                    counts[s] = (held + 1, 0) if tokens == 1 else (held, tokens)
+                if call >= calls - timed:
+                    total += moved * heads
+                    launches += 1
+    return total / launches
 
 
 def fla_recurrence(layer, steps, H, B, T):
@@ -215,9 +334,9 @@ def diagnose():
             )
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write the tables (after every row)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument(
         "--small", action="store_true", help="small batches: H 6, 12; B 1..8; split included"
@@ -228,29 +347,144 @@ def main():
     parser.add_argument(
         "--splits", action="store_true", help="also time KdaSplit (cluster 2, 4, 8) on every row"
     )
+    parser.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="only the replay rows, each beside the per-step kernel (--quick: H96 B128 R8)",
+    )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
     parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 3))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.replay_only and (args.small or args.verify or args.splits or args.diag):
+        parser.error("--replay-only times the replay grid alone (with --quick at most)")
+    return args
+
+
+def per_step_shapes(args):
+    """The per-step table's (H, B, T) rows (none with ``--replay-only``)."""
+    if args.replay_only:
+        return []
+    if args.quick:
+        return [(6, 1, 1), (12, 128, 1), (96, 128, 1), (96, 128, 4), (12, 128, 4)]
+    if args.small:
+        return [(H, B, T) for T in (1, 4) for H in (6, 12) for B in (1, 2, 4, 8)]
+    if args.verify:
+        return [(H, B, T) for T in (2, 4, 8) for H in (12, 96) for B in (32, 128)]
+    return [(H, B, T) for T in (1, 4) for H in (6, 12, 96) for B in (1, 8, 32, 128)]
+
+
+def replay_shapes(args):
+    """The replay rows (H, B, T, R) this run times: after the default or quick table, or
+    alone with ``--replay-only``; none after ``--small`` / ``--verify``."""
+    if args.small or args.verify:
+        return []
+    return replay_grid(quick=args.quick)
+
+
+def write_json(path, payload):
+    """Write ``payload`` to ``path`` whole (a run killed mid-write keeps the last rows)."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump(payload, handle, indent=1)
+    os.replace(partial, path)
+
+
+def f(v, w=8, p=1):
+    return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
+
+
+def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
+    """Time the replay rows ``grid`` in order; ``per_step`` maps (H, B, T) to its per-step
+    row (timed here for shapes the per-step table did not run, exactly as it times
+    ``auto_us``); ``emit(row)`` after every row. Each shape's pools are built when first
+    needed and dropped after its last row."""
+    from collections import Counter
+
+    from kda.dispatch import SMEM_PER_CTA, choose_replay, replay_stream_smem_bytes
+    from kda.ops import plan
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    left = Counter((H, B, T) for H, B, T, _ in grid)
+    built = {}
+    print("replay rows: kda.replay_decode (us per step; MB of state per step), beside the "
+          "per-step kda.decode (step us, step MB) and fla's recurrence")  # fmt: skip
+    print(f"{'H':>3} {'B':>4} {'T':>2} {'R':>2} {'kernel':>7} {'replay':>8} {'wide':>8} "
+          f"{'stream':>8} {'MB/step':>8} {'TB/s':>6} {'%copy':>6} {'step us':>8} "
+          f"{'step MB':>8} {'x step':>6} {'fla rec':>8} {'x rec':>6}")  # fmt: skip
+    for H, B, T, size in grid:
+        shape = (H, B, T)
+        if shape not in built:
+            rotations, per_launch = rotations_for(H, B, T)
+            built[shape] = (rotations, per_launch, *setup(H, B, T, rotations))
+        rotations, per_launch, layer, steps = built[shape]
+        if shape not in per_step:  # the per-step path, timed as the per-step rows time it
+            us = time_graph(ours(layer, steps, "auto", gate_mode), inner=rotations)
+            per_step[shape] = dict(H=H, B=B, T=T, kernel=plan(B, H, T, "cuda").kernel,
+                                   auto_us=us, fla_us=None, state_bytes=per_launch)  # fmt: skip
+        step_row = per_step[shape]
+        choice = choose_replay(B, H, T, size, sms=sms)
+        row = dict(H=H, B=B, T=T, R=size, kernel=choice.kernel, reason=choice.reason,
+                   rotations=rotations)  # fmt: skip
+        for name in REPLAY_KERNELS:
+            row[f"{name}_us"] = None
+            if name == "stream" and replay_stream_smem_bytes(size, T) > SMEM_PER_CTA:
+                continue  # refused: its buffers do not fit two CTAs per SM
+            try:  # each kernel from the same fill levels (a fresh ring)
+                fn = replay(layer, steps, replay_setup(layer, size), gate_mode, name)
+                row[f"{name}_us"] = time_graph(fn, inner=rotations * size)
+            except Exception as error:  # report, keep going
+                row[f"{name}_error"] = repr(error)[:200]
+            fn = None  # the ring goes with it
+        us = row["replay_us"] = row[f"{choice.kernel}_us"]
+        slots = [s.slots.view(B, -1)[:, 0].tolist() for s in steps]
+        accepted = None if T == 1 else [s.accepted.tolist() for s in steps]
+        moved = row["replay_bytes"] = replay_bytes(H, size, T, slots, accepted)
+        row["replay_tbs"] = moved / (us * 1e-6) / 1e12 if us else None
+        row["pct_copy"] = 100 * row["replay_tbs"] / copy_tbs if us else None
+        step_us, fla = step_row["auto_us"], step_row.get("fla_us")
+        row.update(per_step_us=step_us, per_step_kernel=step_row["kernel"],
+                   per_step_bytes=per_launch, fla_us=fla)  # fmt: skip
+        row["speedup_per_step"] = step_us / us if us else None
+        row["speedup_fla"] = fla / us if us and fla else None
+        print(
+            f"{H:>3} {B:>4} {T:>2} {size:>2} {choice.kernel:>7} {f(us)} {f(row['wide_us'])} "
+            f"{f(row['stream_us'])} {f(moved / 1e6)} {f(row['replay_tbs'], 6, 2)} "
+            f"{f(row['pct_copy'], 6)} {f(step_us)} {f(per_launch / 1e6)} "
+            f"{f(row['speedup_per_step'], 6, 2)} {f(fla)} {f(row['speedup_fla'], 6, 2)}"
+        )
+        for name in REPLAY_KERNELS:
+            if f"{name}_error" in row:
+                print(f"    {name}_error: {row[f'{name}_error']}")
+        emit(row)
+        left[shape] -= 1
+        if not left[shape]:
+            del built[shape], layer, steps
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.diag:
         diagnose()
         return
     copy_tbs = copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_tbs:.2f} TB/s")
-    shapes = [(H, B, T) for T in (1, 4) for H in (6, 12, 96) for B in (1, 8, 32, 128)]
-    if args.quick:
-        shapes = [(6, 1, 1), (12, 128, 1), (96, 128, 1), (96, 128, 4), (12, 128, 4)]
-    if args.small:
-        shapes = [(H, B, T) for T in (1, 4) for H in (6, 12) for B in (1, 2, 4, 8)]
-    if args.verify:
-        shapes = [(H, B, T) for T in (2, 4, 8) for H in (12, 96) for B in (32, 128)]
-    rows = []
-    header = (f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} {'%copy':>6} "
-              f"{'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} {'fla comp':>9} "
-              f"{'x comp':>6}")  # fmt: skip
-    print(header)
+    rows, replay_rows = [], []
+    payload = dict(device=torch.cuda.get_device_name(), copy_tbs=copy_tbs, rows=rows,
+                   replay_rows=replay_rows)  # fmt: skip
+
+    def save():
+        if args.json:
+            write_json(args.json, payload)
+
+    shapes = per_step_shapes(args)
+    if shapes:
+        header = (f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} "
+                  f"{'%copy':>6} {'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} "
+                  f"{'fla comp':>9} {'x comp':>6}")  # fmt: skip
+        print(header)
     for H, B, T in shapes:
-        per_launch = B * H * (1 + T) * PAGE
-        rotations = max(1, min(64, math.ceil(ROTATE_BYTES / per_launch)))
+        rotations, per_launch = rotations_for(H, B, T)
         layer, steps = setup(H, B, T, rotations)
         from kda.ops import plan
 
@@ -290,9 +524,7 @@ def main():
         result["speedup_fla"] = fla / us if fla else None
         result["speedup_composed"] = comp / us if comp else None
         rows.append(result)
-
-        def f(v, w=8, p=1):
-            return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
+        save()
 
         line = (
             f"{H:>3} {B:>4} {T:>2} {choice.kernel:>7} {f(us)} {f(result['state_tbs'], 6, 2)} "
@@ -309,9 +541,16 @@ def main():
                 print(f"    {key}: {result[key]}")
         del layer, steps
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(dict(copy_tbs=copy_tbs, rows=rows), handle, indent=1)
+    grid = replay_shapes(args)
+    if grid:
+        per_step = {(r["H"], r["B"], r["T"]): r for r in rows}
+
+        def emit(row):
+            replay_rows.append(row)
+            save()
+
+        replay_table(grid, per_step, args.gate_mode, copy_tbs, emit)
+    save()
 
 
 if __name__ == "__main__":

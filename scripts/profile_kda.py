@@ -14,12 +14,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import torch  # noqa: E402
-from bench_kda import fla_recurrence, ours, setup  # noqa: E402
+from bench_kda import fla_recurrence, ours, replay, replay_setup, setup  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", default="stream", help="wide, stream, split or fla")
+    p.add_argument(
+        "--kernel", default="stream", help="wide, stream, split, fla or replay (R 8: 8 steps)"
+    )
     p.add_argument("--heads", type=int, default=96)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1)
@@ -28,6 +30,8 @@ def main(argv=None):
     layer, steps = setup(H, B, T, rotations=1)
     if args.kernel == "fla":
         fn = fla_recurrence(layer, steps, H, B, T)
+    elif args.kernel == "replay":
+        fn = replay(layer, steps, replay_setup(layer, 8))
     else:
         fn = ours(layer, steps, args.kernel)
     fn()  # compile and load
