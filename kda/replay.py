@@ -7,21 +7,23 @@ with ``n`` the entries the step keeps (``ring.length[slot, head]``: the committe
 the pending ones it commits, one at T = 1 (token 0 of a verify step before: the conv
 window's offset 0), ``accepted[b]`` in a verify step):
 
-- reads the entries ``j < n`` (k_j, raw_g_j bf16, v_new_j fp32, ~1 KB each) and then the
-  checkpoint page once, both by cp.async into shared, issued together at the start (the
-  entries in their own group, awaited before the gate phase; the page before the fold);
+- prefetches the checkpoint page into L2 at the start (one bulk prefetch) and reads it
+  where it lies, late (the fold, then per token ``replay_rows``, two chunks of both rows in
+  flight at a time): no page in shared memory, so three CTAs fit an SM; reads the entries
+  ``j < n`` (k_j, raw_g_j bf16, v_new_j fp32, ~1 KB each) by cp.async into shared (awaited
+  before the gate phase);
   decays ``d_j`` with ``kda.device.decay`` (the per-step kernels' function), ``k^_j`` as
   KdaRecover;
 - a full ring (``n + T > R``) is folded first: each thread applies the R staged entries
   (neutral past ``n``) to its 64 page values (``S * d_j`` then ``fma(k^_j, v_j, .)``,
-  KdaRecover's order), writes them to the page and to its staging slots, and the step
+  KdaRecover's order) and writes them to the page, and the step
   continues with ``n = 0``;
 - per token t: suffix products ``P_j`` newest first (this step's earlier tokens, then the
   ring's entries; never divided), ``alpha_j = (P_j k^_j) . k^``, ``gamma_j = (P_j k^_j)
   . q^`` (threads 0-127 and 128-255), ``D k^`` and ``D q^``;
-- per token and value row (the page re-read from shared per token, not held in
-  registers): ``s_k = C (D k^) + sum_j v_j alpha_j``, ``v_new = (v - s_k)
-  beta``, ``o = s_q + v_new (k^ . q^)`` with ``s_q = C (D q^) + sum_j v_j gamma_j``;
+- per token and value row (the page re-read per token, not held in registers):
+  ``s_k = C (D k^) + sum_j v_j alpha_j``, ``v_new = (v - s_k) beta``,
+  ``o = s_q + v_new (k^ . q^)`` with ``s_q = C (D q^) + sum_j v_j gamma_j``;
 - writes ring entries ``n .. n + T - 1`` (v_new fp32; k and raw_g bf16 through KdaWide's
   record writes), the head's counters (``(n + 1, 0)``; a verify step's ``(n, T)``: its
   entries pending), the conv page and the output. No page write unless folding.
@@ -41,7 +43,10 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm.cuteutil import (
     cp_async_16,
+    launch,
+    ld_global_f32x4,
     ld_shared_f32x4,
+    prefetch_l2_bulk,
     smem_tensor,
     st_global_f32x4,
     warp_sum,
@@ -73,6 +78,8 @@ def ring_entry(ring_kg, slot, entry, heads: cutlass.Constexpr, size: cutlass.Con
     return cute.make_tensor(start, layout)
 
 
+PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
+CTAS_PER_SM = 3  # no staged page: ~15 KB of shared memory, <= 80 registers a thread
 PAIRS = 2  # pairs of partial sums per row and vector (two vectors: half KdaWide's registers)
 
 
@@ -124,6 +131,18 @@ class KdaReplay(KdaWide):
             )
         )  # fmt: skip
         self.launch_grid(call, output.shape[0] // self.tokens, stream)
+
+    def launch_grid(self, call, requests, stream):
+        """One CTA per (head, request) item, ``CTAS_PER_SM`` per SM."""
+        launch(
+            call,
+            (self.heads, requests, 1),
+            (THREADS, 1, 1),
+            stream,
+            use_pdl=self.pdl,
+            min_blocks_per_mp=CTAS_PER_SM,
+            carveout=100,
+        )
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -208,24 +227,22 @@ class KdaReplay(KdaWide):
                     r_k[j, channel] = Float32(-0.0)
 
     @cute.jit
-    def fold_page(self, state, staged, ring, slot, head):
-        """Apply the R staged entries to the thread's page values (from its staging slots,
-        one key chunk of both rows at a time in a rolled loop over the entries: few live
-        registers), then write them to the page and back to the staging slots."""
+    def fold_page(self, state, ring, slot, head):
+        """Apply the R staged entries to the thread's page values where they lie (one key
+        chunk of both rows at a time, read, then the entries in a rolled loop: few live
+        registers) and write them back."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         r_k, r_d, r_v, _ = ring
         k0, d0 = Int32(r_k.iterator.toint()), Int32(r_d.iterator.toint())
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         state0 = Int64(state.iterator.toint()) + page * 4
-        shared0 = Int32(staged.iterator.toint())
-        # Rolled over the chunks too: the page addresses are not kept from the staging.
         for c in cutlass.range(KCHUNKS, unroll=1):
-            low = shared0 + (c * THREADS + tid) * 16  # row base_row
-            high = shared0 + ((KCHUNKS + c) * THREADS + tid) * 16  # row base_row + 64
-            h0, h1, h2, h3 = ld_shared_f32x4(low)
-            h4, h5, h6, h7 = ld_shared_f32x4(high)
             key = 4 * (lane_in + LANES * c)
+            low = state0 + Int64(base_row * HEAD_DIM + key) * 4  # row base_row
+            high = state0 + Int64((base_row + 64) * HEAD_DIM + key) * 4  # row base_row + 64
+            h0, h1, h2, h3 = ld_global_f32x4(low)
+            h4, h5, h6, h7 = ld_global_f32x4(high)
             for j in cutlass.range(self.size, unroll=1):
                 offset = (j * HEAD_DIM + key) * 4
                 d4 = ld_shared_f32x4(d0 + offset)
@@ -235,10 +252,8 @@ class KdaReplay(KdaWide):
                 h2, h3 = self.apply_pair((h2, h3), (d4[2], d4[3]), (k4[2], k4[3]), v_low)
                 h4, h5 = self.apply_pair((h4, h5), (d4[0], d4[1]), (k4[0], k4[1]), v_high)
                 h6, h7 = self.apply_pair((h6, h7), (d4[2], d4[3]), (k4[2], k4[3]), v_high)
-            for r, values in enumerate(((h0, h1, h2, h3), (h4, h5, h6, h7))):
-                offset = (base_row + 64 * r) * HEAD_DIM + key
-                st_global_f32x4(state0 + Int64(offset) * 4, values)
-                st_shared_f32x4(low if r == 0 else high, values)
+            st_global_f32x4(low, (h0, h1, h2, h3))
+            st_global_f32x4(high, (h4, h5, h6, h7))
 
     def apply_pair(self, h, d, k, v_new):
         """One record on two keys of a row: ``S * decay`` then ``fma(k^, v_new, .)``
@@ -300,14 +315,19 @@ class KdaReplay(KdaWide):
                 q = s_q[t, channel]
                 self.suffix_chain(ring, (s_k, s_decay), t, q, entries, p_gamma, s_dq)
 
-    def page_source(self, staged):
-        """Trace-time hook of ``replay_rows``: where the page comes from (here the staged
-        slots' shared address; KdaReplayStream: the page in registers)."""
-        return Int32(staged.iterator.toint())
+    def page_source(self, op, staged, slot, head):
+        """Trace-time hook of ``replay_rows``: where the page comes from (here its global
+        address: the page is read where it lies, L2-prefetched at the item's start;
+        KdaReplayStream: the page in registers)."""
+        page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        return Int64(op.state.iterator.toint()) + page * 4
 
     def page_chunk(self, source, i, c, tid):
-        """Trace-time hook: chunk ``c`` of the thread's row ``i`` (four fp32) of the page."""
-        return ld_shared_f32x4(source + ((i * KCHUNKS + c) * THREADS + tid) * 16)
+        """Trace-time hook: chunk ``c`` of the thread's row ``i`` (four fp32) of the page
+        (a weak load: a fold earlier in the item wrote it, from this thread)."""
+        base_row, lane_in = tid // LANES, tid % LANES
+        offset = (base_row + 64 * i) * HEAD_DIM + 4 * (lane_in + LANES * c)
+        return ld_global_f32x4(source + Int64(offset) * 4)
 
     @cute.jit
     def replay_rows(self, op, staged, ring, parts, s_v, s_beta, s_o, entries, slot, head):
@@ -321,26 +341,34 @@ class KdaReplay(KdaWide):
         p_alpha, p_gamma, p_kq, s_dk, s_dq = parts
         packed = self.packed
         dk0, dq0 = Int32(s_dk.iterator.toint()), Int32(s_dq.iterator.toint())
-        shared0 = self.page_source(staged)
+        source = self.page_source(op, staged, slot, head)
         rows = tuple(range(ROWS))
         for t in cutlass.range_constexpr(self.tokens):
             sk = [[Float32(0.0)] * (2 * PAIRS) for _ in rows]
             sq = [[Float32(0.0)] * (2 * PAIRS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                offset = (t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4
-                dk4 = ld_shared_f32x4(dk0 + offset)
-                dq4 = ld_shared_f32x4(dq0 + offset)
-                for i in cutlass.range_constexpr(ROWS):
-                    h = self.page_chunk(shared0, i, c, tid)
-                    for p in cutlass.range_constexpr(2):
-                        j = (2 * c + p) % PAIRS
-                        pair = (h[2 * p], h[2 * p + 1])
-                        acc = dev.fma2(pair, (dk4[2 * p], dk4[2 * p + 1]),
-                                       (sk[i][2 * j], sk[i][2 * j + 1]), packed)  # fmt: skip
-                        sk[i][2 * j], sk[i][2 * j + 1] = acc[0], acc[1]
-                        acc = dev.fma2(pair, (dq4[2 * p], dq4[2 * p + 1]),
-                                       (sq[i][2 * j], sq[i][2 * j + 1]), packed)  # fmt: skip
-                        sq[i][2 * j], sq[i][2 * j + 1] = acc[0], acc[1]
+            # Chunks in pairs: both rows' chunks of a pair are read before their products
+            # (four loads in flight), the products in the same order as chunk by chunk.
+            for c2 in cutlass.range_constexpr(KCHUNKS // 2):
+                chunks = [
+                    [self.page_chunk(source, i, 2 * c2 + d, tid) for i in range(ROWS)]
+                    for d in range(2)
+                ]
+                for d in cutlass.range_constexpr(2):
+                    c = 2 * c2 + d
+                    offset = (t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4
+                    dk4 = ld_shared_f32x4(dk0 + offset)
+                    dq4 = ld_shared_f32x4(dq0 + offset)
+                    for i in cutlass.range_constexpr(ROWS):
+                        h = chunks[d][i]
+                        for p in cutlass.range_constexpr(2):
+                            j = (2 * c + p) % PAIRS
+                            pair = (h[2 * p], h[2 * p + 1])
+                            acc = dev.fma2(pair, (dk4[2 * p], dk4[2 * p + 1]),
+                                           (sk[i][2 * j], sk[i][2 * j + 1]), packed)  # fmt: skip
+                            sk[i][2 * j], sk[i][2 * j + 1] = acc[0], acc[1]
+                            acc = dev.fma2(pair, (dq4[2 * p], dq4[2 * p + 1]),
+                                           (sq[i][2 * j], sq[i][2 * j + 1]), packed)  # fmt: skip
+                            sq[i][2 * j], sq[i][2 * j + 1] = acc[0], acc[1]
             kq = dev.quad_sum([p_kq[t, w] for w in range(4)])
             beta_t = s_beta[t]
             for i, r in enumerate(rows):
@@ -387,7 +415,6 @@ class KdaReplay(KdaWide):
             cute.arch.griddepcontrol_launch_dependents()
         else:
             smem = cutlass.memory.SmemAllocator()
-            staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
             s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
@@ -445,12 +472,13 @@ class KdaReplay(KdaWide):
             entry = held
             if fold:
                 entry = Int32(0)
-            # Predecessor-independent, all in flight at once: the ring's entries (cp.async
-            # group 0, awaited before the gate phase), then the page (group 1, awaited
-            # before the fold), the conv window and the weights.
+            # Predecessor-independent, all in flight at once: the page into L2 (read where
+            # it lies by the fold and replay_rows), the ring's entries (cp.async, awaited
+            # before the gate phase), the conv window and the weights.
+            if tid == 0:
+                page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+                prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, PAGE_BYTES)
             self.copy_entries(op, r_raw, r_v, held, slot, head)
-            cute.arch.cp_async_commit_group()
-            self.stage_state(op.state, staged, head, slot)
             cute.arch.cp_async_commit_group()
             parts_in = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
             columns = [parts_in[s] * dim + head * HEAD_DIM + channel for s in range(2)]
@@ -473,7 +501,7 @@ class KdaReplay(KdaWide):
             )  # fmt: skip
             # The ring's entries have landed (every thread's copies: before the new k and
             # raw-gate records go over entry 0 of a folding ring).
-            cute.arch.cp_async_wait_group(1)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             self.write_k_record(s_k, records, request, head)
             self.gate_phase(gate_op, weights, activations, a, dt, s_decay, request, head)
@@ -484,11 +512,10 @@ class KdaReplay(KdaWide):
             cute.arch.barrier()
             self.suffix_phase(ring, (s_q, s_k, s_decay), parts, entry)
 
-            cute.arch.cp_async_wait_group(0)
             if fold:
-                self.fold_page(op.state, staged, ring, slot, head)
+                self.fold_page(op.state, ring, slot, head)
             cute.arch.barrier()
-            self.replay_rows(op, staged, ring, parts, s_v, s_beta, s_o, entry, slot, head)
+            self.replay_rows(op, None, ring, parts, s_v, s_beta, s_o, entry, slot, head)
             cute.arch.barrier()
 
             if section == 0:

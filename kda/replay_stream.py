@@ -66,7 +66,7 @@ class KdaReplayStream(KdaReplay):
             carveout=100,
         )
 
-    def page_source(self, staged):
+    def page_source(self, op, staged, slot, head):
         """``replay_rows`` reads the page from registers: ``staged`` is the history."""
         return staged
 
