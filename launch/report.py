@@ -69,6 +69,8 @@ def config(cfg, backend, launcher, **extra):
         "groups": cfg.groups,
         "conv_layout": "dim-first" if cfg.conv_dim_first else "window-first",
         "seed": cfg.seed,
+        "kda_state": cfg.kda_state,
+        "ring": cfg.ring if cfg.replay else None,
         **extra,
     }
 
@@ -79,7 +81,8 @@ def print_config(r):
         f"config   backend {c['backend']} ({c['launcher']}), TP {c['tp']}, heads {c['heads']} "
         f"({c['heads_per_rank']}/rank), hidden {c['hidden']}, requests {c['requests']}, "
         f"tokens {c['tokens']}, blocks {c['blocks']}, groups {_groups(c['groups'])}, "
-        f"conv {c['conv_layout']}, seed {c['seed']}, domain {c.get('domain_size', c['tp'])}"
+        f"conv {c['conv_layout']}, seed {c['seed']}, domain {c.get('domain_size', c['tp'])}, "
+        f"kda state {c['kda_state']}" + (f" (ring {c['ring']})" if c["ring"] else "")
     )
     kinds = ", ".join(f"{v} {k}" for k, v in r["steps"].items() if k != "total")
     print(f"steps    {r['steps']['total']} ({kinds})")
@@ -307,6 +310,10 @@ def print_host(r):
         f"  worst error / bound: prefix vs unsharded o-proj {w['prefix']:.3f}, "
         f"output vs fp64 epilogue {w['output']:.3f}"
     )
+    if "per_step_rows" in w:
+        print(f"  replay vs per-step: {w['per_step_rows']} head rows not bitwise (o near a bf16 "
+              f"midpoint), materialized state {w['materialized']:.2e} of page max, "
+              f"{w['ring_folds']} ring folds")  # fmt: skip
     rss = r["peak_rss_bytes"]
     if rss["per_rank"]:
         print(f"memory   peak RSS {rss['total'] / 2**30:.2f} GiB over {len(rss['per_rank'])} "
