@@ -203,11 +203,14 @@ def inject(fault: str, output: torch.Tensor, state: torch.Tensor, state_bit: int
 
 def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, check, worst):
     """One GPU step against the unsharded layer and the o-projection reference. Every
-    process takes part (gathers, the mailbox read-back); process 0 compares."""
+    process takes part (gathers, the mailbox read-back); process 0 compares. Replay: the
+    unsharded layer is the replay reference (from the step's gathered pools and rings), and
+    the KDA outputs are also checked against the per-step reference's."""
     cfg, model = runner.cfg, runner.model
     i = plan.index
     attn_all = runner.all_ranks(bk.attn)  # [TP, N, D_local]
     state, conv = runner.gather_pools()
+    ring = runner.gather_ring() if cfg.replay else None
     armed = runner.procs.all_true(bk.comm.armed())
     partials, same = runner.partials(bk, plan.index & 1)
     if unsharded is None:
@@ -219,10 +222,19 @@ def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, 
     worst["kda_ulp"] = max(worst["kda_ulp"], ulps)
     worst["kda_exact"] = min(worst["kda_exact"], exact)
     within, untouched, ratio = state_check(state, unsharded.kda.state, before_state)
-    check("state pages vs unsharded (1e-5 of page max)", within, i, f"worst {ratio:.2e}")
-    check("state pages the step leaves alone unchanged (bitwise)", untouched, i)
+    pages = "checkpoint pages" if cfg.replay else "state pages"
+    check(f"{pages} vs unsharded (1e-5 of page max)", within, i, f"worst {ratio:.2e}")
+    check(f"{pages} the step leaves alone unchanged (bitwise)", untouched, i)
     worst["state"] = max(worst["state"], ratio)
     check("conv pages == unsharded (bitwise)", torch.equal(conv, unsharded.kda.conv_state), i)
+    if cfg.replay:
+        ok, ratio, detail = ring_check(ring, unsharded.ring)
+        check("ring vs unsharded (counters, k, raw gate bitwise; v_new 1e-5 of max)", ok, i,
+              detail)  # fmt: skip
+        worst["ring"] = max(worst["ring"], ratio)
+        ok, _, ulps, detail = ulp_check(attn, ref["per_step_attn"], row=HEAD_DIM, o_flip=True)
+        check("kda outputs vs per-step reference (1 ulp + o's flip)", ok, i, detail)
+        worst["per_step_ulp"] = max(worst["per_step_ulp"], ulps)
 
     check("mailboxes re-armed", armed, i)
     check("partials identical in every rank's mailbox", same, i)

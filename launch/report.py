@@ -20,6 +20,7 @@ from launch.checks import SEED_GATE_MODES
 MAX_SHOWN = 8  # failures spelled out on the last line
 COPY_TBPS = 4.16  # H200 device-to-device copy, bytes read + written (../shared/H200.md)
 PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
+ENTRY_BYTES = HEAD_DIM * 4 + 2 * HEAD_DIM * 2  # a ring entry of one head: v_new fp32, k | g bf16
 
 
 def refuse(message: str, speak: bool = True) -> int:
@@ -151,9 +152,14 @@ def finish(report, failures, json_path, printer) -> int:
 
 def step_bytes(cfg, kind: str, tokens: int) -> dict:
     """Bytes a step moves with every request live (state pages read + written, w_o read)
-    and the HBM floor they give at the H200's copy bandwidth."""
-    pages = {"decode": 2, "verify": 1 + tokens, "verify+record+recover": 2 + tokens}[kind]
-    state = cfg.requests * cfg.heads * pages * PAGE_BYTES
+    and the HBM floor they give at the H200's copy bandwidth. Replay steps: the checkpoint
+    page and the ring's R entries read, the step's T entries written (a fold's page write,
+    one in about R / T steps, not counted)."""
+    if kind.startswith("replay"):
+        state = cfg.requests * cfg.heads * (PAGE_BYTES + (cfg.ring + tokens) * ENTRY_BYTES)
+    else:
+        pages = {"decode": 2, "verify": 1 + tokens, "verify+record+recover": 2 + tokens}[kind]
+        state = cfg.requests * cfg.heads * pages * PAGE_BYTES
     w_o = cfg.hidden * cfg.heads * HEAD_DIM * 2
     rows = cfg.requests * tokens
     mailbox = cfg.tp * cfg.tp * rows * cfg.hidden * 2
@@ -277,6 +283,10 @@ def print_gpu(r):
         f"{w['output_ulp']:.2f} ulp; error / bound: prefix vs unsharded o-proj "
         f"{w['prefix']:.3f}, output vs fp64 epilogue {w['output']:.3f}"
     )
+    if "per_step_ulp" in w:
+        print(f"  replay: kda vs per-step reference {w['per_step_ulp']:.2f} ulp, ring v_new "
+              f"{w['ring']:.2e} of max, materialized state {w['materialized']:.2e} of page max, "
+              f"{w['ring_folds']} ring folds in the checked steps")  # fmt: skip
 
 
 def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None,
