@@ -64,6 +64,40 @@ def test_loopback_tp2(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tokens,ring,launches", [(3, 4, "both"), (1, 2, "per-rank")], ids=["verify", "decode"]
+)
+def test_loopback_replay(tmp_path, tokens, ring, launches):
+    """--kda-state replay (kda.replay_decode through each rank's DecodeLayer): every step
+    against the unsharded replay reference (outputs, checkpoint pages, rings) and the
+    per-step reference (outputs); more steps than the ring holds, so rings fold; then
+    every rank materialises and the pages match the per-step reference's state."""
+    out = tmp_path / "replay.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "4", "--hidden", "1024",
+        "--requests", "2", "--tokens", str(tokens), "--blocks", "2", "--steps", "7",
+        "--kda-state", "replay", "--ring", str(ring), "--oproj-launch", launches,
+        "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    kinds = {"replay decode": 7} if tokens == 1 else {"replay decode": 1, "replay verify": 6}
+    assert report["steps"] == {"total": 7, **kinds}
+    assert report["config"]["kda_state"] == "replay" and report["config"]["ring"] == ring
+    every_step = (
+        "kda outputs vs unsharded (1 ulp + o's flip)",
+        "kda outputs vs per-step reference (1 ulp + o's flip)",
+        "checkpoint pages vs unsharded (1e-5 of page max)",
+        "ring vs unsharded (counters, k, raw gate bitwise; v_new 1e-5 of max)",
+    )
+    for name in every_step:
+        assert report["checks"][name]["of"] == 7, name
+    assert report["checks"]["materialized state vs per-step reference (1e-5 of page max)"]
+    assert report["worst"]["ring_folds"] >= 1
+    assert all("recover" not in stages for stages in report["breakdown"].values())
+    print(p.stdout)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("launches", ["per-rank", "both"])
 def test_loopback_tp16(tmp_path, launches):
     out = tmp_path / "tp16.json"
