@@ -349,3 +349,38 @@ def test_loopback_xmoe_hints(tmp_path, launches):
     moe = report["checks"]["MoE copies read after their hints == output (bitwise)"]
     assert moe["of"] == 5 and report["config"]["xmoe"] == 2
     print(p.stdout)
+
+
+def test_runner_replay_pools_on_cpu(monkeypatch):
+    """The runner's replay plumbing without a GPU (its rank streams stubbed): the rings are
+    part of each rank's pools, ``gather_ring`` reassembles the whole layer's ring from the
+    ranks' (bitwise the unsharded replay's after the same reference steps, folds included),
+    and ``materialize`` leaves each request's page within 1e-5 of the per-step state."""
+    from launch.layer import Model, Schedule, Unsharded, run_replay
+    from tpcomm.backends.loopback import LoopbackBackend
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    cfg = Config(2, 4, 1024, 2, 3, 2, 4, kda_state="replay", ring=4)
+    model = Model(cfg)
+    job = runner.Runner(cfg, model, LoopbackBackend(2, device="cpu"))
+    assert [len(pool) for pool in job.pools()] == [5, 5]  # state, conv, ring v / kg / length
+    unsharded, schedule = Unsharded(model), Schedule(cfg)
+    for _ in range(cfg.steps):
+        plan = schedule.next()
+        step, _, _ = model.step_inputs(plan)
+        for r, layer in enumerate(job.decode_layers):
+            first, count = model.rank_heads(r)
+            run_replay(layer.shard, layer.ring, kt.shard_step(step, cfg.heads, first, count))
+        unsharded.attention(plan, step)
+    assert job.bucket(3, False).kind == "replay verify" and unsharded.folds >= 1
+    ok, ratio, _ = checks.ring_check(job.gather_ring(), unsharded.ring)
+    assert ok and ratio == 0.0
+    state, conv = job.gather_pools()
+    assert torch.equal(state, unsharded.kda.state) and torch.equal(conv, unsharded.kda.conv_state)
+    pages = model.slot_table()[:, 0].contiguous()
+    job.materialize(pages, schedule.accepted)
+    per_step = unsharded.per_step
+    ok, ratio = checks.materialized_check(job.gather_pools()[0], pages.long(), per_step.kda.state,
+                                          per_step.request_pages(schedule.accepted))  # fmt: skip
+    assert ok, ratio
