@@ -13,6 +13,16 @@ caller traces it in one graph; the layer marks its weights and pools as static a
 so ``mode="reduce-overhead"`` neither copies them nor refuses their in-place updates (mark
 the engine's persistent ``prefix`` / ``output`` buffers the same way).
 
+KDA state, ``kda_state``: ``"per-step"`` (each step reads and writes the requests' state
+pages; a verify step writes one page per token, or records that ``recover`` commits) or
+``"replay"`` (the layer owns a ``kda.operands.Ring`` of ``ring_size`` entries per page of
+the state pool: ``attend`` runs ``kda.replay_decode``, which reads a request's checkpoint
+page ``slots[b, 0]`` and its ring, appends the step's entries and writes the page only when
+the ring is full; a verify step's entries stay pending until the next step's ``accepted``
+commits that many, so there are no records and no ``recover``). In replay mode the pool
+holds the plain per-step state only after ``materialize``; a slot given to a new request
+must start with an empty ring (``ring.length[slot] = 0``) as well as its initial page.
+
 The consumer spins until every rank's partial of the step has landed: with one rank per
 GPU each process steps its layer; with every rank on one GPU (loopback) either step each
 rank on its own stream, or on one stream run every rank's ``attend`` and ``produce`` before
@@ -27,11 +37,15 @@ import torch
 
 import kda
 from kda import dispatch
+from kda import reference as kref
 from kda import synthetic as kt
+from kda.operands import MAX_RING, MIN_RING, make_ring
 from kda.validate import HEAD_DIM
 from tpcomm.oproj.api import OprojAllReduce
 
 _WEIGHTS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
+KDA_STATES = ("per-step", "replay")
+DEFAULT_RING = 4
 
 
 def all_reduces(backend, rows, hidden: int, blocks: int, **kwargs) -> dict[int, OprojAllReduce]:
@@ -48,15 +62,24 @@ class DecodeLayer:
     each call, so buckets may be added later). ``kernel`` / ``gate_mode`` / ``pdl``:
     ``kda.decode``'s; ``sms``: the SMs the dispatcher may plan with (default the GPU's;
     on loopback a rank's share). ``lower_bound``, ``scale``, ``eps``: the KDA step's.
+    ``kda_state``: ``"per-step"`` or ``"replay"`` (module docstring); ``ring_size``: the
+    replay ring's entries R (2..16, at least the verify steps' tokens), which the layer
+    allocates as ``self.ring`` (None in per-step mode). Replay mode takes the replay
+    dispatcher's kernel choice, so ``kernel`` must be ``"auto"`` there.
     """
 
     def __init__(self, shard, w_o: torch.Tensor, comms: Mapping[int, OprojAllReduce], *,
                  rank: int, norm: torch.Tensor, query: torch.Tensor, out_norm: torch.Tensor,
                  kernel: str = "auto", gate_mode: int = 3, pdl: bool = True,
                  sms: int | None = None, lower_bound: float = kt.LOWER_BOUND,
-                 scale: float = kt.SCALE, eps: float = kt.EPS):  # fmt: skip
+                 scale: float = kt.SCALE, eps: float = kt.EPS, kda_state: str = "per-step",
+                 ring_size: int = DEFAULT_RING):  # fmt: skip
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
+        check_kda_state(kda_state, ring_size)
+        if kda_state == "replay" and kernel != "auto":
+            raise ValueError(f"kernel must be 'auto' with kda_state='replay' (the replay "
+                             f"dispatcher chooses); got {kernel!r}")  # fmt: skip
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int; got {rank!r}")
         heads = shard.state.shape[1]
@@ -67,8 +90,11 @@ class DecodeLayer:
         self.kernel, self.gate_mode, self.pdl, self.sms = kernel, gate_mode, bool(pdl), sms
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
         self.heads = heads
+        self.kda_state = kda_state
         self._choices: dict = {}
+        self.ring = make_ring(shard.state, ring_size) if kda_state == "replay" else None
         held = [getattr(shard, n) for n in _WEIGHTS] + [shard.state, shard.conv_state]
+        held += list(self.ring) if self.ring is not None else []
         for t in held + [w_o, norm, query, out_norm]:
             if isinstance(t, torch.Tensor):
                 torch._dynamo.mark_static_address(t)
@@ -81,23 +107,48 @@ class DecodeLayer:
                              f"{sorted(self.comms)} (pad the batch to one)")  # fmt: skip
         return self.comms[rows]
 
+    @property
+    def replay(self) -> bool:
+        return self.kda_state == "replay"
+
     def choice(self, requests: int, tokens: int):
-        """The KDA kernel for a step shape (``kda.dispatch.choose``), chosen once."""
+        """The KDA kernel for a step shape, chosen once: ``kda.dispatch.choose`` (per-step)
+        or ``kda.dispatch.choose_replay`` (replay, what ``kernel="auto"`` launches)."""
         key = (requests, tokens)
         if key not in self._choices:
             sms = self.sms
             if sms is None:
                 device = self.shard.state.device
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
-            self._choices[key] = dispatch.choose(requests, self.heads, tokens, sms=sms,
-                                                 kernel=self.kernel)  # fmt: skip
+            if self.replay:
+                choice = dispatch.choose_replay(requests, self.heads, tokens, self.ring.size,
+                                                sms=sms)  # fmt: skip
+            else:
+                choice = dispatch.choose(requests, self.heads, tokens, sms=sms,
+                                         kernel=self.kernel)  # fmt: skip
+            self._choices[key] = choice
         return self._choices[key]
 
     def attend(self, x, f_a, beta, gate, slots, *, accepted=None, records=None, out=None,
                choice=None):  # fmt: skip
         """``kda.decode`` on this rank's heads: [B*T, D_local] bf16 (into ``out`` if given).
-        ``choice`` overrides ``self.choice`` (a ``kda.dispatch.Choice``)."""
+        ``choice`` overrides ``self.choice`` (a ``kda.dispatch.Choice``). Replay mode:
+        ``kda.replay_decode`` with ``self.ring`` (its dispatcher's choice; ``records`` and
+        ``choice`` are refused)."""
         L = self.shard
+        if self.replay:
+            if records is not None:
+                raise ValueError("records: replay mode keeps a verify step's entries pending "
+                                 "in the ring (no records, no recover)")  # fmt: skip
+            if choice is not None:
+                raise ValueError("choice: replay mode takes the replay dispatcher's kernel")
+            return kda.replay_decode(
+                x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias,
+                slots, L.state, gate, L.norm_weight, L.f_b, lower_bound=self.lower_bound,
+                scale=self.scale, eps=self.eps, accepted=accepted,
+                conv_dim_first=L.conv_dim_first, ring=self.ring, kernel="auto",
+                gate_mode=self.gate_mode, pdl=self.pdl, out=out,
+            )  # fmt: skip
         if choice is None:
             requests = slots.shape[0]
             choice = self.choice(requests, x.shape[0] // requests)
@@ -111,10 +162,28 @@ class DecodeLayer:
         )  # fmt: skip
 
     def recover(self, slots, records, committed, accepted) -> None:
-        """Commit ``committed`` tokens of the recorded verify step that read ``accepted``."""
+        """Commit ``committed`` tokens of the recorded verify step that read ``accepted``
+        (per-step mode; replay mode has no records)."""
+        if self.replay:
+            raise ValueError("recover: replay mode has no records (the next step's accepted "
+                             "commits a verify step's pending ring entries)")  # fmt: skip
         L = self.shard
         kda.recover(L.state, slots, records[0], records[1], L.a_log, L.dt_bias, committed,
                     accepted, lower_bound=self.lower_bound, pdl=self.pdl)  # fmt: skip
+
+    def materialize(self, slots=None, accepted=None) -> None:
+        """Replay mode: fold the rings of ``slots`` ([n] int32 / int64 pages; default every
+        page but 0) into their checkpoint pages and empty them; ``accepted`` ([n] int32)
+        first commits that many pending entries per slot, the rest are dropped. Afterwards
+        those pages hold the plain per-step state (prefix caching, migration, a switch to
+        per-step mode, ``recover``). Plain torch (``kda.reference.materialize``) on the
+        pool's device, reading the counters on the host: not graph-capturable, on demand."""
+        if not self.replay:
+            raise ValueError("materialize: the layer keeps per-step state (kda_state="
+                             "'per-step'); there is no ring to fold")  # fmt: skip
+        L = self.shard
+        kref.materialize(L.state, self.ring, L.a_log, L.dt_bias, lower_bound=self.lower_bound,
+                         slots=slots, accepted=accepted)  # fmt: skip
 
     def produce(self, attn, parity: int) -> None:
         """This rank's partial ``bf16(attn @ w_o^T)`` into every rank's mailbox."""
@@ -135,7 +204,8 @@ class DecodeLayer:
         consumer; returns ``output`` [B*T, HID] bf16 (allocated when None) and updates
         ``prefix`` in place. ``records`` (v_records, kg_records): a recorded verify step;
         with ``committed`` (tokens the sampler accepted) it is committed right away.
-        ``parity``: the mailbox parity, alternating 0, 1 from step to step."""
+        ``parity``: the mailbox parity, alternating 0, 1 from step to step. Replay mode:
+        ``records`` and ``committed`` are refused (``attend``)."""
         attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records,
                            out=attn)  # fmt: skip
         if committed is not None:
@@ -149,4 +219,17 @@ class DecodeLayer:
         return output
 
 
-__all__ = ["DecodeLayer", "all_reduces"]
+def check_kda_state(kda_state, ring_size) -> None:
+    """``DecodeLayer``'s ``kda_state`` (one of ``KDA_STATES``) and ``ring_size`` (an int in
+    2..16); ValueError naming the argument."""
+    if not isinstance(kda_state, str) or kda_state not in KDA_STATES:
+        raise ValueError(f"kda_state must be one of {KDA_STATES}; got {kda_state!r}")
+    if (
+        isinstance(ring_size, bool)
+        or not isinstance(ring_size, int)
+        or not MIN_RING <= ring_size <= MAX_RING
+    ):
+        raise ValueError(f"ring_size must be an int in {MIN_RING}..{MAX_RING}; got {ring_size!r}")
+
+
+__all__ = ["DecodeLayer", "all_reduces", "check_kda_state", "KDA_STATES"]

@@ -6,6 +6,13 @@ within the bounds of ``oproj_bound_ratios``. With the seed's gate orders (``--ga
 0/1) the gate inputs sit on grids where every fp32 order of the gate dot is exact
 (``exact_gate_*``), so they round like the reference; mode 3 (the default) rounds the raw
 gate exactly on any input, so the job keeps its random gate inputs.
+
+Replay mode (``--kda-state replay``) against the per-step reference: ``o`` is a bf16
+rounding of an fp32 value that the two paths sum differently (checkpoint and ring against
+the state), and a head's output row is a function of its bf16 ``o`` row and the gate only;
+so rows whose replay ``o`` lies away from every bf16 midpoint are bitwise the per-step
+output (``replay_output_check``). Ring entries (``ring_check``) and materialised pages
+(``materialized_check``) are state: within 1e-5 of the max.
 """
 
 from __future__ import annotations
@@ -80,6 +87,68 @@ def state_check(got, ref, before):
     return bool((ratio <= 1e-5).all()), bool(untouched.all()), float(ratio.max())
 
 
+# How far apart the replay and per-step paths' fp32 ``o`` may lie, of the head row's max |o|
+# (tests/test_kda_replay.py: over 64-step runs, folds included).
+REPLAY_O_MARGIN = 2.0**-18
+
+
+def near_midpoint(o32: torch.Tensor, margin: float = REPLAY_O_MARGIN) -> torch.Tensor:
+    """Elements of head rows ``o32`` [..., 128] (fp32) within ``margin`` x the row's max |o|
+    of a bf16 rounding midpoint: where two fp32 orders may round ``o`` differently."""
+    bits = o32.contiguous().view(torch.int32)
+    midpoint = ((bits & ~0xFFFF) | 0x8000).view(torch.float32)
+    return (o32 - midpoint).abs() <= margin * o32.abs().amax(-1, keepdim=True)
+
+
+def replay_output_check(got, want, o32, live):
+    """Replay KDA outputs ``got`` [N, D] against the per-step path's ``want``, with the
+    replay reference's fp32 ``o`` ``o32`` [N, D] and the live rows ``live`` [N] (bool):
+    head rows with no ``o`` element near a midpoint bitwise, the others within 1 ulp plus
+    one ulp of ``o`` (SPEC); padding rows both zero. Returns (ok, rows not bitwise, detail)."""
+    N = got.shape[0]
+    g, w = got.float().view(N, -1, HEAD_DIM), want.float().view(N, -1, HEAD_DIM)
+    if not (torch.equal(g[~live], w[~live]) and not g[~live].any()):
+        return False, 0, "padding rows not zero"
+    g, w = g[live], w[live]
+    if torch.isnan(g).any():
+        return False, 0, "NaN in the result"
+    risky = near_midpoint(o32.view(N, -1, HEAD_DIM)[live]).any(-1)  # [rows, H]
+    same = (g == w).all(-1)
+    off = int((~same & ~risky).sum())
+    rms = w.pow(2).mean(-1, keepdim=True).sqrt()
+    err = (g - w).abs()
+    big = w.abs() >= rms * 2.0**-10
+    near = torch.where(big, err <= bf16_ulp(w) + w.abs() * 2.0**-7, err <= rms * 2.0**-17)
+    far = int((~near).sum())
+    detail = (f"{int((~same).sum())} of {same.numel()} head rows not bitwise ({off} away "
+              f"from o's midpoints), {far} elements beyond 1 ulp + o's ulp")  # fmt: skip
+    return off == 0 and far == 0, int((~same).sum()), detail
+
+
+def ring_check(got, want):
+    """A ring (``kda.operands.Ring``, CPU) against the reference's from the same ring:
+    counters and k / raw-gate entries bitwise, ``v_new`` entries within 1e-5 of each
+    (page, head)'s max |ref| over its entries. Returns (ok, worst err/max, detail)."""
+    if not torch.equal(got.length, want.length):
+        return False, float("inf"), "counters differ"
+    if not torch.equal(got.kg.view(torch.int16), want.kg.view(torch.int16)):
+        return False, float("inf"), "k / raw-gate entries differ"
+    err = (got.v - want.v).abs().amax(dim=(1, 3))  # [S, H]
+    scale = want.v.abs().amax(dim=(1, 3))
+    ratio = float(torch.where(err > 0, err / scale.clamp_min(1e-30), 0.0).max())
+    return ratio <= 1e-5, ratio, f"v_new worst {ratio:.2e} of the max"
+
+
+def materialized_check(state, replay_pages, want, want_pages):
+    """Materialised replay pages ``state[replay_pages]`` against the per-step reference's
+    ``want[want_pages]`` (request by request): within 1e-5 of the page's max |ref|.
+    Returns (ok, worst err/max)."""
+    got, ref = state[replay_pages], want[want_pages]
+    err = (got - ref).abs().flatten(1).amax(-1)
+    ratio = float((err / ref.abs().flatten(1).amax(-1).clamp_min(1e-30)).max())
+    return ratio <= 1e-5, ratio
+
+
 def attn_drift(attn, ref_attn, w_o) -> torch.Tensor:
     """``|attn - ref_attn| @ |w_o|^T`` in fp64 ([N, HID]): the most two o-projections of
     these KDA outputs can differ by in exact arithmetic. The kernels' KDA outputs are
@@ -134,11 +203,14 @@ def inject(fault: str, output: torch.Tensor, state: torch.Tensor, state_bit: int
 
 def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, check, worst):
     """One GPU step against the unsharded layer and the o-projection reference. Every
-    process takes part (gathers, the mailbox read-back); process 0 compares."""
+    process takes part (gathers, the mailbox read-back); process 0 compares. Replay: the
+    unsharded layer is the replay reference (from the step's gathered pools and rings), and
+    the KDA outputs are also checked against the per-step reference's."""
     cfg, model = runner.cfg, runner.model
     i = plan.index
     attn_all = runner.all_ranks(bk.attn)  # [TP, N, D_local]
     state, conv = runner.gather_pools()
+    ring = runner.gather_ring() if cfg.replay else None
     armed = runner.procs.all_true(bk.comm.armed())
     partials, same = runner.partials(bk, plan.index & 1)
     if unsharded is None:
@@ -150,10 +222,19 @@ def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, 
     worst["kda_ulp"] = max(worst["kda_ulp"], ulps)
     worst["kda_exact"] = min(worst["kda_exact"], exact)
     within, untouched, ratio = state_check(state, unsharded.kda.state, before_state)
-    check("state pages vs unsharded (1e-5 of page max)", within, i, f"worst {ratio:.2e}")
-    check("state pages the step leaves alone unchanged (bitwise)", untouched, i)
+    pages = "checkpoint pages" if cfg.replay else "state pages"
+    check(f"{pages} vs unsharded (1e-5 of page max)", within, i, f"worst {ratio:.2e}")
+    check(f"{pages} the step leaves alone unchanged (bitwise)", untouched, i)
     worst["state"] = max(worst["state"], ratio)
     check("conv pages == unsharded (bitwise)", torch.equal(conv, unsharded.kda.conv_state), i)
+    if cfg.replay:
+        ok, ratio, detail = ring_check(ring, unsharded.ring)
+        check("ring vs unsharded (counters, k, raw gate bitwise; v_new 1e-5 of max)", ok, i,
+              detail)  # fmt: skip
+        worst["ring"] = max(worst["ring"], ratio)
+        ok, _, ulps, detail = ulp_check(attn, ref["per_step_attn"], row=HEAD_DIM, o_flip=True)
+        check("kda outputs vs per-step reference (1 ulp + o's flip)", ok, i, detail)
+        worst["per_step_ulp"] = max(worst["per_step_ulp"], ulps)
 
     check("mailboxes re-armed", armed, i)
     check("partials identical in every rank's mailbox", same, i)

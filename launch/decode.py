@@ -21,6 +21,8 @@ if __package__ in (None, ""):  # run as a script: make the project importable
 
 import torch
 
+from engine.layer import DEFAULT_RING, KDA_STATES
+from kda.operands import MAX_RING, MIN_RING
 from launch.layer import MAX_ROWS
 from launch.liveness import hard_exit
 from launch.procs import env_rank, job_processes, nvshmem_installed
@@ -111,6 +113,12 @@ def parse_args(argv=None):
         help="chance that a request is a padding row in a step")
     add("--conv-layout", choices=("dim-first", "window-first"), default="dim-first",
         help="conv cache layout: [S, 3D, W] or [S, W, 3D]")
+    add("--kda-state", choices=KDA_STATES, default=KDA_STATES[0],
+        help="KDA state: per-step (each step reads and writes the state pages; verify steps "
+        "recorded and recovered in turn) or replay (checkpoint pages plus a ring of step "
+        "records, folded when full; checked against the replay and the per-step references)")
+    add("--ring", type=ranged(int, MIN_RING, MAX_RING), default=DEFAULT_RING,
+        help=f"replay: ring entries per state page (R, {MIN_RING}..{MAX_RING}, >= --tokens)")
     add("--check-every", type=ranged(int, 0), default=1,
         help="rank 0 checks every k-th step against the unsharded layer (0: never)")
     add("--json", default=None,
@@ -124,7 +132,8 @@ def parse_args(argv=None):
         "domains get each partial by put-with-signal (default: what the backend reaches by "
         "load/store; host and loopback: every rank)")
     gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
-        help="KDA kernel (auto: kda.dispatch's choice)")
+        help="KDA kernel (auto: kda.dispatch's choice; replay: only auto, the replay "
+        "dispatcher's)")
     gpu("--gate-mode", type=int, choices=(0, 1, 3), default=3,
         help="KDA raw-gate reduction (3: mma.sync with an exact recompute where its error "
              "bound leaves the bf16 rounding open, 0/1: the seed's mma.sync orders)")
@@ -154,6 +163,9 @@ def parse_args(argv=None):
         "which the checks must catch")
     # fmt: on
     args = p.parse_args(argv)
+    if args.kda_state == "replay" and args.kernel != "auto":
+        p.error(f"--kernel {args.kernel} is the per-step path's; --kda-state replay takes the "
+                "replay dispatcher's kernel (--kernel auto)")  # fmt: skip
     why = check_json_path(args.json)
     if why is not None:
         p.error(why)

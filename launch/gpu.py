@@ -7,6 +7,10 @@ the stage pass; every ``--check-every``-th step against the unsharded layer
 (``launch.checks.check_step``). With several processes the checks and latencies meet on
 process 0 through torch.distributed (``launch.procs.Procs``), which prints the report.
 ``--trace``: then traced steps (``launch.trace``), their timeline in the report.
+``--kda-state replay``: the unsharded replay reference starts each checked step from the
+gathered checkpoint pages and rings, the per-step reference follows every step; after the
+checked steps every rank materialises its rings (``DecodeLayer.materialize``) and the pages
+are checked against the per-step reference's state (``check_materialized``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import torch
 from kda.validate import check_slot_values
 from launch import report as rep
 from launch import trace
-from launch.checks import SEED_GATE_MODES, check_step, exact_gate_inputs, exact_gate_weights, inject
+from launch.checks import (
+    SEED_GATE_MODES,
+    check_step,
+    exact_gate_inputs,
+    exact_gate_weights,
+    inject,
+    materialized_check,
+)
 from launch.layer import Config, Model, Schedule, Unsharded
 from launch.procs import Procs, env_rank, nvshmem_installed, nvshmem_job
 from launch.runner import BACK_TO_BACK, Runner, check_rows
@@ -94,6 +105,8 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
     latency: list[tuple[str, float]] = []  # (kind, us) per step, this process's ranks
     worst = {"kda_ulp": 0.0, "kda_exact": 1.0, "state": 0.0, "output_ulp": 0.0,
              "partial_ulp": 0.0, "prefix": 0.0, "output": 0.0}  # fmt: skip
+    if cfg.replay:  # vs the per-step reference; the ring's v_new; materialised pages
+        worst.update(per_step_ulp=0.0, ring=0.0, materialized=0.0, ring_folds=0)
     for _ in range(cfg.steps):
         plan = schedule.next()
         kinds[plan.kind] = kinds.get(plan.kind, 0) + 1
@@ -118,9 +131,15 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
         before_state = None
         if checked:
             before_state, before_conv = runner.gather_pools()
+            before_ring = runner.gather_ring() if cfg.replay else None
             if unsharded is not None:
                 unsharded.kda.state.copy_(before_state)
                 unsharded.kda.conv_state.copy_(before_conv)
+                if cfg.replay:
+                    for t, t0 in zip(unsharded.ring, before_ring, strict=True):
+                        t.copy_(t0)
+        elif unsharded is not None and cfg.replay:  # the per-step reference follows every step
+            unsharded.per_step.step(step)
         runner.moe.poison(bk)
         latency.append((plan.kind, runner.replay(bk, parity)))
         masks = runner.timeout_masks(bk)
@@ -149,6 +168,8 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
             check_step(runner, unsharded, bk, plan, step, prefix, blocks,
                        before_state, check, worst)  # fmt: skip
 
+    if cfg.replay and args.check_every and procs.all_true(not check.failures):
+        check_materialized(runner, unsharded, schedule, check, worst, plan.index)
     steady = None  # the last step's bucket back to back, when both its parities were run
     parity = (plan.index + 1) & 1  # the next step's
     if procs.all_true(not check.failures) and len(bk.graphs) == 2:
@@ -181,6 +202,25 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
             trace.print_timeline(r["timeline"])
 
     return rep.finish(report, check.failures, args.json, printer)
+
+
+def check_materialized(runner, unsharded, schedule, check, worst, step) -> None:
+    """Replay, after the checked steps: every rank materialises its requests' rings
+    (committing the schedule's accepted counts); process 0 checks each request's page
+    within 1e-5 of the page's max against the per-step reference's state. Collective."""
+    model = runner.model
+    slots = model.slot_table()[:, 0].contiguous()
+    runner.materialize(slots, schedule.accepted)
+    state, _ = runner.gather_pools()
+    if unsharded is None:
+        return
+    per_step = unsharded.per_step
+    ok, ratio = materialized_check(state, slots.long(), per_step.kda.state,
+                                   per_step.request_pages(schedule.accepted))  # fmt: skip
+    check("materialized state vs per-step reference (1e-5 of page max)", ok, step,
+          f"worst {ratio:.2e}")  # fmt: skip
+    worst["materialized"] = ratio
+    worst["ring_folds"] = unsharded.folds
 
 
 def _same(a, b):

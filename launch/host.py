@@ -2,6 +2,12 @@
 per rank, timed by stage; rank 0 checks each ``--check-every``-th step bitwise against the
 unsharded layer, every rank that its output and prefix are bitwise rank 0's.
 
+``--kda-state replay``: each rank runs the replay reference on its shard with a ring of its
+own; a checked step also compares the ring entries bitwise, and the KDA outputs with the
+per-step reference's (bitwise where ``o`` lies away from a bf16 midpoint); after the last
+step every rank materialises its rings and rank 0 checks the pages against the per-step
+reference's state (1e-5 of the page's max) and the unsharded replay's (bitwise).
+
 Each rank builds only its head shard; a checked step gathers the KDA outputs, state and
 conv pages to rank 0 alone. ``--timeout`` bounds the gloo collectives, and heartbeats
 (``launch.liveness``) name a rank that stopped or died on every survivor's last line.
@@ -14,9 +20,18 @@ import time
 
 import torch
 
+from kda.operands import Ring
 from launch import report as rep
-from launch.checks import inject
-from launch.layer import Config, Model, Schedule, Unsharded, conv_cat, host_bytes
+from launch.checks import inject, materialized_check, replay_output_check
+from launch.layer import (
+    Config,
+    Model,
+    Schedule,
+    Unsharded,
+    conv_cat,
+    host_bytes,
+    materialize,
+)
 from launch.liveness import Liveness
 from launch.procs import env_rank, job_processes
 from tpcomm import host
@@ -88,6 +103,34 @@ def main(args) -> int:
         backend.teardown()
 
 
+def gather_ring(ring: Ring) -> Ring | None:
+    """Every rank's ring on rank 0, heads concatenated (the whole layer's); None elsewhere."""
+    parts = [host.gather(t) for t in ring]
+    if parts[0] is None:
+        return None
+    v, kg, length = (torch.cat(list(p), dim=d) for p, d in zip(parts, (2, 2, 1), strict=True))
+    return Ring(v, kg, length)
+
+
+def check_materialized(state, unsharded, model, accepted, check, worst, step) -> None:
+    """After the last step, the ranks' materialised pools ``state`` (whole layer): each
+    request's page bitwise the unsharded replay's materialised, and within 1e-5 of the
+    per-step reference's page where that path left the request's state."""
+    u = unsharded.kda.clone()
+    ring = Ring(*(t.clone() for t in unsharded.ring))
+    materialize(u, ring, model, accepted)
+    pages = model.slot_table()[:, 0].long()
+    check("materialized pages == unsharded materialized (bitwise)",
+          torch.equal(state[pages], u.state[pages]), step)  # fmt: skip
+    per_step = unsharded.per_step
+    ok, ratio = materialized_check(state, pages, per_step.kda.state,
+                                   per_step.request_pages(accepted))  # fmt: skip
+    check("materialized state vs per-step reference (1e-5 of page max)", ok, step,
+          f"worst {ratio:.2e}")  # fmt: skip
+    worst["materialized"] = max(worst["materialized"], ratio)
+    worst["ring_folds"] = unsharded.folds
+
+
 def run(args, info, symm, live=None) -> int:
     """The steps of rank ``info.rank`` on the host backend ``symm``; the exit status."""
     torch.set_num_threads(1 if info.world > 1 else torch.get_num_threads())
@@ -106,6 +149,8 @@ def run(args, info, symm, live=None) -> int:
     check, kinds = rep.Checks(), {}
 
     worst = {"prefix": 0.0, "output": 0.0}  # error / bound (launch.checks.oproj_bound_ratios)
+    if cfg.replay:  # head rows not bitwise the per-step path's; materialised pages' error
+        worst.update(per_step_rows=0, materialized=0.0, ring_folds=0)
     for _ in range(cfg.steps):
         plan = schedule.next()
         i = plan.index
@@ -133,18 +178,31 @@ def run(args, info, symm, live=None) -> int:
         same = torch.equal(root_output, output) and torch.equal(root_prefix, prefix_new)
         check("outputs identical on all ranks", host.all_true(same), i)
         if not (args.check_every and i % args.check_every == 0):
+            if unsharded is not None:  # the whole layer's pools follow every step
+                unsharded.attention(plan, step)
             continue
         attn_all = host.gather(attn)  # rank 0 only compares: the others just send
         state_all = host.gather(me.kda.state)
         conv_all = host.gather(me.kda.conv_state)
+        ring_all = gather_ring(me.ring) if cfg.replay else None
         if unsharded is None:
             continue
         ref, u = unsharded.step(plan, step, prefix, blocks), unsharded.kda
         attn_cat, state_cat = torch.cat(list(attn_all), dim=1), torch.cat(list(state_all), dim=1)
         check("kda outputs == unsharded (bitwise)", torch.equal(attn_cat, ref["attn"]), i)
-        check("state pages == unsharded (bitwise)", torch.equal(state_cat, u.state), i)
+        pages = "checkpoint pages" if cfg.replay else "state pages"
+        check(f"{pages} == unsharded (bitwise)", torch.equal(state_cat, u.state), i)
         conv_same = torch.equal(conv_cat(conv_all, cfg.conv_dim_first), u.conv_state)
         check("conv pages == unsharded (bitwise)", conv_same, i)
+        if cfg.replay:
+            same = all(torch.equal(a, b) for a, b in zip(ring_all, unsharded.ring, strict=True))
+            check("ring entries and counters == unsharded (bitwise)", same, i)
+            rows_live = (step.slots.view(cfg.requests, -1)[:, 0] > 0).repeat_interleave(plan.tokens)
+            ok, rows, detail = replay_output_check(attn_cat, ref["per_step_attn"], ref["o32"],
+                                                   rows_live)  # fmt: skip
+            check("kda outputs vs per-step reference (bitwise off o's bf16 midpoints, "
+                  "else 1 ulp + o's)", ok, i, detail)  # fmt: skip
+            worst["per_step_rows"] += rows
         del attn_all, state_all, conv_all, attn_cat, state_cat
         tp_same = torch.equal(output, ref["tp_out"]) and torch.equal(prefix_new, ref["tp_prefix"])
         check("output, prefix == TP reference (bitwise)", tp_same, i)
@@ -152,6 +210,13 @@ def run(args, info, symm, live=None) -> int:
         check("output vs fp64 epilogue of the prefix (within bound)", ref["out_ratio"] <= 1, i)
         for key, name in (("prefix_ratio", "prefix"), ("out_ratio", "output")):
             worst[name] = max(worst[name], ref[key])
+
+    if cfg.replay and args.check_every:  # the engine's materialize, then the plain state
+        materialize(me.kda, me.ring, model, schedule.accepted)
+        state_all = host.gather(me.kda.state)
+        if unsharded is not None:
+            check_materialized(torch.cat(list(state_all), dim=1), unsharded, model,
+                               schedule.accepted, check, worst, plan.index)  # fmt: skip
 
     # Latency: per step, the slowest rank; peak memory of every rank.
     arrive("end")

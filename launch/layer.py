@@ -7,6 +7,13 @@ layer (``Model.kda``, ``Model.w_o``) is built only where it is used (rank 0's ch
 A ``Schedule`` draws a single-token decode step, then verify steps with the previous
 step's accepted counts, every other one recorded and then recovered, some requests
 padding in each step.
+
+``--kda-state replay`` (``Config.kda_state``): each rank keeps its state pool as checkpoint
+pages plus a ring of ``Config.ring`` records per page (``kda.operands.Ring``); a request's
+page is ``slots[b, 0]``; verify steps are never recorded (their ring entries stay pending
+until the next step's accepted counts commit them). ``Unsharded`` then runs the replay
+reference on the whole layer and, beside it, ``PerStep``: the per-step reference of the
+same steps, which the replay outputs and the materialised state are checked against.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layer import DEFAULT_RING, KDA_STATES, check_kda_state
 from kda import reference as kref
 from kda import synthetic as kt
+from kda.operands import Ring, make_ring
 from kda.validate import HEAD_DIM
 from launch.checks import oproj_bound_ratios
 from tpcomm.oproj import bound as oproj_bound
@@ -49,6 +58,12 @@ class Config:
     groups: int | None = 4  # None: the GPU runner picks per bucket
     conv_dim_first: bool = True
     padding: float = 0.25
+    kda_state: str = "per-step"  # or "replay" (engine.layer.KDA_STATES)
+    ring: int = DEFAULT_RING  # replay: ring entries per state page
+
+    @property
+    def replay(self) -> bool:
+        return self.kda_state == "replay"
 
     def validate(self) -> None:
         if self.heads < 1 or self.heads % self.tp != 0:
@@ -71,6 +86,12 @@ class Config:
             raise ValueError(f"padding must be a fraction in [0, 1); got {self.padding}")
         if self.groups is not None and not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in 1..4; got {self.groups}")
+        check_kda_state(self.kda_state, self.ring)
+        if self.replay and self.ring < self.tokens:
+            raise ValueError(
+                f"--ring {self.ring} must be >= --tokens {self.tokens}: a verify step's "
+                "entries stay in the ring until the next step commits them"
+            )
 
     @classmethod
     def from_args(cls, args, tp: int) -> Config:
@@ -79,7 +100,8 @@ class Config:
             tp=tp, heads=args.heads, hidden=args.hidden, requests=args.requests,
             tokens=args.tokens, blocks=args.blocks, steps=args.steps, seed=args.seed,
             groups=args.groups, conv_dim_first=args.conv_layout == "dim-first",
-            padding=args.padding,
+            padding=args.padding, kda_state=getattr(args, "kda_state", KDA_STATES[0]),
+            ring=getattr(args, "ring", DEFAULT_RING),
         )  # fmt: skip
 
     @property
@@ -112,21 +134,26 @@ class StepPlan:
     accepted: torch.Tensor | None  # what the step reads (T > 1)
     record: bool
     committed: torch.Tensor | None  # what the sampler accepts after the step (T > 1)
+    replay: bool = False  # --kda-state replay
 
     @property
     def kind(self) -> str:
-        return step_kind(self.tokens, self.record)
+        return step_kind(self.tokens, self.record, self.replay)
 
 
-def step_kind(tokens: int, record: bool) -> str:
+def step_kind(tokens: int, record: bool, replay: bool = False) -> str:
     """The name of a step shape in the checks and the report."""
+    if replay:
+        return "replay decode" if tokens == 1 else "replay verify"
     if tokens == 1:
         return "decode"
     return "verify+record+recover" if record else "verify"
 
 
 class Schedule:
-    """Deterministic step plans shared by all ranks."""
+    """Deterministic step plans shared by all ranks. ``accepted``: after each step, the
+    accepted counts the next verify step reads (a padding request keeps its own); in replay
+    mode also what commits the last verify step's pending ring entries (``materialize``)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -145,12 +172,13 @@ class Schedule:
         padding = tuple(int(b) for b in (~live).nonzero()[:, 0])
         tokens = 1 if (i == 0 or cfg.tokens == 1) else cfg.tokens
         if tokens == 1:
-            return StepPlan(i, 1, padding, None, False, None)
+            return StepPlan(i, 1, padding, None, False, None, cfg.replay)
         accepted = self.accepted.clone()
         drawn = torch.randint(1, tokens + 1, (B,), generator=g, dtype=torch.int32)
         committed = torch.where(live, drawn, accepted)
         self.accepted = committed.clone()
-        return StepPlan(i, tokens, padding, accepted, record=(i % 2 == 0), committed=committed)
+        record = i % 2 == 0 and not cfg.replay  # replay: pending entries, no records
+        return StepPlan(i, tokens, padding, accepted, record, committed, cfg.replay)
 
 
 class Model:
@@ -267,14 +295,21 @@ class Model:
             w_o = self._w_o[:, cols].contiguous()
         else:
             w_o = self.w_o_columns(first, count)
-        return Rank(rank, first, layer, w_o, self)
+        ring = make_ring(layer.state, self.cfg.ring) if self.cfg.replay else None
+        return Rank(rank, first, layer, w_o, self, ring)
+
+    def slot_table(self) -> torch.Tensor:
+        """Request b's state pages ``[B, tokens]`` (int32): ``1 + b * tokens + t``; replay
+        mode keeps a request's state in its first (``slot_table()[:, 0]``)."""
+        cfg = self.cfg
+        table = 1 + torch.arange(cfg.requests * cfg.tokens, dtype=torch.int32)
+        return table.view(cfg.requests, cfg.tokens)
 
     def step_inputs(self, plan: StepPlan):
         """The full-model activations of a step, the residual prefix and the blocks."""
         cfg = self.cfg
         T = plan.tokens
-        table = 1 + torch.arange(cfg.requests * cfg.tokens, dtype=torch.int32)
-        table = table.view(cfg.requests, cfg.tokens)[:, :T]
+        table = self.slot_table()[:, :T]
         seed = derive(cfg.seed, plan.index)
         step = kt.make_step(cfg.requests, T, cfg.heads, pages=cfg.pages, slot_table=table,
                             accepted=plan.accepted, padding=plan.padding, seed=seed)  # fmt: skip
@@ -294,11 +329,15 @@ class Rank:
     kda: kt.Layer
     w_o: torch.Tensor
     model: Model
+    ring: Ring | None = None  # replay mode: the ring of this rank's state pool
 
     def attention(self, plan: StepPlan, step: kt.Step) -> torch.Tensor:
-        """KDA on this rank's heads (and recover after a recorded step): [N, D_local]."""
+        """KDA on this rank's heads (and recover after a recorded step; the replay step in
+        replay mode): [N, D_local]."""
         cfg = self.model.cfg
         local = kt.shard_step(step, cfg.heads, self.first, cfg.heads_per_rank)
+        if self.ring is not None:
+            return run_replay(self.kda, self.ring, local)
         return run_kda(self.kda, plan, local)
 
     def consume(self, partials, prefix, blocks):
@@ -318,17 +357,87 @@ def run_kda(layer: kt.Layer, plan: StepPlan, step: kt.Step) -> torch.Tensor:
     return out
 
 
-class Unsharded:
-    """Rank 0's check: the same steps on the whole layer in one process."""
+def run_replay(layer: kt.Layer, ring: Ring, step: kt.Step, o_out=None) -> torch.Tensor:
+    """One replay step (``kda.reference.replay_decode``) on ``layer``'s checkpoint pool and
+    ``ring``; ``o_out`` ([N, D] fp32, optional) receives the fp32 ``o``."""
+    return kref.replay_decode(
+        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
+        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
+        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        accepted=step.accepted, conv_dim_first=layer.conv_dim_first, ring=ring, o_out=o_out,
+    )  # fmt: skip
+
+
+def ring_folds(ring: Ring, step: kt.Step) -> int:
+    """Live requests whose ring the replay step ``step`` folds into the checkpoint (held
+    entries after its commit, plus its T, past R: ``kda.reference.replay_decode``'s rule)."""
+    B, T = step.slots.shape[0], step.tokens
+    slots = step.slots.view(B, -1)[:, 0].long()
+    live = slots > 0
+    committed, pending = ring.length[slots[live], 0].long().unbind(-1)
+    commit = pending.clamp(max=1) if step.accepted is None else step.accepted[live].long()
+    held = committed + torch.minimum(commit, pending)
+    return int((held + T > ring.size).sum())
+
+
+def materialize(layer: kt.Layer, ring: Ring, model: Model, accepted: torch.Tensor) -> None:
+    """Fold every request's ring (pages ``model.slot_table()[:, 0]``) into its checkpoint
+    page, committing ``accepted`` (the schedule's, after the last step) pending entries."""
+    device = layer.state.device
+    slots = model.slot_table()[:, 0].contiguous().to(device)
+    kref.materialize(layer.state, ring, layer.a_log, layer.dt_bias, lower_bound=kt.LOWER_BOUND,
+                     slots=slots, accepted=accepted.to(device))  # fmt: skip
+
+
+class PerStep:
+    """Replay mode's second reference: the per-step path (``kda.reference.decode``, no
+    records) of the same steps on a whole layer of its own, advanced at every step. After
+    a verify step request b's state is in page ``slots[b, accepted[b] - 1]`` here, in page
+    ``slots[b, 0]`` (checkpoint + ring) on the replay path."""
 
     def __init__(self, model: Model):
         self.model = model
         self.kda = model.fresh_layer()
 
+    def step(self, step: kt.Step) -> torch.Tensor:
+        return kt.run_reference(self.kda, step)
+
+    def request_pages(self, accepted: torch.Tensor) -> torch.Tensor:
+        """Where each request's state is after the last step: ``[B]`` pages."""
+        table = self.model.slot_table().long()
+        return table.gather(1, accepted.long()[:, None] - 1)[:, 0]
+
+
+class Unsharded:
+    """Rank 0's check: the same steps on the whole layer in one process (replay mode: the
+    replay reference with a whole ring, and ``per_step`` beside it)."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.kda = model.fresh_layer()
+        replay = model.cfg.replay
+        self.ring = make_ring(self.kda.state, model.cfg.ring) if replay else None
+        self.per_step = PerStep(model) if replay else None
+        self.folds = 0  # replay: ring folds of the live requests so far
+
+    def attention(self, plan, step, o_out=None):
+        """The whole layer's KDA step (replay: also the per-step reference's, which is
+        returned second; else None)."""
+        if self.ring is None:
+            return run_kda(self.kda, plan, step), None
+        self.folds += ring_folds(self.ring, step)
+        attn = run_replay(self.kda, self.ring, step, o_out=o_out)
+        return attn, self.per_step.step(step)
+
     def step(self, plan, step, prefix, blocks, groups=None):
-        """The whole layer's step; ``groups``: the consumer's (default: the config's)."""
+        """The whole layer's step; ``groups``: the consumer's (default: the config's).
+        Replay mode adds ``per_step_attn`` (the per-step reference's KDA outputs) and
+        ``o32`` (the replay reference's fp32 ``o``)."""
         m, cfg = self.model, self.model.cfg
-        attn = run_kda(self.kda, plan, step)  # [N, D]
+        o32 = None
+        if cfg.replay:
+            o32 = torch.full((step.x.shape[0], cfg.heads * HEAD_DIM), float("nan"))
+        attn, per_step_attn = self.attention(plan, step, o_out=o32)
         per = cfg.heads_per_rank * HEAD_DIM
         cols = [slice(r * per, (r + 1) * per) for r in range(cfg.tp)]
         partials = torch.stack(
@@ -341,7 +450,8 @@ class Unsharded:
         epi = functools.partial(m.epilogue, blocks=blocks)
         prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi)
         return dict(attn=attn, partials=partials, tp_out=tp_out, tp_prefix=tp_prefix,
-                    u_prefix=u_prefix, prefix_ratio=prefix_ratio, out_ratio=out_ratio)  # fmt: skip
+                    u_prefix=u_prefix, prefix_ratio=prefix_ratio, out_ratio=out_ratio,
+                    per_step_attn=per_step_attn, o32=o32)  # fmt: skip
 
 
 def epilogue_f64(prefix_new, blocks, norm, query, out_norm, *, eps=EPS, out_eps=OUT_EPS):

@@ -20,6 +20,7 @@ from launch.checks import SEED_GATE_MODES
 MAX_SHOWN = 8  # failures spelled out on the last line
 COPY_TBPS = 4.16  # H200 device-to-device copy, bytes read + written (../shared/H200.md)
 PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
+ENTRY_BYTES = HEAD_DIM * 4 + 2 * HEAD_DIM * 2  # a ring entry of one head: v_new fp32, k | g bf16
 
 
 def refuse(message: str, speak: bool = True) -> int:
@@ -69,6 +70,8 @@ def config(cfg, backend, launcher, **extra):
         "groups": cfg.groups,
         "conv_layout": "dim-first" if cfg.conv_dim_first else "window-first",
         "seed": cfg.seed,
+        "kda_state": cfg.kda_state,
+        "ring": cfg.ring if cfg.replay else None,
         **extra,
     }
 
@@ -79,7 +82,8 @@ def print_config(r):
         f"config   backend {c['backend']} ({c['launcher']}), TP {c['tp']}, heads {c['heads']} "
         f"({c['heads_per_rank']}/rank), hidden {c['hidden']}, requests {c['requests']}, "
         f"tokens {c['tokens']}, blocks {c['blocks']}, groups {_groups(c['groups'])}, "
-        f"conv {c['conv_layout']}, seed {c['seed']}, domain {c.get('domain_size', c['tp'])}"
+        f"conv {c['conv_layout']}, seed {c['seed']}, domain {c.get('domain_size', c['tp'])}, "
+        f"kda state {c['kda_state']}" + (f" (ring {c['ring']})" if c["ring"] else "")
     )
     kinds = ", ".join(f"{v} {k}" for k, v in r["steps"].items() if k != "total")
     print(f"steps    {r['steps']['total']} ({kinds})")
@@ -148,9 +152,14 @@ def finish(report, failures, json_path, printer) -> int:
 
 def step_bytes(cfg, kind: str, tokens: int) -> dict:
     """Bytes a step moves with every request live (state pages read + written, w_o read)
-    and the HBM floor they give at the H200's copy bandwidth."""
-    pages = {"decode": 2, "verify": 1 + tokens, "verify+record+recover": 2 + tokens}[kind]
-    state = cfg.requests * cfg.heads * pages * PAGE_BYTES
+    and the HBM floor they give at the H200's copy bandwidth. Replay steps: the checkpoint
+    page and the ring's R entries read, the step's T entries written (a fold's page write,
+    one in about R / T steps, not counted)."""
+    if kind.startswith("replay"):
+        state = cfg.requests * cfg.heads * (PAGE_BYTES + (cfg.ring + tokens) * ENTRY_BYTES)
+    else:
+        pages = {"decode": 2, "verify": 1 + tokens, "verify+record+recover": 2 + tokens}[kind]
+        state = cfg.requests * cfg.heads * pages * PAGE_BYTES
     w_o = cfg.hidden * cfg.heads * HEAD_DIM * 2
     rows = cfg.requests * tokens
     mailbox = cfg.tp * cfg.tp * rows * cfg.hidden * 2
@@ -274,6 +283,10 @@ def print_gpu(r):
         f"{w['output_ulp']:.2f} ulp; error / bound: prefix vs unsharded o-proj "
         f"{w['prefix']:.3f}, output vs fp64 epilogue {w['output']:.3f}"
     )
+    if "per_step_ulp" in w:
+        print(f"  replay: kda vs per-step reference {w['per_step_ulp']:.2f} ulp, ring v_new "
+              f"{w['ring']:.2e} of max, materialized state {w['materialized']:.2e} of page max, "
+              f"{w['ring_folds']} ring folds in the checked steps")  # fmt: skip
 
 
 def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None,
@@ -307,6 +320,10 @@ def print_host(r):
         f"  worst error / bound: prefix vs unsharded o-proj {w['prefix']:.3f}, "
         f"output vs fp64 epilogue {w['output']:.3f}"
     )
+    if "per_step_rows" in w:
+        print(f"  replay vs per-step: {w['per_step_rows']} head rows not bitwise (o near a bf16 "
+              f"midpoint), materialized state {w['materialized']:.2e} of page max, "
+              f"{w['ring_folds']} ring folds")  # fmt: skip
     rss = r["peak_rss_bytes"]
     if rss["per_rank"]:
         print(f"memory   peak RSS {rss['total'] / 2**30:.2f} GiB over {len(rss['per_rank'])} "

@@ -8,6 +8,11 @@ RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
 o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch) or
 ``per-rank`` (the multi-process structure); bitwise the same.
 
+``cfg.kda_state == "replay"``: each rank's ``DecodeLayer`` owns a ring of ``cfg.ring`` entries
+per state page and its KDA stage is ``kda.replay_decode`` (the replay dispatcher's kernel);
+verify steps are never recorded, so there is no recover stage. The ring is part of the
+pools (snapshot, restore, the eager comparison); ``materialize`` folds it on demand.
+
 ``xmoe`` > 0: the consumer also writes latent copies of each output row and ready hints;
 the MoE dispatch's stand-in waits for them on a stream of its own (``launch.moe``).
 
@@ -25,6 +30,7 @@ import torch
 
 from engine import DecodeLayer
 from kda import synthetic as kt
+from kda.operands import Ring
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
 from launch.moe import MoeWaiters, check_xmoe
@@ -72,6 +78,7 @@ class Bucket:
         H = cfg.heads_per_rank
         D, N = H * HEAD_DIM, B * T
         self.tokens, self.record, self.rows = T, record, N
+        self.replay = cfg.replay
         self.comm = runner.comm_for(N)
         bf = dict(dtype=torch.bfloat16, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
@@ -97,7 +104,7 @@ class Bucket:
 
     @property
     def kind(self) -> str:
-        return step_kind(self.tokens, self.record)
+        return step_kind(self.tokens, self.record, self.replay)
 
 
 class Runner:
@@ -156,7 +163,8 @@ class Runner:
         self.decode_layers = [
             DecodeLayer(L, w, self.comms, rank=r, norm=self.norm, query=self.query,
                         out_norm=self.out_norm, kernel=kernel, gate_mode=gate_mode,
-                        pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS)
+                        pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+                        kda_state=cfg.kda_state, ring_size=cfg.ring)
             for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
         ]  # fmt: skip
         self.moe = MoeWaiters(xmoe, self.device, self.ranks, every_rank=mode == "both")
@@ -224,11 +232,17 @@ class Runner:
         """The bucket's KDA kernel (``kda.dispatch.choose``), chosen once. Every rank this
         process hosts shares the GPU (loopback: all TP ranks), so the dispatcher sees a
         rank's share of the SMs: KdaSplit spreading one rank's few items over the whole
-        GPU would only crowd out the other ranks."""
+        GPU would only crowd out the other ranks. Replay: ``kda.dispatch.choose_replay`` with
+        the whole GPU's SMs, what ``kda.replay_decode``'s ``kernel="auto"`` launches."""
         if bk.kda_choice is None:
             from kda import dispatch
 
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if bk.replay:
+                bk.kda_choice = dispatch.choose_replay(
+                    self.cfg.requests, self.cfg.heads_per_rank, bk.tokens, self.cfg.ring, sms=sms
+                )
+                return bk.kda_choice
             bk.kda_choice = dispatch.choose(
                 self.cfg.requests, self.cfg.heads_per_rank, bk.tokens,
                 sms=max(1, sms // len(self.local)), kernel=self.kernel,
@@ -237,6 +251,10 @@ class Runner:
 
     def _kda(self, bk: Bucket, r: int) -> None:
         i = self.local[r]
+        if bk.replay:  # the ring holds the step's entries; the replay dispatcher's kernel
+            self.decode_layers[i].attend(bk.x[i], bk.f_a, bk.beta[i], bk.gate[i], bk.slots,
+                                         accepted=bk.accepted, out=bk.attn[i])  # fmt: skip
+            return
         self.decode_layers[i].attend(
             bk.x[i], bk.f_a, bk.beta[i], bk.gate[i], bk.slots, accepted=bk.accepted,
             records=(bk.v_records[i], bk.kg_records[i]) if bk.record else None,
@@ -383,16 +401,20 @@ class Runner:
 
     # --- first use of a bucket: eager, stage pass, capture -----------------------------
     def pools(self):
-        return [(L.state, L.conv_state) for L in self.layers]
+        """Per hosted rank: its state and conv pools (and, replay, its ring's tensors)."""
+        return [
+            (L.state, L.conv_state, *(D.ring if D.ring is not None else ()))
+            for L, D in zip(self.layers, self.decode_layers, strict=True)
+        ]
 
     def snapshot(self, bk: Bucket):
-        return [(s.clone(), c.clone()) for s, c in self.pools()], bk.prefix.clone()
+        return [tuple(t.clone() for t in pool) for pool in self.pools()], bk.prefix.clone()
 
     def restore(self, bk: Bucket, saved) -> None:
         pools, prefix = saved
-        for (s, c), (s0, c0) in zip(self.pools(), pools, strict=True):
-            s.copy_(s0)
-            c.copy_(c0)
+        for pool, pool0 in zip(self.pools(), pools, strict=True):
+            for t, t0 in zip(pool, pool0, strict=True):
+                t.copy_(t0)
         bk.prefix.copy_(prefix)
 
     def results(self, bk: Bucket):
@@ -524,6 +546,24 @@ class Runner:
         if state is None:
             return None, None
         return state.movedim(0, 1).contiguous(), conv_cat(list(conv), self.cfg.conv_dim_first)
+
+    def gather_ring(self) -> Ring | None:
+        """Replay: the whole layer's ring on the CPU, heads concatenated from the ranks'
+        rings (process 0; None elsewhere)."""
+        parts = []
+        for i, axis in enumerate((2, 2, 1)):  # v, kg: [S, R, H, .]; length: [S, H, 2]
+            mine = torch.cat([D.ring[i].cpu() for D in self.decode_layers], dim=axis)
+            every = self.procs.gather(mine.movedim(axis, 0))  # heads first: ranks concatenate
+            parts.append(None if every is None else every.movedim(0, axis).contiguous())
+        return None if parts[0] is None else Ring(*parts)
+
+    def materialize(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Replay: every hosted rank's ``DecodeLayer.materialize`` of ``slots`` (CPU [n]
+        int32) committing ``accepted`` pending entries, on the current stream, then this
+        GPU idle."""
+        for D in self.decode_layers:
+            D.materialize(slots.to(self.device), accepted.to(self.device))
+        torch.cuda.synchronize(self.device)
 
     def w_o_cpu(self, r: int) -> torch.Tensor:
         """Rank ``r``'s ``w_o`` columns (CPU, from the model: any rank, hosted or not)."""

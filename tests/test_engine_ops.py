@@ -266,3 +266,93 @@ def test_decode_layer_checks():
         DecodeLayer(L.shard, L.w_o[:, :128], L.comms, rank=0, norm=L.norm, query=L.query,
                     out_norm=L.out_norm)  # fmt: skip
     assert L.choice(B, T).kernel in ("wide", "stream", "split")
+
+
+def _replay_layer(L, **kw):
+    return DecodeLayer(L.shard, L.w_o, L.comms, rank=0, norm=L.norm, query=L.query,
+                       out_norm=L.out_norm, sms=132, kda_state="replay", **kw)  # fmt: skip
+
+
+def test_decode_layer_replay_options(monkeypatch):
+    """``kda_state`` / ``ring_size`` refused naming the argument before the ring is
+    allocated; a replay layer owns a ring of ``ring_size`` entries per page; records,
+    ``recover``, a per-step kernel and (per-step mode) ``materialize`` refused."""
+    import engine.layer
+
+    L = _layers()[0]
+    assert L.kda_state == "per-step" and L.ring is None
+    with pytest.raises(ValueError, match="materialize"):
+        L.materialize()
+
+    def no_ring(*args):
+        raise AssertionError("a ring allocated before the options were checked")
+
+    bad = [(dict(kda_state="paged"), "kda_state"), (dict(kda_state=None), "kda_state"),
+           (dict(ring_size=1), "ring_size"), (dict(ring_size=17), "ring_size"),
+           (dict(ring_size=True), "ring_size"), (dict(ring_size=4.0), "ring_size"),
+           (dict(kda_state="replay", kernel="wide"), "kernel")]  # fmt: skip
+    with monkeypatch.context() as m:
+        m.setattr(engine.layer, "make_ring", no_ring)
+        for options, name in bad:
+            with pytest.raises(ValueError, match=name):
+                DecodeLayer(L.shard, L.w_o, L.comms, rank=0, norm=L.norm, query=L.query,
+                            out_norm=L.out_norm, **options)  # fmt: skip
+    R = _replay_layer(L, ring_size=6)
+    assert R.ring.size == 6 and R.ring.v.shape == (8, 6, H, 128)
+    assert R.ring.length.shape == (8, H, 2) and not R.ring.length.any()
+    assert R.choice(B, T).kernel == "wide" and "R = 6" in R.choice(B, T).reason
+    _, step, records = _case(T, record=True)
+    with pytest.raises(ValueError, match="records"):
+        R.attend(step.x, step.f_a, step.beta, step.gate, step.slots, accepted=step.accepted,
+                 records=records)  # fmt: skip
+    with pytest.raises(ValueError, match="recover"):
+        R.recover(step.slots, records, step.accepted, step.accepted)
+
+
+def test_decode_layer_materialize_folds_the_rings():
+    """``DecodeLayer.materialize`` on the CPU after replay steps (the reference on the
+    layer's pools and ring): every ring, or some slots committing ``accepted`` pending
+    entries, folded as ``kda.reference.materialize`` folds them."""
+    from kda import reference as ref
+    from kda.operands import Ring
+
+    for slots, accepted in ((None, None), (torch.tensor([1, 3]), torch.tensor([2, 1]))):
+        R = _replay_layer(_layers()[0], ring_size=4)
+        S = R.shard
+        table = 1 + torch.arange(B * 2, dtype=torch.int32).view(B, 2)  # request b: page 1 + 2b
+        for n, tokens in enumerate((1, 2)):  # a decode step, then a verify step (pending)
+            step = kt.make_step(B, tokens, H, pages=8, slot_table=table[:, :tokens], seed=10 + n)
+            ref.replay_decode(
+                step.x, S.conv_weight, S.conv_bias, S.conv_state, step.f_a, step.beta, S.a_log,
+                S.dt_bias, step.slots, S.state, step.gate, S.norm_weight, S.f_b,
+                lower_bound=R.lower_bound, scale=R.scale, eps=R.eps, accepted=step.accepted,
+                ring=R.ring,
+            )  # fmt: skip
+        assert R.ring.length[[1, 3], 0].tolist() == [[1, 2], [1, 2]]
+        want, ring = S.state.clone(), Ring(*(t.clone() for t in R.ring))
+        ref.materialize(want, ring, S.a_log, S.dt_bias, lower_bound=R.lower_bound, slots=slots,
+                        accepted=None if accepted is None else accepted.int())  # fmt: skip
+        R.materialize(slots, None if accepted is None else accepted.int())
+        assert torch.equal(S.state, want) and not R.ring.length[[1, 3]].any()
+        assert all(torch.equal(a, b) for a, b in zip(R.ring, ring, strict=True))
+
+
+def test_replay_decode_layer_traces_without_graph_breaks():
+    """One rank's replay ``DecodeLayer.step`` on fake tensors: one graph, the replay op
+    (mutating the ring) then the producer and the consumer."""
+    R = _replay_layer(_layers()[0])
+    _, step, _ = _case(T)
+    c = _consumer_tensors("cpu")
+    torch._dynamo.reset()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor
+        x, f_a, beta, gate, slots, accepted = (fake(t) for t in (
+            step.x, step.f_a, step.beta, step.gate, step.slots, step.accepted))  # fmt: skip
+        one = torch._dynamo.explain(R.step)(x, f_a, beta, gate, slots, fake(c["prefix"].clone()),
+                                            fake(c["blocks"]), 0, accepted=accepted)  # fmt: skip
+        assert one.graph_break_count == 0 and one.graph_count == 1
+        code = one.graphs[0].code
+        order = [code.index(f"kimi.{name}(") for name in ("kda_replay_decode", "oproj_produce",
+                                                          "oproj_consume")]  # fmt: skip
+        assert order == sorted(order) and "kda_decode(" not in code
+    torch._dynamo.reset()

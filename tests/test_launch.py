@@ -93,6 +93,65 @@ def test_torchrun_window_first_decode_only(tmp_path):
     assert all(v["passed"] == v["of"] == 3 for v in report["checks"].values())
 
 
+REPLAY_CHECKS = (
+    "kda outputs == unsharded (bitwise)",
+    "checkpoint pages == unsharded (bitwise)",
+    "ring entries and counters == unsharded (bitwise)",
+    "kda outputs vs per-step reference (bitwise off o's bf16 midpoints, else 1 ulp + o's)",
+    "output, prefix == TP reference (bitwise)",
+)
+MATERIALIZED_CHECKS = (
+    "materialized pages == unsharded materialized (bitwise)",
+    "materialized state vs per-step reference (1e-5 of page max)",
+)
+
+
+def read_report(path, p, lines):
+    import json
+
+    assert_ok(p, lines)
+    report = json.loads(path.read_text())
+    assert report["ok"] and all(v["passed"] == v["of"] for v in report["checks"].values())
+    return report
+
+
+@pytest.mark.distributed
+def test_torchrun_replay_verify(tmp_path):
+    """--kda-state replay, TP 2, verify steps T = 3 with ring R = 4: the rings fold from the
+    third step on; every step's replay checks, then the materialised state."""
+    out = tmp_path / "replay.json"
+    p, lines = torchrun(2, "--heads", "4", *SMALL, "--kda-state", "replay", "--json", str(out))
+    report = read_report(out, p, lines)
+    assert report["config"]["kda_state"] == "replay" and report["config"]["ring"] == 4
+    assert report["steps"] == {"total": 4, "replay decode": 1, "replay verify": 3}
+    for name in REPLAY_CHECKS:
+        assert report["checks"][name]["of"] == 4, name
+    for name in MATERIALIZED_CHECKS:
+        assert report["checks"][name]["of"] == 1, name
+    assert report["worst"]["ring_folds"] >= 1 and report["worst"]["materialized"] <= 1e-5
+    assert "recover" not in p.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kda_state", ["per-step", "replay"])
+def test_torchrun_decode_checked_every_other_step(tmp_path, kda_state):
+    """T = 1, --check-every 2: the unsharded layer follows the unchecked steps too; in
+    replay mode R = 2, so every request's ring folds from the third step on."""
+    out = tmp_path / "every2.json"
+    p, lines = torchrun(2, "--heads", "4", "--tokens", "1", "--blocks", "0", "--steps", "5",
+                        "--requests", "3", "--check-every", "2", "--kda-state", kda_state,
+                        "--ring", "2", "--json", str(out))  # fmt: skip
+    report = read_report(out, p, lines)
+    assert report["checks"]["kda outputs == unsharded (bitwise)"]["of"] == 3
+    if kda_state == "replay":
+        assert report["steps"] == {"total": 5, "replay decode": 5}
+        assert report["checks"][MATERIALIZED_CHECKS[1]]["of"] == 1
+        assert report["worst"]["ring_folds"] >= 3
+    else:
+        assert report["config"]["ring"] is None
+        assert report["checks"]["state pages == unsharded (bitwise)"]["passed"] == 3
+
+
 @pytest.mark.distributed
 def test_mpirun():
     p, lines = mpirun(2, "--heads", "4", *SMALL)
@@ -102,11 +161,16 @@ def test_mpirun():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "fault,check",
-    [("output", "outputs identical on all ranks"), ("state", "state pages == unsharded")],
+    "fault,state,check",
+    [
+        ("output", "per-step", "outputs identical on all ranks"),
+        ("state", "per-step", "state pages == unsharded"),
+        ("state", "replay", "checkpoint pages == unsharded"),
+    ],
 )
-def test_checks_catch_a_corrupted_rank(fault, check):
-    p, lines = torchrun(2, "--heads", "4", *SMALL, "--fault", fault, timeout=300)
+def test_checks_catch_a_corrupted_rank(fault, state, check):
+    p, lines = torchrun(2, "--heads", "4", *SMALL, "--fault", fault, "--kda-state", state,
+                        timeout=300)  # fmt: skip
     assert p.returncode == 1
     assert lines[-1].startswith("DECODE FAILED") and check in lines[-1]
 

@@ -64,6 +64,40 @@ def test_loopback_tp2(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tokens,ring,launches", [(3, 4, "both"), (1, 2, "per-rank")], ids=["verify", "decode"]
+)
+def test_loopback_replay(tmp_path, tokens, ring, launches):
+    """--kda-state replay (kda.replay_decode through each rank's DecodeLayer): every step
+    against the unsharded replay reference (outputs, checkpoint pages, rings) and the
+    per-step reference (outputs); more steps than the ring holds, so rings fold; then
+    every rank materialises and the pages match the per-step reference's state."""
+    out = tmp_path / "replay.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "4", "--hidden", "1024",
+        "--requests", "2", "--tokens", str(tokens), "--blocks", "2", "--steps", "7",
+        "--kda-state", "replay", "--ring", str(ring), "--oproj-launch", launches,
+        "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    kinds = {"replay decode": 7} if tokens == 1 else {"replay decode": 1, "replay verify": 6}
+    assert report["steps"] == {"total": 7, **kinds}
+    assert report["config"]["kda_state"] == "replay" and report["config"]["ring"] == ring
+    every_step = (
+        "kda outputs vs unsharded (1 ulp + o's flip)",
+        "kda outputs vs per-step reference (1 ulp + o's flip)",
+        "checkpoint pages vs unsharded (1e-5 of page max)",
+        "ring vs unsharded (counters, k, raw gate bitwise; v_new 1e-5 of max)",
+    )
+    for name in every_step:
+        assert report["checks"][name]["of"] == 7, name
+    assert report["checks"]["materialized state vs per-step reference (1e-5 of page max)"]
+    assert report["worst"]["ring_folds"] >= 1
+    assert all("recover" not in stages for stages in report["breakdown"].values())
+    print(p.stdout)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("launches", ["per-rank", "both"])
 def test_loopback_tp16(tmp_path, launches):
     out = tmp_path / "tp16.json"
@@ -315,3 +349,38 @@ def test_loopback_xmoe_hints(tmp_path, launches):
     moe = report["checks"]["MoE copies read after their hints == output (bitwise)"]
     assert moe["of"] == 5 and report["config"]["xmoe"] == 2
     print(p.stdout)
+
+
+def test_runner_replay_pools_on_cpu(monkeypatch):
+    """The runner's replay plumbing without a GPU (its rank streams stubbed): the rings are
+    part of each rank's pools, ``gather_ring`` reassembles the whole layer's ring from the
+    ranks' (bitwise the unsharded replay's after the same reference steps, folds included),
+    and ``materialize`` leaves each request's page within 1e-5 of the per-step state."""
+    from launch.layer import Model, Schedule, Unsharded, run_replay
+    from tpcomm.backends.loopback import LoopbackBackend
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    cfg = Config(2, 4, 1024, 2, 3, 2, 4, kda_state="replay", ring=4)
+    model = Model(cfg)
+    job = runner.Runner(cfg, model, LoopbackBackend(2, device="cpu"))
+    assert [len(pool) for pool in job.pools()] == [5, 5]  # state, conv, ring v / kg / length
+    unsharded, schedule = Unsharded(model), Schedule(cfg)
+    for _ in range(cfg.steps):
+        plan = schedule.next()
+        step, _, _ = model.step_inputs(plan)
+        for r, layer in enumerate(job.decode_layers):
+            first, count = model.rank_heads(r)
+            run_replay(layer.shard, layer.ring, kt.shard_step(step, cfg.heads, first, count))
+        unsharded.attention(plan, step)
+    assert job.bucket(3, False).kind == "replay verify" and unsharded.folds >= 1
+    ok, ratio, _ = checks.ring_check(job.gather_ring(), unsharded.ring)
+    assert ok and ratio == 0.0
+    state, conv = job.gather_pools()
+    assert torch.equal(state, unsharded.kda.state) and torch.equal(conv, unsharded.kda.conv_state)
+    pages = model.slot_table()[:, 0].contiguous()
+    job.materialize(pages, schedule.accepted)
+    per_step = unsharded.per_step
+    ok, ratio = checks.materialized_check(job.gather_pools()[0], pages.long(), per_step.kda.state,
+                                          per_step.request_pages(schedule.accepted))  # fmt: skip
+    assert ok, ratio

@@ -22,6 +22,14 @@ GPU_REFUSALS = [  # options, backend, processes, message
     ({"padding": 1.0}, "loopback", 1, "padding must be a fraction in [0, 1)"),
     ({"groups": 5}, "loopback", 1, "groups must be in 1..4; got 5"),
     (["--requests", "129", "--tokens", "8"], "loopback", 1, "1032 rows per step; the o-"),
+    (
+        ["--kda-state", "replay", "--ring", "2", "--tokens", "3"],
+        "loopback",
+        1,
+        "--ring 2 must be >= --tokens 3",
+    ),
+    ({"kda_state": "paged"}, "loopback", 1, "kda_state must be one of ('per-step', 'replay')"),
+    ({"ring": 17}, "loopback", 1, "ring_size must be an int in 2..16; got 17"),
 ]
 
 
@@ -66,6 +74,7 @@ HOST_REFUSALS = [  # options, world, message
     (["--heads", "6"], 4, "heads (6) must be a positive multiple of TP (4)"),
     ({"tokens": 0}, 1, "tokens must be in 1..8; got 0"),
     ({"groups": 0}, 1, "groups must be in 1..4; got 0"),
+    (["--kda-state", "replay", "--ring", "2"], 1, "--ring 2 must be >= --tokens 3"),
 ]
 
 
@@ -91,6 +100,14 @@ def test_argument_parser_refusals(capsys):
         assert e.value.code == 2
         last = capsys.readouterr().out.strip().splitlines()[-1]
         assert last.startswith("DECODE FAILED: ") and "invalid choice" in last, last
+    for argv, message in ((["--ring", "1"], "must be in 2 .. 16; got 1"),
+                          (["--kda-state", "replay", "--kernel", "wide"],
+                           "--kda-state replay takes the replay dispatcher's kernel")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            decode.parse_args(argv)
+        assert e.value.code == 2
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith("DECODE FAILED: ") and message in last, last
 
 
 def test_refusing_ranks_wait_for_rank_0(monkeypatch):
