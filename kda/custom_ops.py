@@ -177,7 +177,7 @@ def _kda_replay_decode_fake(x, conv_weight, conv_bias, conv_state, f_a, beta, a_
     check_replay_kernel(kernel)
     shape, size = check_replay(op, Ring(ring_v, ring_kg, ring_length), check_values=False)
     check_out(out, shape, state.device)
-    choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)  # fits?
+    choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)
 
 
 __all__ = ["NAMESPACE", "kda_decode", "kda_recover", "kda_replay_decode"]

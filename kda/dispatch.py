@@ -122,55 +122,23 @@ def choose(
     return Choice("stream", min(items, resident), 0, why)
 
 
-# ``kda.replay_decode``'s kernels: KdaReplay ("wide": one CTA per item) and KdaReplayStream
-# ("stream": persistent, the next item's page and ring entries copied during the current one).
-REPLAY_KERNELS = ("auto", "wide", "stream")
-SMEM_PER_CTA = 113 * 1024  # two CTAs per SM on sm_90 / sm_100 (227 KB per SM, 1 KB each reserved)
-
-
-def replay_stream_smem_bytes(size: int, tokens: int) -> int:
-    """Shared memory of one KdaReplayStream CTA (bytes, before alignment padding): the page,
-    the step's vectors, the decoded ring (k^, decay), v_new twice (the next item's copy lands
-    beside the current one's), the copied bf16 entries and the suffix phase's outputs."""
-    T, R, D = tokens, size, 128
-    page = D * D * 4
-    # T * D * 2: KdaWide's f_a buffer (unused since gate mode 2 went; the layout kept)
-    vectors = 4 * T * D * 4 + 8 * D * 4 + 8 * 4 + T * D * 2 + T * 16 * 4 + T * 4 * 4
-    ring = 2 * R * D * 4 + 2 * R * D * 4 + R * 4 * 4 + R * 2 * D * 2
-    suffix = (2 * T * D + 2 * T * R * 4 + T * 4) * 4
-    return page + vectors + ring + suffix
+# ``kda.replay_decode``'s kernel: KdaReplay, one CTA per item, three per SM. A persistent
+# variant that copied each next item's page during the current one (KdaReplayStream, two CTAs
+# per SM) ran at 0.77-0.94x of its speed at T = 1 and won 3 of 12 T = 4 rows by <= 5% on the
+# H200 (2026-12-01, ``bench_kda.py --replay-only``), so it went.
+REPLAY_KERNELS = ("auto", "wide")
+REPLAY_CTAS_PER_SM = 3
 
 
 def choose_replay(requests, heads, tokens, size, *, sms=H200_SMS, kernel="auto") -> Choice:
-    """The replay step's kernel for ``requests`` x ``heads`` items: KdaReplayStream at T = 1
-    when the items are more than one wave of resident CTAs and its buffers fit two CTAs per
-    SM, else KdaReplay (``kernel`` forces one; "stream" must fit)."""
+    """The replay step's kernel for ``requests`` x ``heads`` items of ``tokens`` tokens and
+    a ring of ``size``: KdaReplay ("wide"), one CTA per item."""
     if kernel not in REPLAY_KERNELS:
         raise ValueError(f"kernel must be one of {REPLAY_KERNELS}; got {kernel!r}")
     items = requests * heads
-    resident = CTAS_PER_SM * sms
-    need = replay_stream_smem_bytes(size, tokens)
-    fits = need <= SMEM_PER_CTA
-    if kernel == "stream" and not fits:
-        raise ValueError(
-            f"kernel='stream' needs {need} bytes of shared memory at R = {size}, T = {tokens};"
-            f" at most {SMEM_PER_CTA} (use kernel='wide')"
-        )
-    if kernel == "auto":
-        if tokens == 1 and items > resident and fits:
-            kernel = "stream"
-            why = (
-                f"{items} items are several waves of {resident} resident CTAs: stream copies "
-                "each next item's page and ring entries during the current item"
-            )
-        else:
-            kernel = "wide"
-            why = (
-                f"{items} items, T = {tokens}, R = {size}: wide (one wave, a verify step, or "
-                "stream's buffers do not fit two CTAs per SM)"
-            )
-    else:
-        why = f"kernel={kernel!r} requested ({items} items, {resident} resident CTAs)"
-    if kernel == "stream":
-        return Choice("stream", min(items, resident), 0, why)
+    resident = REPLAY_CTAS_PER_SM * sms
+    why = (
+        f"{items} items, T = {tokens}, R = {size}: wide, one CTA per item ({resident} resident: "
+        f"{REPLAY_CTAS_PER_SM} per SM, the page read where it lies)"
+    )
     return Choice("wide", items, 0, why)

@@ -55,6 +55,7 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .dispatch import REPLAY_CTAS_PER_SM
 from .operands import MAX_RING, MIN_RING, ReplayKernelOperands
 from .wide import KdaWide
 
@@ -79,7 +80,7 @@ def ring_entry(ring_kg, slot, entry, heads: cutlass.Constexpr, size: cutlass.Con
 
 
 PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
-CTAS_PER_SM = 3  # no staged page: ~15 KB of shared memory, <= 80 registers a thread
+CTAS_PER_SM = REPLAY_CTAS_PER_SM  # no staged page: ~15 KB of shared memory, 80 registers
 PAIRS = 2  # pairs of partial sums per row and vector (two vectors: half KdaWide's registers)
 
 
@@ -317,8 +318,7 @@ class KdaReplay(KdaWide):
 
     def page_source(self, op, staged, slot, head):
         """Trace-time hook of ``replay_rows``: where the page comes from (here its global
-        address: the page is read where it lies, L2-prefetched at the item's start;
-        KdaReplayStream: the page in registers)."""
+        address: the page is read where it lies, L2-prefetched at the item's start)."""
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         return Int64(op.state.iterator.toint()) + page * 4
 

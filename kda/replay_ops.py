@@ -1,9 +1,9 @@
-"""Host entry of the replay decode kernels: ``kda.replay_decode(...)`` (KdaReplay, one CTA
-per item, and KdaReplayStream, persistent; decode T = 1 and verify T = 2..8).
+"""Host entry of the replay decode kernel: ``kda.replay_decode(...)`` (KdaReplay, one CTA
+per item; decode T = 1 and verify T = 2..8).
 
 ``kda.reference.replay_decode``'s arguments (``DecodeOperands``' fields and ``ring``) plus
-``gate_mode`` and ``pdl`` (as ``kda.decode``'s), ``kernel`` ("auto", "wide": KdaReplay,
-"stream": KdaReplayStream; ``kda.dispatch.choose_replay``), ``out`` and ``validate``.
+``gate_mode`` and ``pdl`` (as ``kda.decode``'s), ``kernel`` ("auto" or "wide": KdaReplay;
+``kda.dispatch.choose_replay``), ``out`` and ``validate``.
 Calls the torch op ``kimi::kda_replay_decode`` (``kda.custom_ops``), whose implementation
 is ``launch``: ``kda.validate.check_replay`` raises ``ValueError`` before any launch (slot
 values and the ring's counters are not read while the stream captures a CUDA graph;
@@ -14,7 +14,6 @@ launch.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import torch
@@ -71,14 +70,11 @@ def replay_decode(*args, ring: Ring, gate_mode=3, pdl=False, kernel="auto", out=
 
 
 def launch(op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None,
-           kernel="auto", ctas=None) -> None:  # fmt: skip
+           kernel="auto") -> None:  # fmt: skip
     """``kimi::kda_replay_decode``'s implementation: validate, choose the kernel, compile
-    once, launch. ``ctas``: KdaReplayStream's persistent CTAs (None: the dispatcher's; the
-    GPU tests give few, so that each CTA walks many items)."""
+    once, launch."""
     full = check_options(gate_mode=gate_mode, pdl=pdl, validate=validate)
     check_replay_kernel(kernel)
-    if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
-        raise ValueError(f"ctas must be None or an int >= 1; got {ctas!r}")
     check_values = not capturing(op.state, full)
     shape, size = check_replay(op, ring, check_values=check_values, full=full)
     T = shape.tokens
@@ -94,8 +90,6 @@ def launch(op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None
     arch = dispatch.arch_of(torch.cuda.get_device_capability(device))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     choice = dispatch.choose_replay(shape.requests, shape.heads, T, size, sms=sms, kernel=kernel)
-    if choice.kernel == "stream" and ctas is not None:
-        choice = dataclasses.replace(choice, ctas=ctas)
     dim_first = bool(op.conv_dim_first)
     conv_view = op.conv_state if dim_first else op.conv_state.transpose(1, 2)
     bias, accepted = op.conv_bias, op.accepted
@@ -113,8 +107,7 @@ def launch(op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None
         ring_v=ring.v, ring_kg=ring.kg, ring_length=ring.length,
     )  # fmt: skip
     has_bias = op.conv_bias is not None
-    knob = choice.ctas if choice.kernel == "stream" else 0
-    key = ((choice.kernel, knob, shape.heads, size, T, gate_mode, has_bias, dim_first,
+    key = ((choice.kernel, shape.heads, size, T, gate_mode, has_bias, dim_first,
             bool(pdl), arch),
            tuple(t.dtype for t in tensors.values()))  # fmt: skip
     from cutlass import Float32
@@ -135,15 +128,9 @@ def launch(op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None
     if compiled is None:
         import cutlass.cute as cute
 
-        if choice.kernel == "stream":
-            from .replay_stream import KdaReplayStream
+        from .replay import KdaReplay
 
-            built = KdaReplayStream(shape.heads, size, T, gate_mode, has_bias, choice.ctas,
-                                    arch=arch, pdl=bool(pdl))  # fmt: skip
-        else:
-            from .replay import KdaReplay
-
-            built = KdaReplay(shape.heads, size, T, gate_mode, has_bias, arch=arch, pdl=bool(pdl))
+        built = KdaReplay(shape.heads, size, T, gate_mode, has_bias, arch=arch, pdl=bool(pdl))
         compiled = cute.compile(built, *ordered, options=f"--gpu-arch {arch}")
         _CACHE[key] = compiled
     compiled(*ordered)

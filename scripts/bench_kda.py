@@ -22,10 +22,9 @@ Stream, for ``STREAM_MAX_TOKENS`` in ``kda/dispatch.py`` (docs/kda_dispatch.md).
 Replay rows (issue 15; after the default table, or alone with ``--replay-only``): the grid
 ``replay_grid()`` of H in {12, 96}, B in {32, 128, 256}, T in {1, 4}, ring size R in
 {4, 8, 16}, the headline rows H96 B128 T1 / T4 R8 first. Each times ``kda.replay_decode``
-with each replay kernel whose buffers fit (KdaReplay "wide", one CTA per item; the
-persistent KdaReplayStream "stream") on the per-step rows' pools and steps, with a ring
+(KdaReplay, the dispatcher's choice) on the per-step rows' pools and steps, with a ring
 whose fill levels are staggered (1/R of the items fold per decode step), R steps per
-rotation in one graph; the dispatcher's choice is reported with its kernel's time. Beside
+rotation in one graph. Beside
 it, on the same (H, B, T): the per-step path (``kda.decode``, the dispatcher's kernel, timed
 exactly as the per-step rows) and fla's recurrence where the per-step table timed it. Bytes
 per step (``replay_bytes``): state traffic as the per-step rows count it, the page read, the
@@ -171,9 +170,6 @@ def replay_setup(layer, size, seed=0):
 def replay_fill(slot, size):
     """Committed entries ``replay_setup`` gives slot ``slot`` (1..size)."""
     return 1 + slot % size
-
-
-REPLAY_KERNELS = ("wide", "stream")
 
 
 def replay(layer, steps, ring, gate_mode=3, kernel="auto"):
@@ -400,7 +396,7 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
     needed and dropped after its last row."""
     from collections import Counter
 
-    from kda.dispatch import SMEM_PER_CTA, choose_replay, replay_stream_smem_bytes
+    from kda.dispatch import choose_replay
     from kda.ops import plan
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -408,9 +404,9 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
     built = {}
     print("replay rows: kda.replay_decode (us per step; MB of state per step), beside the "
           "per-step kda.decode (step us, step MB) and fla's recurrence")  # fmt: skip
-    print(f"{'H':>3} {'B':>4} {'T':>2} {'R':>2} {'kernel':>7} {'replay':>8} {'wide':>8} "
-          f"{'stream':>8} {'MB/step':>8} {'TB/s':>6} {'%copy':>6} {'step us':>8} "
-          f"{'step MB':>8} {'x step':>6} {'fla rec':>8} {'x rec':>6}")  # fmt: skip
+    print(f"{'H':>3} {'B':>4} {'T':>2} {'R':>2} {'kernel':>7} {'replay':>8} {'MB/step':>8} "
+          f"{'TB/s':>6} {'%copy':>6} {'step us':>8} {'step MB':>8} {'x step':>6} "
+          f"{'fla rec':>8} {'x rec':>6}")  # fmt: skip
     for H, B, T, size in grid:
         shape = (H, B, T)
         if shape not in built:
@@ -425,17 +421,14 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
         choice = choose_replay(B, H, T, size, sms=sms)
         row = dict(H=H, B=B, T=T, R=size, kernel=choice.kernel, reason=choice.reason,
                    rotations=rotations)  # fmt: skip
-        for name in REPLAY_KERNELS:
-            row[f"{name}_us"] = None
-            if name == "stream" and replay_stream_smem_bytes(size, T) > SMEM_PER_CTA:
-                continue  # refused: its buffers do not fit two CTAs per SM
-            try:  # each kernel from the same fill levels (a fresh ring)
-                fn = replay(layer, steps, replay_setup(layer, size), gate_mode, name)
-                row[f"{name}_us"] = time_graph(fn, inner=rotations * size)
-            except Exception as error:  # report, keep going
-                row[f"{name}_error"] = repr(error)[:200]
-            fn = None  # the ring goes with it
-        us = row["replay_us"] = row[f"{choice.kernel}_us"]
+        us = None
+        try:  # from the staggered fill levels (a fresh ring)
+            fn = replay(layer, steps, replay_setup(layer, size), gate_mode)
+            us = time_graph(fn, inner=rotations * size)
+        except Exception as error:  # report, keep going
+            row["replay_error"] = repr(error)[:200]
+        fn = None  # the ring goes with it
+        row["replay_us"] = us
         slots = [s.slots.view(B, -1)[:, 0].tolist() for s in steps]
         accepted = None if T == 1 else [s.accepted.tolist() for s in steps]
         moved = row["replay_bytes"] = replay_bytes(H, size, T, slots, accepted)
@@ -447,14 +440,13 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
         row["speedup_per_step"] = step_us / us if us else None
         row["speedup_fla"] = fla / us if us and fla else None
         print(
-            f"{H:>3} {B:>4} {T:>2} {size:>2} {choice.kernel:>7} {f(us)} {f(row['wide_us'])} "
-            f"{f(row['stream_us'])} {f(moved / 1e6)} {f(row['replay_tbs'], 6, 2)} "
+            f"{H:>3} {B:>4} {T:>2} {size:>2} {choice.kernel:>7} {f(us)} "
+            f"{f(moved / 1e6)} {f(row['replay_tbs'], 6, 2)} "
             f"{f(row['pct_copy'], 6)} {f(step_us)} {f(per_launch / 1e6)} "
             f"{f(row['speedup_per_step'], 6, 2)} {f(fla)} {f(row['speedup_fla'], 6, 2)}"
         )
-        for name in REPLAY_KERNELS:
-            if f"{name}_error" in row:
-                print(f"    {name}_error: {row[f'{name}_error']}")
+        if "replay_error" in row:
+            print(f"    replay_error: {row['replay_error']}")
         emit(row)
         left[shape] -= 1
         if not left[shape]:

@@ -163,36 +163,22 @@ def test_default_gate_mode_is_the_exactly_rounded_one():
     entries = [ops_decode, replay_decode, check_options, DecodeLayer, Runner]
     if importlib.util.find_spec("cutlass") is not None:
         from kda.replay import KdaReplay
-        from kda.replay_stream import KdaReplayStream
         from kda.split import KdaSplit
         from kda.wide import KdaWide
 
-        entries += [KdaWide, KdaSplit, KdaReplay, KdaReplayStream]
+        entries += [KdaWide, KdaSplit, KdaReplay]
     for entry in entries:
         assert inspect.signature(entry).parameters["gate_mode"].default == 3, entry
     assert decode.parse_args([]).gate_mode == 3
     assert dispatch.GATE_MODES == (0, 1, 3)
 
 
-def test_replay_stream_for_several_waves_of_decode_items():
-    choice = dispatch.choose_replay(128, 96, 1, 8, sms=132)
-    assert choice.kernel == "stream" and choice.ctas == 2 * 132
-    assert dispatch.choose_replay(132, 2, 1, 8, sms=132).kernel == "wide"  # one wave
-    assert dispatch.choose_replay(133, 2, 1, 8, sms=132).kernel == "stream"
-    assert dispatch.choose_replay(128, 96, 2, 8, sms=132).kernel == "wide"  # verify
-    assert dispatch.choose_replay(128, 96, 1, 16, sms=132).kernel == "stream"  # fits
-    forced = dispatch.choose_replay(4, 3, 4, 8, kernel="stream")
-    assert forced.kernel == "stream" and forced.ctas == 12
+def test_replay_kernel_is_one_cta_per_item():
+    for B, H, T, R in ((128, 96, 1, 8), (1, 1, 1, 2), (128, 96, 4, 16), (7, 3, 8, 8)):
+        choice = dispatch.choose_replay(B, H, T, R, sms=132)
+        assert choice.kernel == "wide" and choice.ctas == B * H, (B, H, T, R)
+    assert "3 per SM" in dispatch.choose_replay(128, 96, 1, 8, sms=132).reason
     assert dispatch.choose_replay(128, 96, 1, 8, kernel="wide").kernel == "wide"
-
-
-def test_replay_stream_shared_memory():
-    # 64 KB page + vectors + ring (v_new twice) + suffix outputs: two CTAs per SM at T = 1
-    assert dispatch.replay_stream_smem_bytes(8, 1) == 93952
-    assert dispatch.replay_stream_smem_bytes(16, 1) <= dispatch.SMEM_PER_CTA
-    assert dispatch.replay_stream_smem_bytes(16, 2) > dispatch.SMEM_PER_CTA
-    with pytest.raises(ValueError, match="shared memory"):
-        dispatch.choose_replay(128, 96, 2, 16, kernel="stream")
-    assert dispatch.choose_replay(128, 96, 2, 16).kernel == "wide"
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        dispatch.choose_replay(128, 96, 1, 8, kernel="split")
+    for gone in ("stream", "split"):
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            dispatch.choose_replay(128, 96, 1, 8, kernel=gone)

@@ -72,11 +72,9 @@ def test_replay_compiles(arch, case):
 
 
 def test_refuses_removed_gate_mode():
-    """Gate mode 2 is gone (as KdaWide's): KdaReplay and KdaReplayStream refuse it."""
+    """Gate mode 2 is gone (as KdaWide's): KdaReplay refuses it."""
     require_dsl()
     from kda.replay import KdaReplay
-    from kda.replay_stream import KdaReplayStream
 
-    for make in (KdaReplay, KdaReplayStream):
-        with pytest.raises(ValueError, match="gate_mode must be 0, 1 or 3"):
-            make(3, 8, 1, 2)
+    with pytest.raises(ValueError, match="gate_mode must be 0, 1 or 3"):
+        KdaReplay(3, 8, 1, 2)

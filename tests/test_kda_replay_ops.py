@@ -93,11 +93,11 @@ def test_verify_step_refusals():
     _refused("R = 2 must be >= the step's tokens T = 3", layer, step, small)
 
 
-def test_stream_that_does_not_fit_is_refused_on_meta():
-    """kernel="stream" where its buffers do not fit two CTAs per SM (R 16, T 2): refused by
-    the op's fake implementation too (meta tensors), before anything is written."""
+def test_removed_stream_kernel_is_refused_on_meta():
+    """kernel="stream" (KdaReplayStream, removed: it measured behind KdaReplay) is refused
+    by the op's fake implementation too (meta tensors), before anything is written."""
     layer, step, _ = _case("meta", tokens=2)
     ring = make_ring(layer.state, 16)
-    with pytest.raises(ValueError, match="shared memory"):
+    with pytest.raises(ValueError, match="kernel must be one of"):
         _replay(layer, step, ring, kernel="stream")
     _replay(layer, step, ring, kernel="wide")  # the same step with KdaReplay: accepted

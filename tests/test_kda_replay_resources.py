@@ -1,6 +1,14 @@
-"""CPU check: KdaReplay fits its register budget (two CTAs of 256 threads per SM, 128
-registers) without spilling, decode (T = 1) and verify (T = 2, 4, 8), ring lengths 2, 8
-and 16, with the seed's gate (mode 0) and the default one (mode 3) (ptxas, sm_90a)."""
+"""CPU check: KdaReplay fits its register budget (three CTAs of 256 threads per SM: 80
+registers) with its spills bounded, decode (T = 1) and verify (T = 2, 4, 8), ring lengths
+2, 8 and 16, with the seed's gate (mode 0) and the default one (mode 3) (ptxas, sm_90a).
+
+At 80 registers a few values go to the stack (L1-resident): 12-28 bytes at T = 1, more per
+verify token. Measured on the H200 (2026-12-01, ``bench_kda.py --replay-only``): three CTAs
+per SM with these spills ran 1.03-1.15x faster than two CTAs per SM at 128 registers
+without spills (and the page staged in shared memory) at T = 1 (H96 B128 R4: 491 us
+against 535-541), four CTAs at 64 registers (~200 bytes of spills at T = 1) 0.73x. The
+bounds below are the measured stack frames rounded up.
+"""
 
 from __future__ import annotations
 
@@ -13,36 +21,38 @@ from test_kda_replay_compile import replay_args
 pytestmark = pytest.mark.compile
 
 CASES = [
-    # size R, tokens T, gate_mode (H 96, bias, dim-first conv cache, PDL)
-    (8, 1, 0),
-    (8, 1, 3),
-    (2, 1, 3),
-    (16, 1, 3),
-    (8, 2, 3),
-    (8, 4, 0),
-    (8, 4, 3),
-    (16, 8, 3),
+    # size R, tokens T, gate_mode, stack bytes at most (H 96, bias, dim-first conv, PDL)
+    (8, 1, 0, 32),
+    (8, 1, 3, 32),
+    (2, 1, 3, 32),
+    (16, 1, 3, 32),
+    (8, 2, 3, 80),
+    (8, 4, 0, 160),
+    (8, 4, 3, 160),
+    (16, 8, 3, 240),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "R{}-T{}-g{}".format(*c))
-def test_replay_no_spills(case, tmp_path):
+def test_replay_registers_and_spills(case, tmp_path):
     cute = require_dsl()
     from kda.replay import KdaReplay
 
-    size, tokens, gate_mode = case
+    size, tokens, gate_mode, stack = case
     kernel = KdaReplay(96, size, tokens, gate_mode, True, arch="sm_90a", pdl=True)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     ptx = cute.compile(kernel, *replay_args(96, size, tokens), options=options).__ptx__
     report = ptxas_sm90a(ptx, tmp_path / "replay.ptx")
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills and all(s == ("0", "0") for s in spills), report
-    assert re.search(r"\b0 bytes stack frame", report), report
+    frames = [int(v) for v in re.findall(r"(\d+) bytes stack frame", report)]
+    assert frames and max(frames) <= stack, report
     registers = [int(v) for v in re.findall(r"Used (\d+) registers", report)]
-    assert registers and max(registers) <= 128, report
-    # the page is read once (16 cp.async of 16 bytes per thread) and written only by the
-    # fold (16-byte stores in its rolled chunk loop: two per chunk); the ring's entries
-    # arrive by cp.async too (64 R chunks over the threads, a k / raw-gate and a v_new form)
+    assert registers and max(registers) <= 80, report
+    # the page: one bulk L2 prefetch, then read where it lies, 16-byte loads (per token the
+    # 16 chunks of the thread's two rows; the fold's two in its rolled chunk loop) and
+    # written only by the fold (two stores in that loop); the ring's entries by cp.async
+    # (64 R chunks over the threads, a k / raw-gate and a v_new form)
     ring_copies = 2 * -(-64 * size // 256)
-    assert ptx.count("cp.async.cg.shared.global") == 16 + ring_copies, "page and ring copies"
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1, "page prefetch"
+    assert ptx.count("ld.global.v4.f32") == 16 * tokens + 2, "page loads"
+    assert ptx.count("cp.async.cg.shared.global") == ring_copies, "ring copies"
     assert ptx.count("st.global.v4.f32") == 2, "fold stores"
