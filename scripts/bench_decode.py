@@ -31,6 +31,12 @@ GEMM's rate), both measured in the run; the plan of the runner's path per rows b
 ``python scripts/plot_rows.py dec8.json dec16.json --out docs/decode_rows.png``.
 
     python scripts/bench_decode.py --rows [--tp 8 16] [--json dec.json]
+
+``--kda-state replay [--ring R]``: ours with replay decode (each rank's ``DecodeLayer`` in
+replay mode; the graph's replays advance the rings, so 1 / R of them fold); the state bytes
+and floor count the checkpoint page and the ring's entries (``launch.report.step_bytes``).
+
+    python scripts/bench_decode.py --rows --tp 8 --kda-state replay --ring 4 --json dec8r.json
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 import torch  # noqa: E402
 from step_peers import GRIDS, first_step, fla_kda  # noqa: E402
 
+from engine.layer import DEFAULT_RING, KDA_STATES  # noqa: E402
 from kda import synthetic as kt  # noqa: E402
 from kda.ops import plan as plan_kda  # noqa: E402
 from launch.checks import exact_gate_weights  # noqa: E402
-from launch.layer import EPS, OUT_EPS, Config, Model  # noqa: E402
+from launch.layer import EPS, OUT_EPS, Config, Model, step_kind  # noqa: E402
 from launch.report import step_bytes  # noqa: E402
 from launch.runner import DEFAULT_OPROJ_LAUNCH, OPROJ_LAUNCHES, Runner  # noqa: E402
 
@@ -63,7 +70,7 @@ BUDGET_NS = 5_000_000  # a rank that cannot be resident errors quickly instead o
 def _config(tp, requests, args, tokens=1):
     cfg = Config(tp=tp, heads=args.heads, hidden=args.hidden, requests=requests, tokens=tokens,
                  blocks=args.blocks, steps=2, seed=tp * 100 + requests, groups=None,
-                 padding=0.0)  # fmt: skip
+                 padding=0.0, kda_state=args.kda_state, ring=args.ring)  # fmt: skip
     cfg.validate()
     return cfg
 
@@ -349,6 +356,15 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="requests 8 only, 20 replays")
     p.add_argument("--compiled", action="store_true",
                    help="also the compiled DecodeLayer step (column 'compiled')")  # fmt: skip
+    p.add_argument("--kda-state", choices=KDA_STATES, default=KDA_STATES[0],
+                   help="ours: per-step state pages or replay (checkpoint + ring); the fla "
+                        "peer is per-step either way")  # fmt: skip
+    p.add_argument(
+        "--ring",
+        type=int,
+        default=DEFAULT_RING,
+        help="replay: ring entries per state page (>= the verify tokens)",
+    )
     p.add_argument(
         "--rows",
         action="store_true",
@@ -371,8 +387,9 @@ def main(argv=None) -> int:
             model = Model(cfg)
             if GRIDS:
                 exact_gate_weights(model.kda)
-            b = step_bytes(cfg, "decode", 1)
+            b = step_bytes(cfg, step_kind(1, False, cfg.replay), 1)
             row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden,
+                       kda_state=cfg.kda_state, ring=cfg.ring if cfg.replay else None,
                        blocks=cfg.blocks, state_bytes=b["state"], w_o_bytes=b["w_o"],
                        floor_us=(b["state"] + b["w_o"]) / (tbps * 1e6))  # fmt: skip
             variants = [(f"{mode.replace('-', '_')}", lambda c, m, n, mode=mode: ours(
@@ -426,7 +443,7 @@ def rows_main(args) -> int:
                 model = Model(cfg)
                 if GRIDS:
                     exact_gate_weights(model.kda)
-                b = step_bytes(cfg, "decode" if tokens == 1 else "verify", tokens)
+                b = step_bytes(cfg, step_kind(tokens, False, cfg.replay), tokens)
                 # the runner's path: one launch for every rank (one-shot), else per-rank
                 # launches, one-shot too (the launcher's checks read the mailbox)
                 launch = dict(one_launch=True) if DEFAULT_OPROJ_LAUNCH == "both" else {}
@@ -436,6 +453,7 @@ def rows_main(args) -> int:
                 flops = 2 * rows * cfg.hidden * cfg.heads * 128
                 floor = max(hbm / (tbps * 1e6), flops / (tflops * 1e6))
                 row = dict(tp=tp, requests=requests, tokens=tokens, rows=rows,
+                           kda_state=cfg.kda_state, ring=cfg.ring if cfg.replay else None,
                            state_bytes=b["state"], w_o_bytes=b["w_o"], exchange_bytes=exchange,
                            gemm_flops=flops, floor_us=floor,
                            plan=dict(producer=plan.producer, twoshot=plan.twoshot,

@@ -20,7 +20,7 @@ measured in the same run (bytes read + written).
 Stream, for ``STREAM_MAX_TOKENS`` in ``kda/dispatch.py`` (docs/kda_dispatch.md).
 
 Replay rows (issue 15; after the default table, or alone with ``--replay-only``): the grid
-``replay_grid()`` of H in {12, 96}, B in {32, 128, 256}, T in {1, 4}, ring size R in
+``replay_grid()`` of H in {6, 12, 96}, B in {8, 32, 128, 256}, T in {1, 4}, ring size R in
 {4, 8, 16}, the headline rows H96 B128 T1 / T4 R8 first. Each times ``kda.replay_decode``
 (KdaReplay, the dispatcher's choice) on the per-step rows' pools and steps, with a ring
 whose fill levels are staggered (1/R of the items fold per decode step), R steps per
@@ -126,14 +126,14 @@ def ours(layer, steps, kernel, gate_mode=3, cluster=None):
 
 
 ENTRY = 128 * 4 + 256 * 2  # a ring entry of one head: v_new fp32, k and raw gate bf16
-REPLAY_HEADS, REPLAY_REQUESTS, REPLAY_TOKENS = (96, 12), (128, 32, 256), (1, 4)
+REPLAY_HEADS, REPLAY_REQUESTS, REPLAY_TOKENS = (96, 12, 6), (128, 32, 256, 8), (1, 4)
 REPLAY_SIZES = (8, 4, 16)  # ring sizes R, in the order each shape times them
 HEADLINE = ((96, 128, 1, 8), (96, 128, 4, 8))
 
 
 def replay_grid(quick=False):
     """The replay rows (H, B, T, R) in the order they are timed: the headline rows first,
-    then shape by shape (H 96 before 12, B 128, 32, 256, T 1 before 4), R 8, 4, 16 each."""
+    then shape by shape (H 96, 12, 6; B 128, 32, 256, 8; T 1 before 4), R 8, 4, 16 each."""
     if quick:
         return list(HEADLINE)
     rows = list(HEADLINE)

@@ -23,9 +23,9 @@ from kda import synthetic as kt  # noqa: E402
 def test_replay_grid_covers_the_issue_headline_first():
     grid = bench_kda.replay_grid()
     assert grid[:2] == [(96, 128, 1, 8), (96, 128, 4, 8)]
-    want = {(H, B, T, R) for H in (12, 96) for B in (32, 128, 256) for T in (1, 4)
+    want = {(H, B, T, R) for H in (6, 12, 96) for B in (8, 32, 128, 256) for T in (1, 4)
             for R in (4, 8, 16)}  # fmt: skip
-    assert len(grid) == len(want) == 36 and set(grid) == want
+    assert len(grid) == len(want) == 72 and set(grid) == want
     assert all(R >= T for _, _, T, R in grid)
     # then the rest of H96 B128 before any other shape, R 8 first within each new shape
     assert {g[:3] for g in grid[:6]} == {(96, 128, 1), (96, 128, 4)}
@@ -36,9 +36,9 @@ def test_replay_grid_covers_the_issue_headline_first():
 @pytest.mark.parametrize(
     "argv, per_step, replays",
     [
-        ([], 24, 36),
+        ([], 24, 72),
         (["--quick"], 5, 2),
-        (["--replay-only"], 0, 36),
+        (["--replay-only"], 0, 72),
         (["--replay-only", "--quick"], 0, 2),
         (["--small"], 16, 0),
         (["--verify"], 12, 0),
