@@ -185,6 +185,33 @@ class DecodeLayer:
         kref.materialize(L.state, self.ring, L.a_log, L.dt_bias, lower_bound=self.lower_bound,
                          slots=slots, accepted=accepted)  # fmt: skip
 
+    def admit(self, slots: torch.Tensor) -> None:
+        """Start new requests on the state pages ``slots`` ([n] int32 / int64 on the pool's
+        device, each in 1..S-1): their state pages and conv pages zeroed (the initial state
+        and window) and, in replay mode, their ring counters emptied (``ring.length[slot] =
+        0``; the entries need no clearing). A cached prefix then copies its materialised
+        page into ``shard.state[slot]`` (and its window into ``shard.conv_state[slot]``).
+        Device-side index fills in the current stream; the slot range is checked on the
+        host (a sync) unless the stream is capturing a CUDA graph, so call it between steps,
+        not inside a ``torch.compile`` region. A per-step verify request's
+        other pages (``slots[b, 1..T-1]``) are written by its steps before they are read."""
+        L = self.shard
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be an int32 / int64 tensor; got {slots!r}")
+        if slots.dim() != 1 or slots.device != L.state.device:
+            raise ValueError(f"slots must be 1-D on {L.state.device}; got shape "
+                             f"{tuple(slots.shape)} on {slots.device}")  # fmt: skip
+        capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
+        pages = L.state.shape[0]
+        if not capturing and slots.numel() and (slots.min() < 1 or slots.max() >= pages):
+            raise ValueError(f"slots must be in 1..{pages - 1} (page 0 is the padding page); "
+                             f"got {slots.min().item()}..{slots.max().item()}")  # fmt: skip
+        index = slots.long()
+        L.state.index_fill_(0, index, 0.0)
+        L.conv_state.index_fill_(0, index, 0.0)
+        if self.replay:
+            self.ring.length.index_fill_(0, index, 0)
+
     def produce(self, attn, parity: int) -> None:
         """This rank's partial ``bf16(attn @ w_o^T)`` into every rank's mailbox."""
         self.comm(attn.shape[0]).produce(attn, self.w_o, parity, rank=self.rank)

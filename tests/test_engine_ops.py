@@ -356,3 +356,34 @@ def test_replay_decode_layer_traces_without_graph_breaks():
                                                           "oproj_consume")]  # fmt: skip
         assert order == sorted(order) and "kda_decode(" not in code
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kda_state", ["per-step", "replay"])
+def test_admit_resets_the_new_requests_pages(kda_state):
+    """``DecodeLayer.admit``: the given slots' state and conv pages zeroed and (replay) their
+    ring counters emptied; every other page, window and counter untouched; bad slots refused
+    before anything is written."""
+    L = _layers()[0]
+    if kda_state == "replay":
+        L = _replay_layer(L, ring_size=4)
+        L.ring.length.fill_(3)
+        L.ring.v.fill_(1.0)
+    S = L.shard
+    S.state.uniform_(-1, 1)
+    S.conv_state.uniform_(-1, 1)
+    before = [t.clone() for t in (S.state, S.conv_state)]
+    length = None if L.ring is None else L.ring.length.clone()
+    for bad, name in ((torch.tensor([0]), "1..7"), (torch.tensor([8]), "1..7"),
+                      (torch.tensor([1.0]), "int32"), (torch.tensor([[1]]), "1-D"),
+                      ([1], "int32")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            L.admit(bad)
+        assert torch.equal(S.state, before[0]) and torch.equal(S.conv_state, before[1])
+    L.admit(torch.tensor([2, 5], dtype=torch.int32))
+    kept = [s for s in range(8) if s not in (2, 5)]
+    assert not S.state[[2, 5]].any() and not S.conv_state[[2, 5]].any()
+    assert torch.equal(S.state[kept], before[0][kept])
+    assert torch.equal(S.conv_state[kept], before[1][kept])
+    if L.ring is not None:
+        assert not L.ring.length[[2, 5]].any() and torch.equal(L.ring.length[kept], length[kept])
+        assert bool((L.ring.v == 1.0).all())  # entries past the counters need no clearing
