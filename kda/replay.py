@@ -11,13 +11,12 @@ window's offset 0), ``accepted[b]`` in a verify step):
   where it lies, late (the fold, then per token ``replay_rows``, two chunks of both rows in
   flight at a time): no page in shared memory, so three CTAs fit an SM; reads the entries
   ``j < n`` (k_j, raw_g_j bf16, v_new_j fp32, ~1 KB each) by cp.async into shared (awaited
-  before the gate phase);
-  decays ``d_j`` with ``kda.device.decay`` (the per-step kernels' function), ``k^_j`` as
-  KdaRecover;
+  before the gate phase); decays ``d_j`` with ``kda.device.decay`` (the per-step kernels'
+  function), ``k^_j`` as KdaRecover;
 - a full ring (``n + T > R``) is folded first: each thread applies the R staged entries
   (neutral past ``n``) to its 64 page values (``S * d_j`` then ``fma(k^_j, v_j, .)``,
-  KdaRecover's order) and writes them to the page, and the step
-  continues with ``n = 0``;
+  KdaRecover's order) and writes them back to the page (each thread reads back only what it
+  wrote), and the step continues with ``n = 0``;
 - per token t: suffix products ``P_j`` newest first (this step's earlier tokens, then the
   ring's entries; never divided), ``alpha_j = (P_j k^_j) . k^``, ``gamma_j = (P_j k^_j)
   . q^`` (threads 0-127 and 128-255), ``D k^`` and ``D q^``;
@@ -29,8 +28,9 @@ window's offset 0), ``accepted[b]`` in a verify step):
   entries pending), the conv page and the output. No page write unless folding.
 
 Padding (slot <= 0): zero output rows, nothing else read or written. PDL as KdaWide: the
-state page, ring, counters and conv window are read before ``griddepcontrol.wait`` (the
-kernel right before must not write them); gate mode 3 may re-read f_a rows after the release.
+ring, counters and conv window are read, and the state page prefetched into L2, before
+``griddepcontrol.wait`` (the kernel right before must not write them; the page itself is
+read after the wait); gate mode 3 may re-read f_a rows after the release.
 """
 
 from __future__ import annotations
