@@ -57,7 +57,7 @@ from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 from .dispatch import REPLAY_CTAS_PER_SM
 from .operands import MAX_RING, MIN_RING, ReplayKernelOperands
-from .wide import KdaWide
+from .wide import STATE_PAGE_BYTES, KdaWide
 
 
 def st_shared_f32x4(shared: Int32, values):
@@ -79,8 +79,6 @@ def ring_entry(ring_kg, slot, entry, heads: cutlass.Constexpr, size: cutlass.Con
     return cute.make_tensor(start, layout)
 
 
-PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
-CTAS_PER_SM = REPLAY_CTAS_PER_SM  # no staged page: ~15 KB of shared memory, 80 registers
 PAIRS = 2  # pairs of partial sums per row and vector (two vectors: half KdaWide's registers)
 
 
@@ -134,14 +132,15 @@ class KdaReplay(KdaWide):
         self.launch_grid(call, output.shape[0] // self.tokens, stream)
 
     def launch_grid(self, call, requests, stream):
-        """One CTA per (head, request) item, ``CTAS_PER_SM`` per SM."""
+        """One CTA per (head, request) item, ``REPLAY_CTAS_PER_SM`` per SM (no staged page:
+        ~15 KB of shared memory; 80 registers)."""
         launch(
             call,
             (self.heads, requests, 1),
             (THREADS, 1, 1),
             stream,
             use_pdl=self.pdl,
-            min_blocks_per_mp=CTAS_PER_SM,
+            min_blocks_per_mp=REPLAY_CTAS_PER_SM,
             carveout=100,
         )
 
@@ -421,7 +420,6 @@ class KdaReplay(KdaWide):
             s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
             s_beta = smem_tensor(smem, Float32, (8,))
-            smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (as KdaWide's)
             sums = smem_tensor(smem, Float32, (T, 2, 8))
             out_sums = smem_tensor(smem, Float32, (T, 4))
             r_k = smem_tensor(smem, Float32, (R, HEAD_DIM))
@@ -477,7 +475,7 @@ class KdaReplay(KdaWide):
             # before the gate phase), the conv window and the weights.
             if tid == 0:
                 page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, PAGE_BYTES)
+                prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
             self.copy_entries(op, r_raw, r_v, held, slot, head)
             cute.arch.cp_async_commit_group()
             parts_in = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
