@@ -190,6 +190,40 @@ def test_replay_matches_reference(case):
     assert folds >= 2, f"only {folds} folds in {steps} steps"
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_model_scale_default_against_reference(tokens):
+    """The default configuration at Kimi-like scale: 96 heads, 64 requests (6144 items,
+    about 16 waves of three CTAs per SM on an H200), unquantised inputs, gate mode 3, PDL,
+    ring size 8; R + 2 steps from empty rings (each ring folds), each step against the
+    reference (outputs poisoned, pools and ring as in the other cases)."""
+    H, B, T, size = 96, 64, tokens, 8
+    pages = 1 + B * T
+    scalars = SCALARS[0]
+    layer = kt.make_layer(H, pages, window=T + 2, seed=21, device="cuda")
+    ring = make_ring(layer.state, size)
+    table = 1 + torch.arange(B * T, dtype=torch.int32).view(B, T)
+    folds = 0
+    for n in range(size + 2):
+        step = kt.make_step(B, T, H, pages=pages, slot_table=table, padding=(n % B,),
+                            seed=60 + n, device="cuda")  # fmt: skip
+        owners, firsts, folded = plan_step(ring, step, size, T)
+        folds += len(folded)
+        before = (layer.state.clone(), layer.conv_state.clone(), copy_ring(ring))
+        want_layer, want_ring = layer.clone(), copy_ring(ring)
+        o32, o_abs, v_abs = (torch.zeros(B * T, H * 128, device="cuda") for _ in range(3))
+        want = run(ref.replay_decode, want_layer, step, want_ring, scalars, o_out=o32,
+                   o_abs=o_abs, v_abs=v_abs)  # fmt: skip
+        out = torch.full((B * T, H * 128), POISON, dtype=torch.bfloat16, device="cuda")
+        run(kda.replay_decode, layer, step, ring, scalars, gate_mode=3, pdl=True, out=out)
+        torch.cuda.synchronize()
+        written = check_step(layer, ring, want_layer, want_ring, before, firsts, folded, T)
+        check_ring_v(ring, want_ring, written, owners, firsts, v_abs, T)
+        check_output(out, want, H, (o32, o_abs))
+        layer.state.copy_(want_layer.state)  # the next step from the reference's pools
+        ring.v.copy_(want_ring.v)
+    assert folds >= B - 1, f"only {folds} folds"
+
+
 def test_decode_step_after_verify_steps():
     """A T = 1 step right after verify steps (rings with pending entries): one pending entry
     commits (token 0: the conv window's offset 0), the rest are dropped, as the reference."""
