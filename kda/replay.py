@@ -340,6 +340,8 @@ class KdaReplay(KdaWide):
         p_alpha, p_gamma, p_kq, s_dk, s_dq = parts
         packed = self.packed
         dk0, dq0 = Int32(s_dk.iterator.toint()), Int32(s_dq.iterator.toint())
+        alpha0, gamma0 = Int32(p_alpha.iterator.toint()), Int32(p_gamma.iterator.toint())
+        kq0 = Int32(p_kq.iterator.toint())
         source = self.page_source(op, staged, slot, head)
         rows = tuple(range(ROWS))
         for t in cutlass.range_constexpr(self.tokens):
@@ -368,23 +370,28 @@ class KdaReplay(KdaWide):
                             acc = dev.fma2(pair, (dq4[2 * p], dq4[2 * p + 1]),
                                            (sq[i][2 * j], sq[i][2 * j + 1]), packed)  # fmt: skip
                             sq[i][2 * j], sq[i][2 * j + 1] = acc[0], acc[1]
-            kq = dev.quad_sum([p_kq[t, w] for w in range(4)])
+            kq = dev.quad_sum(ld_shared_f32x4(kq0 + t * 16))
             beta_t = s_beta[t]
+            s_k = [xor_sum(dev.tree_sum(sk[i]), LANES) for i in rows]
+            s_q = [xor_sum(dev.tree_sum(sq[i]), LANES) for i in rows]
+            # The ring's entries, then this step's earlier tokens (entries + t' < R):
+            # unrolled over R, the entries past them skipped by predicate. alpha_j and
+            # gamma_j (the four warps' partials: one 16-byte load each) once for both rows.
+            for j in cutlass.range_constexpr(self.size):
+                at = ((t * self.size + j) * 4) * 4
+                alpha = dev.quad_sum(ld_shared_f32x4(alpha0 + at))
+                gamma = dev.quad_sum(ld_shared_f32x4(gamma0 + at))
+                live = j < entries + t
+                for i, r in enumerate(rows):
+                    v_j = r_v[j, base_row + 64 * r]
+                    s_k[i] = Float32(cutlass.select_(live, cute.math.fma(v_j, alpha, s_k[i]),
+                                                     s_k[i]))  # fmt: skip
+                    s_q[i] = Float32(cutlass.select_(live, cute.math.fma(v_j, gamma, s_q[i]),
+                                                     s_q[i]))  # fmt: skip
             for i, r in enumerate(rows):
                 row = base_row + 64 * r
-                s_k = xor_sum(dev.tree_sum(sk[i]), LANES)
-                s_q = xor_sum(dev.tree_sum(sq[i]), LANES)
-                # The ring's entries, then this step's earlier tokens (entries + t' < R):
-                # unrolled over R, the entries past them skipped by predicate.
-                for j in cutlass.range_constexpr(self.size):
-                    v_j = r_v[j, row]
-                    alpha = dev.quad_sum([p_alpha[t, j, w] for w in range(4)])
-                    gamma = dev.quad_sum([p_gamma[t, j, w] for w in range(4)])
-                    live = j < entries + t
-                    s_k = Float32(cutlass.select_(live, cute.math.fma(v_j, alpha, s_k), s_k))
-                    s_q = Float32(cutlass.select_(live, cute.math.fma(v_j, gamma, s_q), s_q))
-                v_new = (s_v[t, row] - s_k) * beta_t
-                o = cute.math.fma(v_new, kq, s_q)
+                v_new = (s_v[t, row] - s_k[i]) * beta_t
+                o = cute.math.fma(v_new, kq, s_q[i])
                 # Every lane of the row holds the same v_new: each stores it (the staged ring
                 # entry, free after a fold or past the held entries) and reads back its own.
                 r_v[entries + t, row] = v_new

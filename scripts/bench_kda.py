@@ -392,7 +392,7 @@ def f(v, w=8, p=1):
 def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
     """Time the replay rows ``grid`` in order; ``per_step`` maps (H, B, T) to its per-step
     row (timed here for shapes the per-step table did not run, exactly as it times
-    ``auto_us``); ``emit(row)`` after every row. Each shape's pools are built when first
+    ``auto_us`` and ``fla_us``); ``emit(row)`` after every row. Each shape's pools are built when first
     needed and dropped after its last row."""
     from collections import Counter
 
@@ -417,6 +417,12 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
             us = time_graph(ours(layer, steps, "auto", gate_mode), inner=rotations)
             per_step[shape] = dict(H=H, B=B, T=T, kernel=plan(B, H, T, "cuda").kernel,
                                    auto_us=us, fla_us=None, state_bytes=per_launch)  # fmt: skip
+            try:  # the peer in the same run, as the per-step rows time it
+                fn = fla_recurrence(layer, steps, H, B, T)
+                per_step[shape]["fla_us"] = time_graph(fn, inner=rotations)
+            except Exception as error:  # the peer is optional: report, keep going
+                per_step[shape]["fla_error"] = repr(error)[:200]
+            fn = None
         step_row = per_step[shape]
         choice = choose_replay(B, H, T, size, sms=sms)
         row = dict(H=H, B=B, T=T, R=size, kernel=choice.kernel, reason=choice.reason,
