@@ -22,6 +22,8 @@ the ring is full; a verify step's entries stay pending until the next step's ``a
 commits that many, so there are no records and no ``recover``). In replay mode the pool
 holds the plain per-step state only after ``materialize``; a slot given to a new request
 must start with an empty ring (``ring.length[slot] = 0``) as well as its initial page.
+Replay pays at R 4 or 8 with about 400 (request, head) items per step or more; with fewer,
+or at R 16, per-step is faster (README, "Replay decode": the H200 table).
 
 The consumer spins until every rank's partial of the step has landed: with one rank per
 GPU each process steps its layer; with every rank on one GPU (loopback) either step each

@@ -33,8 +33,11 @@ GEMM's rate), both measured in the run; the plan of the runner's path per rows b
     python scripts/bench_decode.py --rows [--tp 8 16] [--json dec.json]
 
 ``--kda-state replay [--ring R]``: ours with replay decode (each rank's ``DecodeLayer`` in
-replay mode; the graph's replays advance the rings, so 1 / R of them fold); the state bytes
-and floor count the checkpoint page and the ring's entries (``launch.report.step_bytes``).
+replay mode). The graph's replays advance the rings (empty at the start, so every request
+folds in the same replay, one in R): each timing sample is the mean of R consecutive
+replays, one fold per request in each; the stage breakdown is the first step's (no fold).
+The state bytes and floor count the checkpoint page and the ring's entries
+(``launch.report.step_bytes``: the fold's page write not counted).
 
     python scripts/bench_decode.py --rows --tp 8 --kda-state replay --ring 4 --json dec8r.json
 """
@@ -78,13 +81,16 @@ def _config(tp, requests, args, tokens=1):
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the timed call meanwhile
 
 
-def _replays(fn, replays, before=None):
-    """Median GPU time (us) of ``fn()`` over ``replays`` calls, each after an untimed
-    ``before()``. The GPU sleeps ~2 ms before the start event, so the host has enqueued the
-    call before the GPU reaches it: the time is the GPU's, not the host's dispatch (see
-    ``_host_us``)."""
+def _replays(fn, replays, before=None, cycle=1):
+    """Median GPU time (us) of ``fn()`` over ``replays`` samples, each the mean of
+    ``cycle`` consecutive calls, every call after an untimed ``before()``. ``cycle``: the
+    ring size R in replay mode, where each call advances every ring, so each window of R
+    calls holds exactly one fold per request (the median of single calls would skip the
+    folding ones). The GPU sleeps ~2 ms before each start event, so the host has enqueued
+    the call before the GPU reaches it: the time is the GPU's, not the host's dispatch
+    (see ``_host_us``)."""
     times = []
-    for _ in range(replays):
+    for _ in range(replays * cycle):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if before is not None:
             before()
@@ -94,7 +100,20 @@ def _replays(fn, replays, before=None):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(cycle_means(times, cycle))
+
+
+def cycle_means(times, cycle):
+    """Means of consecutive windows of ``cycle`` times (a trailing partial window dropped)."""
+    if cycle < 1:
+        raise ValueError(f"cycle must be >= 1; got {cycle}")
+    return [statistics.fmean(times[i : i + cycle]) for i in range(0, len(times) - cycle + 1, cycle)]
+
+
+def _cycle(cfg) -> int:
+    """Calls per timing sample: the ring size in replay mode (one fold per request per
+    window), else 1."""
+    return cfg.ring if cfg.replay else 1
 
 
 def _host_us(fn, calls, before=None):
@@ -124,7 +143,7 @@ def ours(cfg, model, replays, oproj_launch=None):
         bk = runner.bucket(plan.tokens, plan.record)
         runner.fill(bk, plan, step, prefix, blocks)
         graph, _, _ = runner.graph(bk, 0)
-        us = _replays(graph.replay, replays)
+        us = _replays(graph.replay, replays, cycle=_cycle(cfg))
         errors = bk.comm.errors[:, 0].tolist()
         if any(errors):
             raise RuntimeError(f"consumer timeouts during the replays: {errors}")
@@ -222,7 +241,7 @@ def compiled(cfg, model, replays):
         args = (runner.decode_layers, *bufs.values(), runner.kda_choice(bk), 0)
         live = [t for L in runner.decode_layers for t in (L.shard.state, L.shard.conv_state)]
         fn = _compile_checked(layer_step, args, live + bufs["prefixes"], bufs["outputs"])
-        us = _replays(lambda: fn(*args), replays)  # as ours: the pools move on each step
+        us = _replays(lambda: fn(*args), replays, cycle=_cycle(cfg))  # the pools move on
         errors = bk.comm.errors[:, 0].tolist()
         if any(errors):
             raise RuntimeError(f"consumer timeouts during the replays: {errors}")
@@ -285,7 +304,7 @@ def compiled_alone(cfg, model, replays):
             live = [layer.shard.state, layer.shard.conv_state, bufs[5]]
             fn = _compile_checked(rank_step, args, live, [bufs[7]], before=publish_others)
             g_pub = _captured(publish_others)
-            us = _replays(lambda: fn(*args), replays, before=g_pub.replay)
+            us = _replays(lambda: fn(*args), replays, before=g_pub.replay, cycle=_cycle(cfg))
             host = _host_us(lambda: fn(*args), replays, before=g_pub.replay)
         return us, host
     finally:
@@ -303,7 +322,7 @@ def alone(cfg, model, replays):
         rank0()  # compiles
         torch.cuda.synchronize()
         g_pub, g_one = _captured(publish_others), _captured(rank0)
-        us = _replays(g_one.replay, replays, before=g_pub.replay)
+        us = _replays(g_one.replay, replays, before=g_pub.replay, cycle=_cycle(cfg))
         host = _host_us(g_one.replay, replays, before=g_pub.replay)
     return us, host
 

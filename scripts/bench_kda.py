@@ -26,7 +26,8 @@ Replay rows (issue 15; after the default table, or alone with ``--replay-only``)
 whose fill levels are staggered (1/R of the items fold per decode step), R steps per
 rotation in one graph. Beside
 it, on the same (H, B, T): the per-step path (``kda.decode``, the dispatcher's kernel, timed
-exactly as the per-step rows) and fla's recurrence where the per-step table timed it. Bytes
+exactly as the per-step rows) and fla's recurrence (timed here where the per-step table did
+not run, as with ``--replay-only``). Bytes
 per step (``replay_bytes``): state traffic as the per-step rows count it, the page read, the
 ring entries each item holds read, the step's entries written and the pages its folds write
 back, from the ring counters over the timed steps. ``--replay-only``
@@ -392,8 +393,8 @@ def f(v, w=8, p=1):
 def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
     """Time the replay rows ``grid`` in order; ``per_step`` maps (H, B, T) to its per-step
     row (timed here for shapes the per-step table did not run, exactly as it times
-    ``auto_us`` and ``fla_us``); ``emit(row)`` after every row. Each shape's pools are built when first
-    needed and dropped after its last row."""
+    ``auto_us`` and ``fla_us``); ``emit(row)`` after every row. Each shape's pools are
+    built when first needed and dropped after its last row."""
     from collections import Counter
 
     from kda.dispatch import choose_replay

@@ -36,3 +36,16 @@ def test_config_carries_the_state_mode():
 def test_ring_shorter_than_the_verify_tokens_is_refused():
     with pytest.raises(ValueError, match="--ring 2 must be >= --tokens 4"):
         bench_decode._config(8, 4, _args("replay", 2), tokens=4)
+
+
+def test_replay_samples_span_a_ring_cycle():
+    """Replay mode times windows of R consecutive steps (one fold per request in each): the
+    median of the windows' means, not of single steps (which would skip the folds)."""
+    per_step = bench_decode._config(8, 4, _args())
+    replay = bench_decode._config(8, 4, _args("replay", 4))
+    assert bench_decode._cycle(per_step) == 1 and bench_decode._cycle(replay) == 4
+    steps = [10.0, 10.0, 10.0, 50.0] * 3 + [10.0]  # a fold every 4th step, a partial window
+    assert bench_decode.cycle_means(steps, 4) == [20.0, 20.0, 20.0]
+    assert bench_decode.cycle_means(steps, 1) == steps
+    with pytest.raises(ValueError, match="cycle"):
+        bench_decode.cycle_means(steps, 0)
