@@ -20,8 +20,9 @@ from bench_kda import fla_recurrence, ours, replay, replay_setup, setup  # noqa:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--kernel", default="stream", help="wide, stream, split, fla or replay (R 8: 8 steps)"
+        "--kernel", default="stream", help="wide, stream, split, fla or replay (R steps)"
     )
+    p.add_argument("--ring", type=int, default=8, help="replay: the ring size R")
     p.add_argument("--heads", type=int, default=96)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1)
@@ -31,7 +32,7 @@ def main(argv=None):
     if args.kernel == "fla":
         fn = fla_recurrence(layer, steps, H, B, T)
     elif args.kernel == "replay":
-        fn = replay(layer, steps, replay_setup(layer, 8))
+        fn = replay(layer, steps, replay_setup(layer, args.ring))
     else:
         fn = ours(layer, steps, args.kernel)
     fn()  # compile and load
