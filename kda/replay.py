@@ -79,6 +79,7 @@ def ring_entry(ring_kg, slot, entry, heads: cutlass.Constexpr, size: cutlass.Con
     return cute.make_tensor(start, layout)
 
 
+FOLD_CHUNKS = 4  # fold_page's key chunks (of both rows) in flight at a time
 PAIRS = 2  # pairs of partial sums per row and vector (two vectors: half KdaWide's registers)
 
 
@@ -228,32 +229,36 @@ class KdaReplay(KdaWide):
 
     @cute.jit
     def fold_page(self, state, ring, slot, head):
-        """Apply the R staged entries to the thread's page values where they lie (one key
-        chunk of both rows at a time, read, then the entries in a rolled loop: few live
-        registers) and write them back."""
+        """Apply the R staged entries to the thread's page values where they lie and write
+        them back: FOLD_CHUNKS key chunks of both rows at a time (their loads all in flight
+        before the first entry is applied), the entries unrolled."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         r_k, r_d, r_v, _ = ring
         k0, d0 = Int32(r_k.iterator.toint()), Int32(r_d.iterator.toint())
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         state0 = Int64(state.iterator.toint()) + page * 4
-        for c in cutlass.range(KCHUNKS, unroll=1):
-            key = 4 * (lane_in + LANES * c)
-            low = state0 + Int64(base_row * HEAD_DIM + key) * 4  # row base_row
-            high = state0 + Int64((base_row + 64) * HEAD_DIM + key) * 4  # row base_row + 64
-            h0, h1, h2, h3 = ld_global_f32x4(low)
-            h4, h5, h6, h7 = ld_global_f32x4(high)
-            for j in cutlass.range(self.size, unroll=1):
-                offset = (j * HEAD_DIM + key) * 4
-                d4 = ld_shared_f32x4(d0 + offset)
-                k4 = ld_shared_f32x4(k0 + offset)
-                v_low, v_high = r_v[j, base_row], r_v[j, base_row + 64]
-                h0, h1 = self.apply_pair((h0, h1), (d4[0], d4[1]), (k4[0], k4[1]), v_low)
-                h2, h3 = self.apply_pair((h2, h3), (d4[2], d4[3]), (k4[2], k4[3]), v_low)
-                h4, h5 = self.apply_pair((h4, h5), (d4[0], d4[1]), (k4[0], k4[1]), v_high)
-                h6, h7 = self.apply_pair((h6, h7), (d4[2], d4[3]), (k4[2], k4[3]), v_high)
-            st_global_f32x4(low, (h0, h1, h2, h3))
-            st_global_f32x4(high, (h4, h5, h6, h7))
+        for group in cutlass.range(KCHUNKS // FOLD_CHUNKS, unroll=1):
+            keys = [4 * (lane_in + LANES * (FOLD_CHUNKS * group + g)) for g in range(FOLD_CHUNKS)]
+            rows = []  # per chunk: (address, values) of row base_row, then of base_row + 64
+            for g in cutlass.range_constexpr(FOLD_CHUNKS):
+                for r in cutlass.range_constexpr(2):
+                    at = state0 + Int64((base_row + 64 * r) * HEAD_DIM + keys[g]) * 4
+                    rows.append((at, list(ld_global_f32x4(at))))
+            for j in cutlass.range_constexpr(self.size):
+                v_row = (r_v[j, base_row], r_v[j, base_row + 64])
+                for g in cutlass.range_constexpr(FOLD_CHUNKS):
+                    offset = (j * HEAD_DIM + keys[g]) * 4
+                    d4 = ld_shared_f32x4(d0 + offset)
+                    k4 = ld_shared_f32x4(k0 + offset)
+                    for r in cutlass.range_constexpr(2):
+                        h = rows[2 * g + r][1]
+                        for p in cutlass.range_constexpr(2):
+                            two = slice(2 * p, 2 * p + 2)
+                            pair = self.apply_pair(h[two], d4[two], k4[two], v_row[r])
+                            h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+            for at, h in rows:
+                st_global_f32x4(at, tuple(h))
 
     def apply_pair(self, h, d, k, v_new):
         """One record on two keys of a row: ``S * decay`` then ``fma(k^, v_new, .)``

@@ -36,7 +36,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "R{}-T{}-g{}".format(*c))
 def test_replay_registers_and_spills(case, tmp_path):
     cute = require_dsl()
-    from kda.replay import KdaReplay
+    from kda.replay import FOLD_CHUNKS, KdaReplay
 
     size, tokens, gate_mode, stack = case
     kernel = KdaReplay(96, size, tokens, gate_mode, True, arch="sm_90a", pdl=True)
@@ -48,11 +48,12 @@ def test_replay_registers_and_spills(case, tmp_path):
     registers = [int(v) for v in re.findall(r"Used (\d+) registers", report)]
     assert registers and max(registers) <= 80, report
     # the page: one bulk L2 prefetch, then read where it lies, 16-byte loads (per token the
-    # 16 chunks of the thread's two rows; the fold's two in its rolled chunk loop) and
-    # written only by the fold (two stores in that loop); the ring's entries by cp.async
+    # 16 chunks of the thread's two rows; the fold's 2 x FOLD_CHUNKS in its rolled chunk
+    # loop) and written only by the fold (as many stores in that loop); the ring's entries
+    # by cp.async
     # (64 R chunks over the threads, a k / raw-gate and a v_new form)
     ring_copies = 2 * -(-64 * size // 256)
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1, "page prefetch"
-    assert ptx.count("ld.global.v4.f32") == 16 * tokens + 2, "page loads"
+    assert ptx.count("ld.global.v4.f32") == 16 * tokens + 2 * FOLD_CHUNKS, "page loads"
     assert ptx.count("cp.async.cg.shared.global") == ring_copies, "ring copies"
-    assert ptx.count("st.global.v4.f32") == 2, "fold stores"
+    assert ptx.count("st.global.v4.f32") == 2 * FOLD_CHUNKS, "fold stores"
