@@ -335,8 +335,8 @@ class KdaReplay(KdaWide):
 
     @cute.jit
     def replay_rows(self, op, staged, ring, parts, s_v, s_beta, s_o, entries, slot, head):
-        """Per token and value row: C (D k^) and C (D q^) from the staged page (re-read per
-        token from the thread's shared slots, not held in registers: ``page_chunk``), the
+        """Per token and value row: C (D k^) and C (D q^) from the page (re-read per token
+        where it lies, not held in registers: ``page_chunk``), the
         ring's and this step's earlier tokens' terms, v_new (into ring entry ``entries +
         t``, and the staged entry for the later tokens) and o (bf16, into ``s_o``)."""
         tid, _, _ = cute.arch.thread_idx()
