@@ -144,6 +144,22 @@ def rsqrt_f32(value):
     return Float32(1.0) / cute.math.sqrt(value)
 
 
+@cute.jit
+def normalize_rows(rows: cute.Tensor, sums: cute.Tensor, count, n: cutlass.Constexpr):
+    """``rows[i] *= rsqrt(sum rows[i]^2 + 1e-6)`` in place for the ``n`` rows of a head's
+    128 channels (threads 0-127, one channel each; ``sums[i, w]``: the four warps' partial
+    sums of squares), ``-0.0`` past row ``count``: KdaReplay's ring keys, KdaRecover's k."""
+    tid, _, _ = cute.arch.thread_idx()
+    channel, section = tid % 128, tid // 128
+    if section == 0:
+        for i in cutlass.range_constexpr(n):
+            if i < count:
+                fk = rsqrt_f32(quad_sum([sums[i, w] for w in range(4)]) + 1.0e-6)
+                rows[i, channel] = rows[i, channel] * fk
+            else:
+                rows[i, channel] = Float32(-0.0)
+
+
 def decay(a_log, raw_g, dt, lower_bound):
     """``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``."""
     return exp_f32(lower_bound * sigmoid(exp_f32(a_log) * (raw_g + dt)))

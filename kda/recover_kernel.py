@@ -120,19 +120,6 @@ class KdaRecover:
                     s_v[t, channel] = Float32(0.0)
 
     @cute.jit
-    def normalize_k(self, s_k, sums, count):
-        """k^ = k * rsqrt(sum k^2 + 1e-6) in place (threads 0-127); -0.0 past ``count``."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % 128, tid // 128
-        if section == 0:
-            for t in cutlass.range_constexpr(self.tokens):
-                if t < count:
-                    fk = dev.rsqrt_f32(dev.quad_sum([sums[t, w] for w in range(4)]) + 1.0e-6)
-                    s_k[t, channel] = s_k[t, channel] * fk
-                else:
-                    s_k[t, channel] = Float32(-0.0)
-
-    @cute.jit
     def apply(self, values, shared, slots, state, count, request, head):
         """Per token: S = S * decay; S = fma(k^, v_new, S); store after accepted tokens."""
         tid, _, _ = cute.arch.thread_idx()
@@ -178,7 +165,7 @@ class KdaRecover:
             values = self.load_page(op.state, head, source)
             self.stage_tokens(op, count, shared, request, head)
             cute.arch.barrier()
-            self.normalize_k(s_k, sums, count)
+            dev.normalize_rows(s_k, sums, count, self.tokens)
             cute.arch.barrier()
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()

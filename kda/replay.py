@@ -215,19 +215,6 @@ class KdaReplay(KdaWide):
                 records[request, head, t, channel] = BFloat16(s_k[t, channel])
 
     @cute.jit
-    def normalize_entries(self, r_k, r_sums, held):
-        """k^_j = k_j * rsqrt(sum k_j^2 + 1e-6) in place (threads 0-127); -0.0 past ``held``."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % 128, tid // 128
-        if section == 0:
-            for j in cutlass.range_constexpr(self.size):
-                if j < held:
-                    fk = dev.rsqrt_f32(dev.quad_sum([r_sums[j, w] for w in range(4)]) + 1.0e-6)
-                    r_k[j, channel] = r_k[j, channel] * fk
-                else:
-                    r_k[j, channel] = Float32(-0.0)
-
-    @cute.jit
     def fold_page(self, state, ring, slot, head):
         """Apply the R staged entries to the thread's page values where they lie and write
         them back: FOLD_CHUNKS key chunks of both rows at a time (their loads all in flight
@@ -518,7 +505,7 @@ class KdaReplay(KdaWide):
             self.stage_entries(op, held, ring, r_raw, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)
-            self.normalize_entries(r_k, r_sums, held)
+            dev.normalize_rows(r_k, r_sums, held, self.size)
             cute.arch.barrier()
             self.suffix_phase(ring, (s_q, s_k, s_decay), parts, entry)
 

@@ -9,7 +9,8 @@ state samples give its share of the time, beside its warp instructions per item.
     ncu --import replay.ncu-rep --page source --csv --print-source cuda,sass > replay.csv
     python3 scripts/ncu_phases.py replay.csv --items 3072 [--json phases.json]
 
-(``CUTE_DSL_LINEINFO=1`` makes the DSL emit line info, so the CSV names the Python lines.)
+(``CUTE_DSL_LINEINFO=1`` makes the DSL emit line info, so the CSV names the Python lines;
+the phases are read from the files those lines name, so run this on the tree profiled.)
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ PHASES = {
     "gate_phase": "gate",
     "stage_entries": "ring decode",
     "normalize_qk": "normalize",
-    "normalize_entries": "normalize",
     "suffix_phase": "suffix products",
     "suffix_chain": "suffix products",
     "fold_page": "fold",
