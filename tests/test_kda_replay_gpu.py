@@ -134,6 +134,34 @@ CASES = [
 ]
 
 
+def step_against_reference(layer, ring, step, scalars, size, padding, **kernel):
+    """One step of ``kda.replay_decode`` (``kernel``: its options) against the reference
+    from the same pools: the output poisoned first, the ``padding`` requests' rows zero,
+    outputs, pools and ring checked; then the kernel's pools continue from the reference's
+    (as the per-step tests do). Returns (owners, folded) of ``plan_step``."""
+    B = step.slots.shape[0]
+    T, H = step.x.shape[0] // B, layer.state.shape[1]
+    owners, firsts, folded = plan_step(ring, step, size, T)
+    before = (layer.state.clone(), layer.conv_state.clone(), copy_ring(ring))
+    want_layer, want_ring = layer.clone(), copy_ring(ring)
+    o32, o_abs, v_abs = (torch.zeros(B * T, H * 128, device=step.x.device) for _ in range(3))
+    want = run(ref.replay_decode, want_layer, step, want_ring, scalars, o_out=o32,
+               o_abs=o_abs, v_abs=v_abs)  # fmt: skip
+    out = torch.full((B * T, H * 128), POISON, dtype=torch.bfloat16, device=step.x.device)
+    got = run(kda.replay_decode, layer, step, ring, scalars, out=out, **kernel)
+    torch.cuda.synchronize()
+    assert got is out
+    padded = torch.tensor([b in padding for b in range(B)], device=out.device)
+    padded = padded.repeat_interleave(T)
+    assert torch.equal(got[padded], torch.zeros_like(got[padded])), "padding rows"
+    check_output(got, want, H, (o32, o_abs))
+    written = check_step(layer, ring, want_layer, want_ring, before, firsts, folded, T)
+    check_ring_v(ring, want_ring, written, owners, firsts, v_abs, T)
+    layer.state.copy_(want_layer.state)
+    ring.v.copy_(want_ring.v)
+    return owners, folded
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "H{}R{}T{}d{}b{}g{}p{}s{}".format(*c))
 def test_replay_matches_reference(case):
     """Step by step against the reference. Decode: requests move to fresh slots now and
@@ -165,28 +193,10 @@ def test_replay_matches_reference(case):
             step.slots.view(B, -1)[padding[0]] = 0
         if gate_mode in (0, 1):  # the seed's mma orders bitwise the reference's raw gate
             quantize_gate_inputs(layer, step)  # (mode 3 rounds it exactly on any input)
-        owners, firsts, folded = plan_step(ring, step, size, T)
+        owners, folded = step_against_reference(layer, ring, step, scalars, size, padding,
+                                                gate_mode=gate_mode, pdl=pdl)  # fmt: skip
         assert sorted(owners) == [b for b in range(B) if b not in padding]
         folds += len(folded)
-        before = (layer.state.clone(), layer.conv_state.clone(), copy_ring(ring))
-        want_layer, want_ring = layer.clone(), copy_ring(ring)
-        o32, o_abs, v_abs = (torch.zeros(B * T, H * 128, device="cuda") for _ in range(3))
-        want = run(ref.replay_decode, want_layer, step, want_ring, scalars, o_out=o32,
-                   o_abs=o_abs, v_abs=v_abs)  # fmt: skip
-        out = torch.full((B * T, H * 128), POISON, dtype=torch.bfloat16, device="cuda")
-        got = run(kda.replay_decode, layer, step, ring, scalars, gate_mode=gate_mode, pdl=pdl,
-                  out=out)  # fmt: skip
-        torch.cuda.synchronize()
-        assert got is out
-        padded = torch.tensor([b in padding for b in range(B)], device="cuda")
-        padded = padded.repeat_interleave(T)
-        assert torch.equal(got[padded], torch.zeros_like(got[padded])), "padding rows"
-        check_output(got, want, H, (o32, o_abs))
-        written = check_step(layer, ring, want_layer, want_ring, before, firsts, folded, T)
-        check_ring_v(ring, want_ring, written, owners, firsts, v_abs, T)
-        # The next step starts from the reference's pools.
-        layer.state.copy_(want_layer.state)
-        ring.v.copy_(want_ring.v)
     assert folds >= 2, f"only {folds} folds in {steps} steps"
 
 
@@ -206,21 +216,9 @@ def test_model_scale_default_against_reference(tokens):
     for n in range(size + 2):
         step = kt.make_step(B, T, H, pages=pages, slot_table=table, padding=(n % B,),
                             seed=60 + n, device="cuda")  # fmt: skip
-        owners, firsts, folded = plan_step(ring, step, size, T)
+        _, folded = step_against_reference(layer, ring, step, scalars, size, (n % B,),
+                                           gate_mode=3, pdl=True)  # fmt: skip
         folds += len(folded)
-        before = (layer.state.clone(), layer.conv_state.clone(), copy_ring(ring))
-        want_layer, want_ring = layer.clone(), copy_ring(ring)
-        o32, o_abs, v_abs = (torch.zeros(B * T, H * 128, device="cuda") for _ in range(3))
-        want = run(ref.replay_decode, want_layer, step, want_ring, scalars, o_out=o32,
-                   o_abs=o_abs, v_abs=v_abs)  # fmt: skip
-        out = torch.full((B * T, H * 128), POISON, dtype=torch.bfloat16, device="cuda")
-        run(kda.replay_decode, layer, step, ring, scalars, gate_mode=3, pdl=True, out=out)
-        torch.cuda.synchronize()
-        written = check_step(layer, ring, want_layer, want_ring, before, firsts, folded, T)
-        check_ring_v(ring, want_ring, written, owners, firsts, v_abs, T)
-        check_output(out, want, H, (o32, o_abs))
-        layer.state.copy_(want_layer.state)  # the next step from the reference's pools
-        ring.v.copy_(want_ring.v)
     assert folds >= B - 1, f"only {folds} folds"
 
 
