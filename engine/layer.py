@@ -39,8 +39,8 @@ import torch
 
 import kda
 from kda import dispatch
+from kda import layer as kl
 from kda import reference as kref
-from kda import synthetic as kt
 from kda.operands import MAX_RING, MIN_RING, make_ring
 from kda.validate import HEAD_DIM
 from tpcomm.oproj.api import OprojAllReduce
@@ -73,8 +73,8 @@ class DecodeLayer:
     def __init__(self, shard, w_o: torch.Tensor, comms: Mapping[int, OprojAllReduce], *,
                  rank: int, norm: torch.Tensor, query: torch.Tensor, out_norm: torch.Tensor,
                  kernel: str = "auto", gate_mode: int = 3, pdl: bool = True,
-                 sms: int | None = None, lower_bound: float = kt.LOWER_BOUND,
-                 scale: float = kt.SCALE, eps: float = kt.EPS, kda_state: str = "per-step",
+                 sms: int | None = None, lower_bound: float = kl.LOWER_BOUND,
+                 scale: float = kl.SCALE, eps: float = kl.EPS, kda_state: str = "per-step",
                  ring_size: int = DEFAULT_RING):  # fmt: skip
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")

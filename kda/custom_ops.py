@@ -6,9 +6,10 @@ Registered with ``torch.library.custom_op`` so that a ``torch.compile``d model c
 they write: ``mutates_args`` names the state and conv pools, the output and the records;
 they return nothing (the entry points return the ``out`` they passed). The fake
 implementations run the entry points' shape and option checks (``ValueError`` naming the
-argument, also under fake tensors) and launch nothing; the real ones are ``kda.ops.launch``
-and ``kda.recover.launch``, which check again, values included (and, with ``validate`` =
-``"full"`` or ``$KDA_VALIDATE``, the non-finite scan), before the launch.
+argument, also under fake tensors) and launch nothing; the real ones are the launchers of
+``kda.kernels.launch`` (the route is one way: entry -> op -> launcher), which check
+again, values included (and, with ``validate`` = ``"full"`` or ``$KDA_VALIDATE``, the
+non-finite scan), before the launch.
 Importing this module needs no CuTe DSL.
 """
 
@@ -16,11 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
 from .dispatch import choose_replay
+from .kernels.launch import launch_decode, launch_recover, launch_replay
 from .operands import DecodeOperands, RecoverOperands, Ring
-from .recover import launch as launch_recover
-from .replay_ops import launch as launch_replay
 from .validate import (
     check_decode,
     check_options,
@@ -80,7 +79,7 @@ def kda_decode(
     op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
                    state, gate, norm_weight, f_b, accepted, v_records, kg_records, lower_bound,
                    scale, eps, conv_dim_first)  # fmt: skip
-    ops.launch(op, out, kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl,
+    launch_decode(op, out, kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl,
                validate=validate)  # fmt: skip
 
 

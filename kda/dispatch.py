@@ -12,7 +12,7 @@ from dataclasses import dataclass
 KERNELS = ("auto", "wide", "stream", "split")
 CLUSTERS = (2, 4, 8)
 GATE_MODES = (0, 1, 3)  # raw gate: 0/1 seed mma orders, 3 bounded + exact (default)
-# Gate mode 3's bound on the mma chain's error (derivation: kda.device, above
+# Gate mode 3's bound on the mma chain's error (derivation: kda.kernels.device, above
 # gate_projection_bounded): GATE_ERROR * (sum_j |c_j| + sum |f_a f_b|) + GATE_FLOOR.
 GATE_ERROR = 2.0**-18 * (1.0 + 1.0 / 16.0)
 GATE_FLOOR = 2.0**-118

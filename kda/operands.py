@@ -1,7 +1,7 @@
 """The operands of a decode step and of a recover call, defined once: ``DecodeOperands``
 (the public arguments of ``kda.decode`` and ``kda.reference.decode``, torch tensors),
 ``KernelOperands`` (the same as CuTe values in the decode kernels' parameter order, built
-by ``kda.ops``) and ``RecoverOperands`` (``kda.recover`` / ``kda.reference.recover``)."""
+by ``kda.kernels.launch``) and ``RecoverOperands`` (``kda.recover`` / ``kda.reference.recover``)."""
 
 from __future__ import annotations
 
@@ -42,31 +42,35 @@ class DecodeOperands:
     records: tuple | None = None  # (v_records, kg_records): record mode, T > 1 only
 
 
-class KernelOperands(NamedTuple):
-    """The decode kernels' operands as CuTe values, in their order: ``KdaWide.__call__``'s
-    parameters, and the kernels' one argument (the DSL passes a NamedTuple's fields as the
-    kernel's parameters, in this order)."""
+# The decode step's operands as CuTe values, in the kernels' parameter order (the DSL passes
+# a NamedTuple's fields as the kernel's parameters, in this order); a kernel family's
+# operands are these fields followed by its own.
+STEP_FIELDS = (
+    ("x", "cute.Tensor"),
+    ("conv_weight", "cute.Tensor"),
+    ("conv_bias", "cute.Tensor"),
+    ("conv_state", "cute.Tensor"),
+    ("f_a", "cute.Tensor"),
+    ("beta", "cute.Tensor"),
+    ("a_log", "cute.Tensor"),
+    ("dt_bias", "cute.Tensor"),
+    ("slots", "cute.Tensor"),
+    ("state", "cute.Tensor"),
+    ("output", "cute.Tensor"),
+    ("gate", "cute.Tensor"),
+    ("norm_weight", "cute.Tensor"),
+    ("lower_bound", "Float32"),
+    ("scale", "Float32"),
+    ("eps", "Float32"),
+    ("f_b", "cute.Tensor"),
+    ("accepted", "cute.Tensor"),
+)
 
-    x: cute.Tensor
-    conv_weight: cute.Tensor
-    conv_bias: cute.Tensor
-    conv_state: cute.Tensor
-    f_a: cute.Tensor
-    beta: cute.Tensor
-    a_log: cute.Tensor
-    dt_bias: cute.Tensor
-    slots: cute.Tensor
-    state: cute.Tensor
-    output: cute.Tensor
-    gate: cute.Tensor
-    norm_weight: cute.Tensor
-    lower_bound: Float32
-    scale: Float32
-    eps: Float32
-    f_b: cute.Tensor
-    accepted: cute.Tensor
-    v_records: cute.Tensor
-    kg_records: cute.Tensor
+KernelOperands = NamedTuple(
+    "KernelOperands", [*STEP_FIELDS, ("v_records", "cute.Tensor"), ("kg_records", "cute.Tensor")]
+)
+KernelOperands.__doc__ = """KdaWide / KdaStream / KdaSplit's operands: the step's fields, then
+the records of a recorded verify step (dummies otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -100,31 +104,17 @@ class RecoverKernelOperands(NamedTuple):
     lower_bound: Float32
 
 
-class ReplayKernelOperands(NamedTuple):
-    """KdaReplay's operands as CuTe values (``kda.replay``), in its ``__call__``'s order:
-    ``KernelOperands``' step fields to ``accepted``, then the ring's three tensors."""
-
-    x: cute.Tensor
-    conv_weight: cute.Tensor
-    conv_bias: cute.Tensor
-    conv_state: cute.Tensor
-    f_a: cute.Tensor
-    beta: cute.Tensor
-    a_log: cute.Tensor
-    dt_bias: cute.Tensor
-    slots: cute.Tensor
-    state: cute.Tensor
-    output: cute.Tensor
-    gate: cute.Tensor
-    norm_weight: cute.Tensor
-    lower_bound: Float32
-    scale: Float32
-    eps: Float32
-    f_b: cute.Tensor
-    accepted: cute.Tensor
-    ring_v: cute.Tensor
-    ring_kg: cute.Tensor
-    ring_length: cute.Tensor
+ReplayKernelOperands = NamedTuple(
+    "ReplayKernelOperands",
+    [
+        *STEP_FIELDS,
+        ("ring_v", "cute.Tensor"),
+        ("ring_kg", "cute.Tensor"),
+        ("ring_length", "cute.Tensor"),
+    ],
+)
+ReplayKernelOperands.__doc__ = """KdaReplay's operands: the step's fields, then the ring's three
+tensors."""
 
 
 MIN_RING, MAX_RING = 2, 16

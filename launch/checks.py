@@ -21,19 +21,19 @@ import functools
 
 import torch
 
-from kda import synthetic as kt
+from kda import layer as kl
 from kda.validate import HEAD_DIM
 
 SEED_GATE_MODES = (0, 1)  # gate modes that need the exact grids
 
 
-def exact_gate_weights(layer: kt.Layer) -> None:
+def exact_gate_weights(layer: kl.Layer) -> None:
     """``f_b`` on a 1/64 grid (with ``exact_gate_inputs``: every partial sum of the gate
     dot is a multiple of 2^-9 below 2^8, exact in fp32, whatever the order)."""
     layer.f_b = ((layer.f_b.float() * 64).round() / 64).to(torch.bfloat16)
 
 
-def exact_gate_inputs(step: kt.Step) -> None:
+def exact_gate_inputs(step: kl.Step) -> None:
     """``f_a`` on a 1/8 grid in [-4, 4]."""
     step.f_a = ((step.f_a.float() * 8).round().clamp(-32, 32) / 8).to(torch.bfloat16)
 

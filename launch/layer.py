@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.layer import DEFAULT_RING, KDA_STATES, check_kda_state
+from kda import layer as kl
 from kda import reference as kref
 from kda import synthetic as kt
 from kda.operands import Ring, make_ring
@@ -188,7 +189,7 @@ class Model:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self._kda: kt.Layer | None = None
+        self._kda: kl.Layer | None = None
         self._w_o: torch.Tensor | None = None
         g = torch.Generator().manual_seed(derive(cfg.seed, 31, 7))
         self.norm = (1 + 0.1 * torch.randn(cfg.hidden, generator=g)).to(torch.bfloat16)
@@ -197,7 +198,7 @@ class Model:
         self.norm_weight = (1 + 0.1 * torch.randn(HEAD_DIM, generator=g)).to(torch.bfloat16)
 
     @property
-    def kda(self) -> kt.Layer:
+    def kda(self) -> kl.Layer:
         """The whole layer's KDA weights and pools (built on first use)."""
         if self._kda is None:
             self._kda = self.layer(0, self.cfg.heads)
@@ -210,12 +211,12 @@ class Model:
             self._w_o = self.w_o_columns(0, self.cfg.heads)
         return self._w_o
 
-    def fresh_layer(self) -> kt.Layer:
+    def fresh_layer(self) -> kl.Layer:
         """A whole layer of one's own (a copy of ``kda`` if it was built, so edits made to
         it carry over; else built anew and not kept)."""
         return self._kda.clone() if self._kda is not None else self.layer(0, self.cfg.heads)
 
-    def layer(self, first: int, count: int) -> kt.Layer:
+    def layer(self, first: int, count: int) -> kl.Layer:
         """KDA weights and pools of heads ``first .. first + count - 1``, head by head."""
         cfg = self.cfg
         pages, window, D = cfg.pages, max(cfg.tokens + 2, 4), count * HEAD_DIM
@@ -225,7 +226,7 @@ class Model:
                               seed=derive(cfg.seed, 101, first + i))  # fmt: skip
             if out is None:
                 conv = (pages, 3 * D, window) if cfg.conv_dim_first else (pages, window, 3 * D)
-                out = kt.Layer(
+                out = kl.Layer(
                     conv_weight=h.conv_weight.new_empty(3, 4, D),
                     conv_bias=h.conv_bias.new_empty(3 * D), a_log=h.a_log.new_empty(count),
                     dt_bias=h.dt_bias.new_empty(D), norm_weight=self.norm_weight,
@@ -287,7 +288,7 @@ class Model:
         """Rank ``rank``'s heads: sliced from the whole layer if it was built, else built."""
         first, count = self.rank_heads(rank)
         if self._kda is not None:
-            layer = kt.shard_layer(self._kda, first, count)
+            layer = kl.shard_layer(self._kda, first, count)
         else:
             layer = self.layer(first, count)
         if self._w_o is not None:
@@ -326,16 +327,16 @@ class Model:
 class Rank:
     rank: int
     first: int
-    kda: kt.Layer
+    kda: kl.Layer
     w_o: torch.Tensor
     model: Model
     ring: Ring | None = None  # replay mode: the ring of this rank's state pool
 
-    def attention(self, plan: StepPlan, step: kt.Step) -> torch.Tensor:
+    def attention(self, plan: StepPlan, step: kl.Step) -> torch.Tensor:
         """KDA on this rank's heads (and recover after a recorded step; the replay step in
         replay mode): [N, D_local]."""
         cfg = self.model.cfg
-        local = kt.shard_step(step, cfg.heads, self.first, cfg.heads_per_rank)
+        local = kl.shard_step(step, cfg.heads, self.first, cfg.heads_per_rank)
         if self.ring is not None:
             return run_replay(self.kda, self.ring, local)
         return run_kda(self.kda, plan, local)
@@ -344,7 +345,7 @@ class Rank:
         return self.model.consume(partials, prefix, blocks)
 
 
-def run_kda(layer: kt.Layer, plan: StepPlan, step: kt.Step) -> torch.Tensor:
+def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step) -> torch.Tensor:
     """One KDA step on ``layer``; a recorded step is committed by ``recover``."""
     if not plan.record:
         return kt.run_reference(layer, step)
@@ -353,22 +354,22 @@ def run_kda(layer: kt.Layer, plan: StepPlan, step: kt.Step) -> torch.Tensor:
     kg_rec = torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16)
     out = kt.run_reference(layer, step, records=(v_rec, kg_rec))
     kref.recover(layer.state, step.slots, v_rec, kg_rec, layer.a_log, layer.dt_bias,
-                 plan.committed, plan.accepted, lower_bound=kt.LOWER_BOUND)  # fmt: skip
+                 plan.committed, plan.accepted, lower_bound=kl.LOWER_BOUND)  # fmt: skip
     return out
 
 
-def run_replay(layer: kt.Layer, ring: Ring, step: kt.Step, o_out=None) -> torch.Tensor:
+def run_replay(layer: kl.Layer, ring: Ring, step: kl.Step, o_out=None) -> torch.Tensor:
     """One replay step (``kda.reference.replay_decode``) on ``layer``'s checkpoint pool and
     ``ring``; ``o_out`` ([N, D] fp32, optional) receives the fp32 ``o``."""
     return kref.replay_decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, ring=ring, o_out=o_out,
     )  # fmt: skip
 
 
-def ring_folds(ring: Ring, step: kt.Step) -> int:
+def ring_folds(ring: Ring, step: kl.Step) -> int:
     """Live requests whose ring the replay step ``step`` folds into the checkpoint (held
     entries after its commit, plus its T, past R: ``kda.reference.replay_decode``'s rule)."""
     B, T = step.slots.shape[0], step.tokens
@@ -380,12 +381,12 @@ def ring_folds(ring: Ring, step: kt.Step) -> int:
     return int((held + T > ring.size).sum())
 
 
-def materialize(layer: kt.Layer, ring: Ring, model: Model, accepted: torch.Tensor) -> None:
+def materialize(layer: kl.Layer, ring: Ring, model: Model, accepted: torch.Tensor) -> None:
     """Fold every request's ring (pages ``model.slot_table()[:, 0]``) into its checkpoint
     page, committing ``accepted`` (the schedule's, after the last step) pending entries."""
     device = layer.state.device
     slots = model.slot_table()[:, 0].contiguous().to(device)
-    kref.materialize(layer.state, ring, layer.a_log, layer.dt_bias, lower_bound=kt.LOWER_BOUND,
+    kref.materialize(layer.state, ring, layer.a_log, layer.dt_bias, lower_bound=kl.LOWER_BOUND,
                      slots=slots, accepted=accepted.to(device))  # fmt: skip
 
 
@@ -399,7 +400,7 @@ class PerStep:
         self.model = model
         self.kda = model.fresh_layer()
 
-    def step(self, step: kt.Step) -> torch.Tensor:
+    def step(self, step: kl.Step) -> torch.Tensor:
         return kt.run_reference(self.kda, step)
 
     def request_pages(self, accepted: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from engine import DecodeLayer
-from kda import synthetic as kt
+from kda import layer as kl
 from kda.operands import Ring
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
@@ -57,9 +57,9 @@ def check_rows(requests: int, tokens: int) -> None:
         )
 
 
-def shard_inputs(step: kt.Step, tp: int):
+def shard_inputs(step: kl.Step, tp: int):
     """A full-layer step's per-head inputs split by rank, each stacked ``[TP, ...]``: ``x``
-    [TP, N, 3 D] (rank r's q | k | v columns, as ``kt.shard_step``), ``gate`` [TP, N, D],
+    [TP, N, 3 D] (rank r's q | k | v columns, as ``kl.shard_step``), ``gate`` [TP, N, D],
     ``beta`` [TP, N, H]."""
     N, heads = step.beta.shape
     per = heads // tp
@@ -163,7 +163,7 @@ class Runner:
         self.decode_layers = [
             DecodeLayer(L, w, self.comms, rank=r, norm=self.norm, query=self.query,
                         out_norm=self.out_norm, kernel=kernel, gate_mode=gate_mode,
-                        pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+                        pdl=self.pdl, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
                         kda_state=cfg.kda_state, ring_size=cfg.ring)
             for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
         ]  # fmt: skip
@@ -209,7 +209,7 @@ class Runner:
             self.buckets[key] = Bucket(self, tokens, record)
         return self.buckets[key]
 
-    def fill(self, bk: Bucket, plan, step: kt.Step, prefix, blocks) -> None:
+    def fill(self, bk: Bucket, plan, step: kl.Step, prefix, blocks) -> None:
         """Copy a step's full-layer inputs (CPU) into the bucket's buffers: the hosted
         ranks' shards."""
         x, gate, beta = shard_inputs(step, self.cfg.tp)

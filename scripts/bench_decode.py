@@ -60,8 +60,8 @@ import torch  # noqa: E402
 from step_peers import GRIDS, first_step, fla_kda  # noqa: E402
 
 from engine.layer import DEFAULT_RING, KDA_STATES  # noqa: E402
-from kda import synthetic as kt  # noqa: E402
-from kda.ops import plan as plan_kda  # noqa: E402
+from kda import layer as kl  # noqa: E402
+from kda.decode import plan as plan_kda  # noqa: E402
 from launch.checks import exact_gate_weights  # noqa: E402
 from launch.layer import EPS, OUT_EPS, Config, Model, step_kind  # noqa: E402
 from launch.report import step_bytes  # noqa: E402
@@ -336,7 +336,7 @@ def peer(cfg, model, replays, device="cuda"):
     Dl = cfg.heads_per_rank * 128
     layer = model.kda.clone().to(dev)
     _, step, prefix, blocks = first_step(cfg, model)
-    s = kt.step_to(step, dev)
+    s = kl.step_to(step, dev)
     kda = fla_kda(layer, s.x, s.f_a, s.beta, s.gate, s.slots)
     w_o = model.w_o.to(dev).view(hid, tp, Dl).permute(1, 2, 0).contiguous()  # [tp, Dl, HID]
     prefixes = prefix.to(dev)[None].repeat(tp, 1, 1)

@@ -49,6 +49,7 @@ import statistics
 
 import torch
 
+from kda import layer as kl
 from kda import synthetic as kt
 
 PAGE = 128 * 128 * 4
@@ -119,7 +120,7 @@ def ours(layer, steps, kernel, gate_mode=3, cluster=None):
             kda.decode(
                 s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
                 layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
-                layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+                layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
                 accepted=s.accepted, kernel=kernel, out=out, gate_mode=gate_mode, **extra,
             )  # fmt: skip
 
@@ -185,7 +186,7 @@ def replay(layer, steps, ring, gate_mode=3, kernel="auto"):
                 kda.replay_decode(
                     s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
                     layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
-                    layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+                    layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
                     accepted=s.accepted, ring=ring, gate_mode=gate_mode, kernel=kernel, out=out,
                 )  # fmt: skip
 
@@ -251,9 +252,9 @@ def fla_recurrence(layer, steps, H, B, T):
         for q, k, v, g, beta, out, extra in prepared:
             fused_recurrent_kda_fwd(
                 q, k, v, g, beta, A_log=layer.a_log, dt_bias=layer.dt_bias,
-                initial_state=layer.state, scale=kt.SCALE, inplace_final_state=True,
+                initial_state=layer.state, scale=kl.SCALE, inplace_final_state=True,
                 state_v_first=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, lower_bound=kt.LOWER_BOUND, out=out, **extra,
+                use_beta_sigmoid_in_kernel=True, lower_bound=kl.LOWER_BOUND, out=out, **extra,
             )  # fmt: skip
 
     return fn
@@ -280,13 +281,13 @@ def fla_composed(layer, steps, H, B):
             fused_recurrent_kda_fwd(
                 qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, s.beta.view(B, 1, H),
                 A_log=layer.a_log, dt_bias=layer.dt_bias, initial_state=layer.state,
-                scale=kt.SCALE, inplace_final_state=True, state_v_first=True,
+                scale=kl.SCALE, inplace_final_state=True, state_v_first=True,
                 ssm_state_indices=s.slots, use_qk_l2norm_in_kernel=True,
                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=kt.LOWER_BOUND, out=out,
+                lower_bound=kl.LOWER_BOUND, out=out,
             )  # fmt: skip
             rms_norm_gated(out.view(B * H, 128), s.gate.view(B * H, 128), layer.norm_weight,
-                           None, activation=activation, eps=kt.EPS)  # fmt: skip
+                           None, activation=activation, eps=kl.EPS)  # fmt: skip
 
     return fn
 
@@ -309,8 +310,8 @@ def diagnose():
             out = kda.decode(
                 step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
                 step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
-                layer.norm_weight, layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-                eps=kt.EPS, accepted=step.accepted, records=rec[1], kernel=kernel,
+                layer.norm_weight, layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE,
+                eps=kl.EPS, accepted=step.accepted, records=rec[1], kernel=kernel,
                 gate_mode=gate_mode,
             )  # fmt: skip
             torch.cuda.synchronize()
@@ -397,8 +398,8 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
     built when first needed and dropped after its last row."""
     from collections import Counter
 
+    from kda.decode import plan
     from kda.dispatch import choose_replay
-    from kda.ops import plan
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     left = Counter((H, B, T) for H, B, T, _ in grid)
@@ -485,7 +486,7 @@ def main(argv=None):
     for H, B, T in shapes:
         rotations, per_launch = rotations_for(H, B, T)
         layer, steps = setup(H, B, T, rotations)
-        from kda.ops import plan
+        from kda.decode import plan
 
         choice = plan(B, H, T, "cuda")
         result = dict(H=H, B=B, T=T, kernel=choice.kernel, reason=choice.reason,

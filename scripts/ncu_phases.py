@@ -1,6 +1,6 @@
 """Time per phase of a KDA kernel from Nsight Compute's source view: each SASS instruction
 (by address) is assigned to the last phase method of ``kda/`` seen in address order (the
-helpers of ``kda/device.py`` and ``tpcomm/cuteutil.py`` inherit it), and each phase's warp
+helpers of ``kda/kernels/device.py`` and ``tpcomm/cuteutil.py`` inherit it), and each phase's warp
 state samples give its share of the time, beside its warp instructions per item.
 
     CUTE_DSL_LINEINFO=1 ncu --clock-control none --profile-from-start off --launch-count 1 \\
@@ -45,7 +45,7 @@ PHASES = {
     "norm_sums": "output",
     "write_output": "output",
 }
-PHASE_FILES = ("kda/replay.py", "kda/wide.py")
+PHASE_FILES = ("kda/kernels/replay.py", "kda/kernels/wide.py")
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kda import synthetic as kt
+from kda import layer as kl
 from launch.checks import SEED_GATE_MODES, exact_gate_inputs
 from launch.layer import EPS, OUT_EPS, Schedule
 from launch.runner import Runner
@@ -55,12 +55,12 @@ def fla_kda(layer, x, f_a, beta, gate, slots):
         fused_recurrent_kda_fwd(
             qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, beta.view(B, 1, H),
             A_log=layer.a_log, dt_bias=layer.dt_bias, initial_state=layer.state,
-            scale=kt.SCALE, inplace_final_state=True, state_v_first=True,
+            scale=kl.SCALE, inplace_final_state=True, state_v_first=True,
             ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, lower_bound=kt.LOWER_BOUND, out=o,
+            use_beta_sigmoid_in_kernel=True, lower_bound=kl.LOWER_BOUND, out=o,
         )  # fmt: skip
         attn = rms_norm_gated(o.view(B * H, 128), gate.view(B * H, 128), layer.norm_weight,
-                              None, activation="sigmoid", eps=kt.EPS)  # fmt: skip
+                              None, activation="sigmoid", eps=kl.EPS)  # fmt: skip
         return attn.view(B, D)
 
     return fn

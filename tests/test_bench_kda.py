@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scr
 
 import bench_kda  # noqa: E402
 
+from kda import layer as kl  # noqa: E402
 from kda import reference as ref  # noqa: E402
 from kda import synthetic as kt  # noqa: E402
 
@@ -98,7 +99,7 @@ def test_replay_bytes_follows_the_reference_counters():
             ref.replay_decode(
                 s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
                 layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
-                layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+                layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
                 accepted=s.accepted, ring=ring,
             )  # fmt: skip
     assert folds > 0
@@ -135,7 +136,7 @@ def test_replay_table_rows_on_cpu_pools(monkeypatch):
     monkeypatch.setattr(bench_kda, "setup", cpu_setup)
     monkeypatch.setattr(bench_kda, "rotations_for", lambda H, B, T: (2, B * H * (1 + T) * 65536))
     monkeypatch.setattr(bench_kda, "time_graph", fake_time_graph)
-    monkeypatch.setattr("kda.ops.plan", lambda B, H, T, device: SimpleNamespace(kernel="wide"))
+    monkeypatch.setattr("kda.decode.plan", lambda B, H, T, device: SimpleNamespace(kernel="wide"))
     props = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     grid = [(2, 3, 1, 4), (2, 3, 4, 16), (2, 3, 1, 8), (3, 2, 4, 4)]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import DecodeLayer, all_reduces
+from kda import layer as kl
 from kda import synthetic as kt
 from launch.checks import (
     attn_drift,
@@ -45,7 +46,7 @@ UTILS = (
 def _kda_args(B, T, H, record, kernel):
     dev = torch.device("cuda")
     layer = kt.make_layer(H, 1 + B * T, seed=3).to(dev)
-    step = kt.step_to(kt.make_step(B, T, H, pages=1 + B * T, seed=4), dev)
+    step = kl.step_to(kt.make_step(B, T, H, pages=1 + B * T, seed=4), dev)
     out = torch.full((B * T, H * 128), float("nan"), dtype=torch.bfloat16, device=dev)
     v = kg = None
     if record:
@@ -53,7 +54,7 @@ def _kda_args(B, T, H, record, kernel):
         kg = torch.zeros(B, H, T, 256, dtype=torch.bfloat16, device=dev)
     args = (step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
             layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-            layer.f_b, out, step.accepted, v, kg, kt.LOWER_BOUND, kt.SCALE, kt.EPS, True,
+            layer.f_b, out, step.accepted, v, kg, kl.LOWER_BOUND, kl.SCALE, kl.EPS, True,
             kernel, None, 0, True)  # fmt: skip
     return args, layer, step, (v, kg)
 
@@ -69,7 +70,7 @@ def test_opcheck_kda_recover():
     args, layer, step, (v, kg) = _kda_args(2, 3, 2, True, "auto")
     torch.ops.kimi.kda_decode(*args)  # the records of a verify step
     rargs = (layer.state, step.slots, v, kg, layer.a_log, layer.dt_bias, step.accepted,
-             step.accepted, kt.LOWER_BOUND, True)  # fmt: skip
+             step.accepted, kl.LOWER_BOUND, True)  # fmt: skip
     torch.library.opcheck(torch.ops.kimi.kda_recover.default, rargs, test_utils=UTILS)
 
 

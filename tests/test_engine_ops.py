@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda
 from engine import DecodeLayer, all_reduces
+from kda import layer as kl
 from kda import synthetic as kt
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import custom_ops as oproj_ops
@@ -52,7 +53,7 @@ def _case(tokens=T, record=False, device=None):
         records = (torch.zeros(B, H, tokens, 128), torch.zeros(B, H, tokens, 256).bfloat16())
     if device is not None:
         layer = layer.to(device)
-        step = kt.step_to(step, device)
+        step = kl.step_to(step, device)
         records = None if records is None else tuple(r.to(device) for r in records)
     return layer, step, records
 
@@ -61,7 +62,7 @@ def _decode(layer, step, records=None, **kw):
     return kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
         accepted=step.accepted, records=records, **kw,
     )  # fmt: skip
 
@@ -79,15 +80,15 @@ def test_kda_fake_shapes_and_checks(tokens, record):
             else torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device="cuda")
         )
         weights = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
-        flayer = kt.Layer(*(fake(getattr(layer, n)) for n in (*weights, "state", "conv_state")))
+        flayer = kl.Layer(*(fake(getattr(layer, n)) for n in (*weights, "state", "conv_state")))
         inputs = ("x", "f_a", "beta", "gate", "slots", "accepted")
-        fstep = kt.Step(*(fake(getattr(step, n)) for n in inputs))
+        fstep = kl.Step(*(fake(getattr(step, n)) for n in inputs))
         frec = None if records is None else tuple(fake(r) for r in records)
         out = _decode(flayer, fstep, frec, kernel="wide", pdl=True)
         assert out.shape == (B * tokens, D) and out.dtype == torch.bfloat16
         assert out.device.type == "cuda"
         with pytest.raises(ValueError, match="gate"):
-            bad = kt.Step(fstep.x, fstep.f_a, fstep.beta, fake(step.gate, (B * tokens, 128)),
+            bad = kl.Step(fstep.x, fstep.f_a, fstep.beta, fake(step.gate, (B * tokens, 128)),
                           fstep.slots, fstep.accepted)  # fmt: skip
             _decode(flayer, bad, frec)
         with pytest.raises(ValueError, match="out must be"):
@@ -96,11 +97,11 @@ def test_kda_fake_shapes_and_checks(tokens, record):
             _decode(flayer, fstep, frec, kernel="lean")
         if record:
             kda.recover(flayer.state, fstep.slots, *frec, flayer.a_log, flayer.dt_bias,
-                        fstep.accepted, fstep.accepted, lower_bound=kt.LOWER_BOUND)  # fmt: skip
+                        fstep.accepted, fstep.accepted, lower_bound=kl.LOWER_BOUND)  # fmt: skip
             with pytest.raises(ValueError, match="a_log"):
                 kda.recover(flayer.state, fstep.slots, *frec, fake(layer.a_log, (1,)),
                             flayer.dt_bias, fstep.accepted, fstep.accepted,
-                            lower_bound=kt.LOWER_BOUND)  # fmt: skip
+                            lower_bound=kl.LOWER_BOUND)  # fmt: skip
 
 
 def test_kda_entry_points_name_non_tensors():
@@ -121,7 +122,7 @@ def _kda_op_args(tokens, record, device="meta"):
     v, kg = records if record else (None, None)
     return (step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
             layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-            layer.f_b, out, step.accepted, v, kg, kt.LOWER_BOUND, kt.SCALE, kt.EPS, True,
+            layer.f_b, out, step.accepted, v, kg, kl.LOWER_BOUND, kl.SCALE, kl.EPS, True,
             "auto", None, 0, True)  # fmt: skip
 
 
@@ -131,7 +132,7 @@ def test_opcheck_kda_on_meta(tokens, record):
                           test_utils=OPCHECK_UTILS)  # fmt: skip
     layer, step, (v, kg) = _case(3, True, "meta")
     args = (layer.state, step.slots, v, kg, layer.a_log, layer.dt_bias, step.accepted,
-            step.accepted, kt.LOWER_BOUND, True)  # fmt: skip
+            step.accepted, kl.LOWER_BOUND, True)  # fmt: skip
     torch.library.opcheck(torch.ops.kimi.kda_recover.default, args, test_utils=OPCHECK_UTILS)
 
 
@@ -193,7 +194,7 @@ def _layers(device="cpu", rows=(N,)):
     c = _consumer_tensors(device)
     out = []
     for r in range(2):
-        layer = kt.shard_layer(kt.make_layer(2 * H, 8, seed=1), r * H, H).to(device)
+        layer = kl.shard_layer(kt.make_layer(2 * H, 8, seed=1), r * H, H).to(device)
         w_o = torch.zeros(HID, D, dtype=torch.bfloat16, device=device)
         out.append(DecodeLayer(layer, w_o, comms, rank=r, norm=c["norm"], query=c["query"],
                                out_norm=c["out_norm"], sms=132))  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda import layer as kl
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +31,7 @@ def launch(layer, step, kernel, cluster, out, **kw):
     return kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, kernel=kernel,
         cluster=cluster, gate_mode=3, out=out, **kw,
     )  # fmt: skip
@@ -59,7 +60,7 @@ def test_duplicate_pages_refused_before_launch(kernel, cluster):
     for b, t in ((1, 2), (1, 0)):
         bad = step.slots.clone()
         bad[b, t] = step.slots[0, t]
-        step_bad = kt.Step(step.x, step.f_a, step.beta, step.gate, bad, step.accepted)
+        step_bad = kl.Step(step.x, step.f_a, step.beta, step.gate, bad, step.accepted)
         watched = [out, layer.state, layer.conv_state]
         before = snapshot(*watched)
         with pytest.raises(ValueError, match="slots"):
@@ -123,9 +124,9 @@ def test_recover_checked_mode_and_duplicates():
     args = (layer.a_log, layer.dt_bias, accepted, step.accepted)
     with pytest.raises(ValueError, match="v_records"):
         kda.recover(layer.state, step.slots, nan_at(v, (0, 0, 0)), kg, *args,
-                    lower_bound=kt.LOWER_BOUND, validate="full")  # fmt: skip
+                    lower_bound=kl.LOWER_BOUND, validate="full")  # fmt: skip
     bad = step.slots.clone()
     bad[2] = step.slots[0]
     with pytest.raises(ValueError, match="slots"):
-        kda.recover(layer.state, bad, v, kg, *args, lower_bound=kt.LOWER_BOUND)
+        kda.recover(layer.state, bad, v, kg, *args, lower_bound=kl.LOWER_BOUND)
     unchanged([layer.state], before)

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.compile
 
 
 def fake_args(heads, tokens, *, record=False, has_bias=True, conv_dim_first=True, window=None):
-    """Fake tensors in the kernels' argument order (without the stream)."""
+    """The kernels' arguments: fake ``KernelOperands`` and a fake stream."""
     require_dsl()
     from cutlass import BFloat16, Float32, Int32
 
@@ -18,7 +18,9 @@ def fake_args(heads, tokens, *, record=False, has_bias=True, conv_dim_first=True
     S = 1 + B * T
     conv_shape = (S, 3 * D, W)
     conv_order = (2, 1, 0) if conv_dim_first else (2, 0, 1)
-    return [
+    from kda.operands import KernelOperands
+
+    values = [
         fake_tensor(BFloat16, (B * T, 3 * D)),  # x
         fake_tensor(BFloat16, (3, 4, D)),  # conv_weight
         fake_tensor(BFloat16, (3 * D,) if has_bias else (1,)),  # conv_bias
@@ -39,8 +41,8 @@ def fake_args(heads, tokens, *, record=False, has_bias=True, conv_dim_first=True
         fake_tensor(Int32, (B,)),  # accepted
         fake_tensor(Float32, (B, heads, T, 128) if record else (1,)),  # v_records
         fake_tensor(BFloat16, (B, heads, T, 256) if record else (1,)),  # kg_records
-        fake_stream(),
     ]
+    return [KernelOperands(*values), fake_stream()]
 
 
 WIDE_CASES = [
@@ -59,7 +61,7 @@ WIDE_CASES = [
 @pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: "H{}T{}r{}g{}b{}a{}p{}".format(*c))
 def test_wide_compiles(arch, case):
     require_dsl()
-    from kda.wide import KdaWide
+    from kda.kernels.wide import KdaWide
 
     heads, tokens, record, gate_mode, has_bias, ahead, pdl = case
     kernel = KdaWide(heads, tokens, record, gate_mode, has_bias, ahead, arch=arch, pdl=pdl)
@@ -84,7 +86,7 @@ STREAM_CASES = [
 @pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "H{}T{}r{}g{}b{}d{}W{}".format(*c))
 def test_stream_compiles(arch, case):
     require_dsl()
-    from kda.stream import KdaStream
+    from kda.kernels.stream import KdaStream
 
     heads, tokens, record, gate_mode, has_bias, dim_first, window = case
     kernel = KdaStream(

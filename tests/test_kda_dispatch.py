@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kda import dispatch
+from kda import layer as kl
 from kda import synthetic as kt
 
 
@@ -111,7 +112,7 @@ def _call(layer, step, **kw):
     return kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
         accepted=step.accepted, **kw,
     )  # fmt: skip
 
@@ -145,7 +146,7 @@ def test_recover_rejects_bad_arguments_on_cpu():
     state0 = layer.state.clone()
     args = (step.slots, v, kg, layer.a_log, layer.dt_bias, step.accepted, step.accepted)
     with pytest.raises(ValueError, match="CUDA"):
-        kda.recover(layer.state, *args, lower_bound=kt.LOWER_BOUND)
+        kda.recover(layer.state, *args, lower_bound=kl.LOWER_BOUND)
     assert torch.equal(layer.state, state0)
 
 
@@ -154,17 +155,17 @@ def test_default_gate_mode_is_the_exactly_rounded_one():
     import inspect
 
     from engine.layer import DecodeLayer
-    from kda.ops import decode as ops_decode
-    from kda.replay_ops import replay_decode
+    from kda.decode import decode as ops_decode
+    from kda.replay import replay_decode
     from kda.validate import check_options
     from launch import decode
     from launch.runner import Runner
 
     entries = [ops_decode, replay_decode, check_options, DecodeLayer, Runner]
     if importlib.util.find_spec("cutlass") is not None:
-        from kda.replay import KdaReplay
-        from kda.split import KdaSplit
-        from kda.wide import KdaWide
+        from kda.kernels.replay import KdaReplay
+        from kda.kernels.split import KdaSplit
+        from kda.kernels.wide import KdaWide
 
         entries += [KdaWide, KdaSplit, KdaReplay]
     for entry in entries:

@@ -113,12 +113,12 @@ def test_bound_contains_the_exact_dot():
 
 
 def test_next_flagged_takes_every_flag_once():
-    """``kda.device.next_flagged`` (settle_rounds' picker, run here on Python ints): rounds
+    """``kda.kernels.device.next_flagged`` (settle_rounds' picker, run here on Python ints): rounds
     of KdaSplit's ``settle_batch`` picks take every flagged (accumulator, lane) of the four
     ballot words once, accumulator-major and lowest lane first, then report nothing found."""
     pytest.importorskip("cutlass")
-    from kda.device import next_flagged
-    from kda.split import KdaSplit
+    from kda.kernels.device import next_flagged
+    from kda.kernels.split import KdaSplit
 
     batch = KdaSplit.settle_batch
     assert batch > 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda import layer as kl
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,7 @@ NEAR_FACTOR = 16
 NEAR_ULPS = 4
 # (lower_bound, scale, eps): the model's, and values a constant in a kernel cannot match;
 # eps = 2e-3 dominates mean(o^2) of the small-rms rows (``small_rows``).
-SCALARS = [(kt.LOWER_BOUND, kt.SCALE, kt.EPS), (-2.0, 0.3, 2e-3), (-8.0, 0.05, 5e-4)]
+SCALARS = [(kl.LOWER_BOUND, kl.SCALE, kl.EPS), (-2.0, 0.3, 2e-3), (-8.0, 0.05, 5e-4)]
 
 
 def bf16_ulp(ref):
@@ -353,7 +354,7 @@ def test_cuda_graph_replay(kernel, cluster):
 
 
 # What a decode step's predecessor may write (the kernels read everything else, the state
-# and conv pages, slots and weights, before griddepcontrol.wait: kda.wide's contract).
+# and conv pages, slots and weights, before griddepcontrol.wait: kda.kernels.wide's contract).
 PDL_INPUTS = ("x", "f_a", "beta", "gate")
 SPIN_NS = 100_000
 
@@ -457,7 +458,7 @@ def test_bad_input_launches_nothing(message, change):
               conv_state=layer.conv_state, f_a=step.f_a, beta=step.beta, a_log=layer.a_log,
               dt_bias=layer.dt_bias, slots=step.slots.clone(), state=layer.state,
               gate=step.gate, norm_weight=layer.norm_weight, f_b=layer.f_b,
-              lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+              lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
               accepted=step.accepted.clone(), out=out)  # fmt: skip
     kda.decode(**kw)  # valid as given
     torch.cuda.synchronize()

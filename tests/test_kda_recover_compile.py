@@ -9,13 +9,15 @@ pytestmark = pytest.mark.compile
 
 
 def recover_args(heads, tokens, requests=3, slot_columns=None):
-    """Fake tensors in KdaRecover's argument order (stream included)."""
+    """KdaRecover's arguments: fake ``RecoverKernelOperands`` and a fake stream."""
     require_dsl()
     from cutlass import BFloat16, Float32, Int32
 
     B, T, H = requests, tokens, heads
     S = 1 + B * T
-    return [
+    from kda.operands import RecoverKernelOperands
+
+    values = [
         fake_tensor(Float32, (S, H, 128, 128)),  # state
         fake_tensor(Int32, (B, slot_columns or T)),  # slots
         fake_tensor(Float32, (B, H, T, 128)),  # v_records
@@ -25,8 +27,8 @@ def recover_args(heads, tokens, requests=3, slot_columns=None):
         fake_tensor(Int32, (B,)),  # accepted
         fake_tensor(Int32, (B,)),  # checkpoint
         Float32(-5.0),
-        fake_stream(),
     ]
+    return [RecoverKernelOperands(*values), fake_stream()]
 
 
 CASES = [(2, 2, False), (3, 5, True), (6, 8, False)]  # heads, tokens, pdl
@@ -36,7 +38,7 @@ CASES = [(2, 2, False), (3, 5, True), (6, 8, False)]  # heads, tokens, pdl
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "H{}T{}p{}".format(*c))
 def test_recover_compiles(arch, case):
     require_dsl()
-    from kda.recover_kernel import KdaRecover
+    from kda.kernels.recover import KdaRecover
 
     heads, tokens, pdl = case
     kernel = KdaRecover(heads, tokens, arch=arch, pdl=pdl)
@@ -46,7 +48,7 @@ def test_recover_compiles(arch, case):
 
 def test_recover_config_errors():
     require_dsl()
-    from kda.recover_kernel import KdaRecover
+    from kda.kernels.recover import KdaRecover
 
     with pytest.raises(ValueError, match="tokens"):
         KdaRecover(2, 1)

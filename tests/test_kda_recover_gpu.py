@@ -13,10 +13,11 @@ import pytest
 import torch
 from test_kda_kernels_gpu import POISON, check_state, make_records
 
+from kda import layer as kl
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
-LOWER_BOUNDS = (kt.LOWER_BOUND, -2.0, -8.0)
+LOWER_BOUNDS = (kl.LOWER_BOUND, -2.0, -8.0)
 
 
 def recorded_step(H, B, T, *, padding=(), seed=0, extra_columns=0, holes=False):
@@ -129,12 +130,12 @@ def test_cuda_graph_replay():
     pool = layer.state.clone()
     args = (step.slots, *records, layer.a_log, layer.dt_bias, accepted, checkpoint)
 
-    kda.recover(pool, *args, lower_bound=kt.LOWER_BOUND)  # compile outside the capture
+    kda.recover(pool, *args, lower_bound=kl.LOWER_BOUND)  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        kda.recover(pool, *args, lower_bound=kt.LOWER_BOUND)
+        kda.recover(pool, *args, lower_bound=kl.LOWER_BOUND)
     torch.cuda.current_stream().wait_stream(stream)
     for i in range(7):
         fresh_layer, fresh_step, fresh_records = recorded_step(H, B, T, padding=(2,), seed=20 + i)
@@ -146,7 +147,7 @@ def test_cuda_graph_replay():
         poison_past_accepted(records, accepted)
         pool.copy_(fresh_layer.state)
         ref_state = fresh_layer.state.clone()
-        reference.recover(ref_state, *args, lower_bound=kt.LOWER_BOUND)
+        reference.recover(ref_state, *args, lower_bound=kl.LOWER_BOUND)
         graph.replay()
         torch.cuda.synchronize()
         written = commit_pages(step.slots, checkpoint.cpu(), accepted.cpu())
@@ -190,11 +191,11 @@ def test_bad_input_launches_nothing():
     bad = torch.tensor([1, 4], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="accepted"):
         kda.recover(layer.state, step.slots, *records, layer.a_log, layer.dt_bias, bad,
-                    step.accepted, lower_bound=kt.LOWER_BOUND)  # fmt: skip
+                    step.accepted, lower_bound=kl.LOWER_BOUND)  # fmt: skip
     with pytest.raises(ValueError, match="kg_records"):
         kda.recover(layer.state, step.slots, records[0], records[1].float(), layer.a_log,
                     layer.dt_bias, step.accepted, step.accepted,
-                    lower_bound=kt.LOWER_BOUND)  # fmt: skip
+                    lower_bound=kl.LOWER_BOUND)  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(layer.state, state0)
 
@@ -219,15 +220,15 @@ def test_wide_record_then_recover_is_wide_verify_bitwise(T):
         kda.decode(
             step.x, target.conv_weight, target.conv_bias, target.conv_state, step.f_a,
             step.beta, target.a_log, target.dt_bias, step.slots, target.state, step.gate,
-            target.norm_weight, target.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE,
-            eps=kt.EPS, accepted=step.accepted, records=records, kernel="wide",
+            target.norm_weight, target.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE,
+            eps=kl.EPS, accepted=step.accepted, records=records, kernel="wide",
         )  # fmt: skip
 
     step_call(direct)
     step_call(recorded, records)
     accepted = torch.tensor(counts, dtype=torch.int32, device="cuda")
     kda.recover(recorded.state, step.slots, *records, layer.a_log, layer.dt_bias, accepted,
-                step.accepted, lower_bound=kt.LOWER_BOUND)  # fmt: skip
+                step.accepted, lower_bound=kl.LOWER_BOUND)  # fmt: skip
     torch.cuda.synchronize()
     written = commit_pages(step.slots, step.accepted.cpu(), counts)
     assert written

@@ -6,6 +6,7 @@ import struct
 import pytest
 import torch
 
+from kda import layer as kl
 from kda import reference as R
 from kda import synthetic as kt
 
@@ -176,7 +177,7 @@ def test_verify_equals_single_token_steps(T):
         single.conv_state[page, :, :3] = layer.conv_state[cslot, :, a - 1 : a + 2]
         for t in range(T):
             row = b * T + t
-            one = kt.Step(
+            one = kl.Step(
                 x=step.x[row : row + 1], f_a=step.f_a[row : row + 1], beta=step.beta[row : row + 1],
                 gate=step.gate[row : row + 1], slots=torch.tensor([page], dtype=torch.int32),
             )  # fmt: skip
@@ -302,8 +303,8 @@ def test_sharded_heads_give_the_same_bits():
     full = layer.clone()
     out_full = kt.run_reference(full, step)
     for first in (0, 2):
-        shard = kt.shard_layer(layer, first, 2)
-        out = kt.run_reference(shard, kt.shard_step(step, H, first, 2))
+        shard = kl.shard_layer(layer, first, 2)
+        out = kt.run_reference(shard, kl.shard_step(step, H, first, 2))
         assert torch.equal(out, out_full[:, first * 128 : (first + 2) * 128])
         assert torch.equal(shard.state, full.state[:, first : first + 2])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda import layer as kl
 from kda import reference as ref
 from kda import synthetic as kt
 from kda.operands import Ring, make_ring
@@ -62,12 +63,12 @@ def call(fn, layer, state, conv, step, **kw):
     return fn(
         step.x, layer.conv_weight, layer.conv_bias, conv, step.f_a, step.beta, layer.a_log,
         layer.dt_bias, step.slots, state, step.gate, layer.norm_weight, layer.f_b,
-        lower_bound=kw.pop("lower_bound", kt.LOWER_BOUND), scale=kt.SCALE, eps=kt.EPS,
+        lower_bound=kw.pop("lower_bound", kl.LOWER_BOUND), scale=kl.SCALE, eps=kl.EPS,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, **kw,
     )  # fmt: skip
 
 
-def materialized(layer, state, ring, lower_bound=kt.LOWER_BOUND, **kw):
+def materialized(layer, state, ring, lower_bound=kl.LOWER_BOUND, **kw):
     out, copy = state.clone(), Ring(*(t.clone() for t in ring))
     ref.materialize(out, copy, layer.a_log, layer.dt_bias, lower_bound=lower_bound, **kw)
     return out
@@ -187,7 +188,7 @@ def test_materialize_then_per_step_continues():
         call(ref.decode, layer, layer.state, layer.conv_state, step)
         call(ref.replay_decode, layer, state, conv, step, ring=ring)
     assert ring.length[1:3, :, 0].tolist() == [[5] * H] * 2
-    ref.materialize(state, ring, layer.a_log, layer.dt_bias, lower_bound=kt.LOWER_BOUND)
+    ref.materialize(state, ring, layer.a_log, layer.dt_bias, lower_bound=kl.LOWER_BOUND)
     assert ring.length.abs().sum() == 0
     check_states(state, layer.state, [1, 2])
 

@@ -10,14 +10,16 @@ pytestmark = pytest.mark.compile
 
 
 def replay_args(heads, size, tokens=1, *, has_bias=True, conv_dim_first=True):
-    """Fake tensors in KdaReplay's argument order (with the stream)."""
+    """KdaReplay's arguments: fake ``ReplayKernelOperands`` and a fake stream."""
     require_dsl()
     from cutlass import BFloat16, Float32, Int32
 
     B, T, D, S = 3, tokens, heads * 128, 1 + 3 * tokens
     N, W = B * T, T + 2
     conv_order = (2, 1, 0) if conv_dim_first else (2, 0, 1)
-    return [
+    from kda.operands import ReplayKernelOperands
+
+    values = [
         fake_tensor(BFloat16, (N, 3 * D)),  # x
         fake_tensor(BFloat16, (3, 4, D)),  # conv_weight
         fake_tensor(BFloat16, (3 * D,) if has_bias else (1,)),  # conv_bias
@@ -39,8 +41,8 @@ def replay_args(heads, size, tokens=1, *, has_bias=True, conv_dim_first=True):
         fake_tensor(Float32, (S, size, heads, 128)),  # ring_v
         fake_tensor(BFloat16, (S, size, heads, 256)),  # ring_kg
         fake_tensor(Int32, (S, heads, 2)),  # ring_length
-        fake_stream(),
     ]
+    return [ReplayKernelOperands(*values), fake_stream()]
 
 
 CASES = [
@@ -63,7 +65,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "H{}R{}T{}g{}b{}d{}p{}".format(*c))
 def test_replay_compiles(arch, case):
     require_dsl()
-    from kda.replay import KdaReplay
+    from kda.kernels.replay import KdaReplay
 
     heads, size, tokens, gate_mode, has_bias, dim_first, pdl = case
     kernel = KdaReplay(heads, size, tokens, gate_mode, has_bias, arch=arch, pdl=pdl)
@@ -74,7 +76,7 @@ def test_replay_compiles(arch, case):
 def test_refuses_removed_gate_mode():
     """Gate mode 2 is gone (as KdaWide's): KdaReplay refuses it."""
     require_dsl()
-    from kda.replay import KdaReplay
+    from kda.kernels.replay import KdaReplay
 
     with pytest.raises(ValueError, match="gate_mode must be 0, 1 or 3"):
         KdaReplay(3, 8, 1, 2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kda
+from kda import layer as kl
 from kda import synthetic as kt
 from kda.operands import Ring, make_ring
 
@@ -29,7 +30,7 @@ def _replay(layer, step, ring, **kw):
     return kda.replay_decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
+        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
         conv_dim_first=layer.conv_dim_first, ring=ring, **{"accepted": step.accepted, **kw},
     )  # fmt: skip
 
@@ -45,7 +46,7 @@ def test_opcheck_on_meta():
     out = torch.empty(B, H * 128, dtype=torch.bfloat16, device="meta")
     args = (step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
             layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-            layer.f_b, out, None, *ring, kt.LOWER_BOUND, kt.SCALE, kt.EPS, True, 3,
+            layer.f_b, out, None, *ring, kl.LOWER_BOUND, kl.SCALE, kl.EPS, True, 3,
             True)  # fmt: skip
     torch.library.opcheck(torch.ops.kimi.kda_replay_decode.default, args,
                           test_utils=OPCHECK_UTILS)  # fmt: skip
@@ -75,7 +76,7 @@ def test_refusals_before_any_launch():
     _refused("kernel must be one of", layer, step, ring, kernel="split")
     _refused("records must be None", layer, step, ring,
              records=(torch.zeros(1), torch.zeros(1)))  # fmt: skip
-    bad = kt.Step(step.x, step.f_a, step.beta, step.gate, step.slots.clone(), None)
+    bad = kl.Step(step.x, step.f_a, step.beta, step.gate, step.slots.clone(), None)
     bad.slots[1] = bad.slots[0]
     _refused("unique", layer, bad, ring)
     with pytest.raises(ValueError, match="x must be a torch.Tensor"):

@@ -36,7 +36,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "R{}-T{}-g{}".format(*c))
 def test_replay_registers_and_spills(case, tmp_path):
     cute = require_dsl()
-    from kda.replay import FOLD_CHUNKS, KdaReplay
+    from kda.kernels.replay import FOLD_CHUNKS, KdaReplay
 
     size, tokens, gate_mode, stack = case
     kernel = KdaReplay(96, size, tokens, gate_mode, True, arch="sm_90a", pdl=True)

@@ -28,7 +28,7 @@ CASES = _cases()
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "C{}T{}r{}g{}b{}d{}p{}".format(*c))
 def test_split_compiles(arch, case):
     require_dsl()
-    from kda.split import KdaSplit
+    from kda.kernels.split import KdaSplit
 
     cluster, tokens, record, gate_mode, has_bias, dim_first, pdl = case
     kernel = KdaSplit(3, tokens, record, gate_mode, has_bias, cluster, arch=arch, pdl=pdl)
@@ -38,7 +38,7 @@ def test_split_compiles(arch, case):
 
 def test_split_config_errors():
     require_dsl()
-    from kda.split import KdaSplit
+    from kda.kernels.split import KdaSplit
 
     with pytest.raises(ValueError, match="cluster"):
         KdaSplit(2, 1, cluster=16)
@@ -63,8 +63,8 @@ def test_static_resources(which, tmp_path):
     require_dsl()
     import cutlass.cute as cute
 
-    from kda.recover_kernel import KdaRecover
-    from kda.split import KdaSplit
+    from kda.kernels.recover import KdaRecover
+    from kda.kernels.split import KdaSplit
 
     if which.startswith("recover"):
         from test_kda_recover_compile import recover_args

@@ -18,6 +18,7 @@ from test_kda_kernels_gpu import (
     written_pages,
 )
 
+from kda import layer as kl
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +66,7 @@ def test_split_matches_reference(cluster, case):
 def test_auto_picks_split_for_one_request():
     """B = 1, H = 6 through kernel="auto": the dispatcher's split, checked like the rest."""
     import kda
-    from kda.ops import plan
+    from kda.decode import plan
 
     choice = plan(1, 6, 1, "cuda")
     assert choice.kernel == "split", choice.reason
@@ -78,7 +79,7 @@ def test_auto_picks_split_for_one_request():
     kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS, out=out,
+        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS, out=out,
     )  # fmt: skip
     torch.cuda.synchronize()
     check_state(layer.state, ref_layer.state, before, written_pages(step, None))

@@ -45,7 +45,7 @@ def test_stream_no_spills(case, tmp_path):
     require_dsl()
     import cutlass.cute as cute
 
-    from kda.stream import KdaStream
+    from kda.kernels.stream import KdaStream
 
     tokens, record, gate_mode = case
     heads, window = 6, tokens + 2

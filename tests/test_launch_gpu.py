@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_launch_trace import check_timeline
 
+from kda import layer as kl
 from kda import synthetic as kt
 from launch import checks, decode, report, runner
 from launch.layer import Config
@@ -257,7 +258,7 @@ def test_shard_inputs_matches_shard_step():
     x, gate, beta = runner.shard_inputs(step, tp)
     per = heads // tp
     for r in range(tp):
-        want = kt.shard_step(step, heads, r * per, per)
+        want = kl.shard_step(step, heads, r * per, per)
         assert torch.equal(x[r], want.x)
         assert torch.equal(gate[r], want.gate)
         assert torch.equal(beta[r], want.beta)
@@ -371,7 +372,7 @@ def test_runner_replay_pools_on_cpu(monkeypatch):
         step, _, _ = model.step_inputs(plan)
         for r, layer in enumerate(job.decode_layers):
             first, count = model.rank_heads(r)
-            run_replay(layer.shard, layer.ring, kt.shard_step(step, cfg.heads, first, count))
+            run_replay(layer.shard, layer.ring, kl.shard_step(step, cfg.heads, first, count))
         unsharded.attention(plan, step)
     assert job.bucket(3, False).kind == "replay verify" and unsharded.folds >= 1
     ok, ratio, _ = checks.ring_check(job.gather_ring(), unsharded.ring)

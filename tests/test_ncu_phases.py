@@ -23,11 +23,11 @@ def _csv(header_stalls=("stall_long_sb", "stall_barrier")):
     cols = ["Line No", "Source", "Address", "Source", ncu_phases.SAMPLES, ncu_phases.EXECUTED]
     cols += list(header_stalls)
     rows = [
-        '"File Path","/repo/kda/device.py"',
+        '"File Path","/repo/kda/kernels/device.py"',
         ",".join(f'"{c}"' for c in cols),
         '"3","h()","-","-","0","0","0","0"',
         '"","","0x30","  FFMA","5","64","5","0"',  # a helper: inherits the phase before it
-        '"File Path","/repo/kda/replay.py"',
+        '"File Path","/repo/kda/kernels/replay.py"',
         ",".join(f'"{c}"' for c in cols),
         '"3","x = 1","-","-","0","0","0","0"',
         '"","","0x10","  LDG","10","32","8","0"',

@@ -75,7 +75,7 @@ def test_host_side_runs_with_the_dsl_hidden():
 def test_the_blocker_blocks():
     """The same blocker makes a DSL kernel module fail to import (so the test above would
     see a module that needs the DSL)."""
-    code = SCRIPT.split("import torch")[0] + "import kda.wide\n"
+    code = SCRIPT.split("import torch")[0] + "import kda.kernels.wide\n"
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert p.returncode != 0 and "DSL hidden: cutlass" in p.stderr, p.stderr[-2000:]

@@ -67,16 +67,16 @@ def test_kda_reads_step_inputs_after_the_wait(tmp_path, case):
     kernel_name, heads, tokens, record, gate_mode, has_bias, dim_first = case
     window = tokens + 3
     if kernel_name == "wide":
-        from kda.wide import KdaWide
+        from kda.kernels.wide import KdaWide
 
         kernel = KdaWide(heads, tokens, record, gate_mode, has_bias, 0, pdl=True)
     elif kernel_name == "stream":
-        from kda.stream import KdaStream
+        from kda.kernels.stream import KdaStream
 
         kernel = KdaStream(heads, tokens, record, gate_mode, has_bias, dim_first, window,
                            ctas=8, pdl=True)  # fmt: skip
     else:
-        from kda.split import KdaSplit
+        from kda.kernels.split import KdaSplit
 
         kernel = KdaSplit(heads, tokens, record, gate_mode, has_bias, 2, pdl=True)
     args = fake_args(heads, tokens, record=record, has_bias=has_bias, conv_dim_first=dim_first,
@@ -90,8 +90,8 @@ def test_recover_reads_everything_after_the_wait(tmp_path):
     require_dsl()
     from test_kda_recover_compile import recover_args
 
+    from kda.kernels.recover import KdaRecover
     from kda.operands import RecoverKernelOperands
-    from kda.recover_kernel import KdaRecover
 
     names = RecoverKernelOperands._fields
     text = _ptx(KdaRecover(3, 4, pdl=True), recover_args(3, 4), tmp_path)
@@ -146,7 +146,7 @@ def test_the_check_sees_a_missing_wait(tmp_path):
     require_dsl()
     from test_kda_compile import fake_args
 
-    from kda.wide import KdaWide
+    from kda.kernels.wide import KdaWide
 
     text = _ptx(KdaWide(2, 1, False, 3, True, 0, pdl=True), fake_args(2, 1), tmp_path)
     early, _ = loads_before_wait(text.replace("griddepcontrol.wait;", ""))

@@ -305,11 +305,15 @@ def wait_exchange(bar):
 # --- host side ------------------------------------------------------------------------
 
 
-def to_cute(t, align=16):
-    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned."""
+def to_cute(t, align=16, leading_dim=None):
+    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned;
+    ``leading_dim``: the unit-stride dimension (None: the DSL finds it)."""
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+    view = from_dlpack(t.detach(), assumed_align=align)
+    if leading_dim is None:
+        return view.mark_layout_dynamic()
+    return view.mark_layout_dynamic(leading_dim=leading_dim)
 
 
 def fake_tensor(dtype, shape, align=16):

@@ -38,9 +38,9 @@ from tpcomm.cuteutil import (
     xor_sum,
 )
 
+from ..dispatch import CLUSTERS
 from . import device as dev
 from .device import ACCUMULATORS, HEAD_DIM, THREADS
-from .dispatch import CLUSTERS
 from .wide import KdaWide
 
 GROUP = 16  # channels per butterfly group of the per-head sums

@@ -37,8 +37,8 @@ from tpcomm.cuteutil import (
     mma_bf16_16816,
 )
 
-from .dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
-from .validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
+from ..dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
+from ..validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
 
 THREADS = 256  # 8 warps per item
 LANES = 4  # threads per state row

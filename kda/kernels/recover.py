@@ -1,8 +1,16 @@
-"""KdaRecover, the device side of ``kda.recover`` (contract in ``kda.recover``'s docstring).
+"""KdaRecover: commit the accepted tokens of a recorded verify step (``kda.reference.recover``).
 
-Kept apart from ``kda/recover.py`` so that ``kda.recover`` (the host entry, exported by
-``kda/__init__``) imports no CuTe DSL: a lazily imported ``kda.recover`` submodule would
-replace the package's ``recover`` function by the module on first use.
+One CTA per (request b, head h) in ``kda.kernels.device``'s thread layout reads the checkpoint page
+``slots[b, checkpoint[b] - 1]`` into registers; for token t < accepted[b]: decay from the
+recorded bf16 raw gate (``kda.kernels.device.decay``), ``k^ = k * rsqrt(sum k^2 + 1e-6)`` from the
+recorded k (``(w0 + w2) + (w1 + w3)`` of 32-lane butterflies, as KdaWide), ``S = S * decay``,
+``S = fma(k^, v_new, S)`` with the recorded fp32 ``v_new``, stored to ``slots[b, t]`` when
+> 0. Rounding: the reference's points; only the fp32 order of ``sum k^2`` differs. Padding
+(checkpoint slot <= 0): no load, no store. Tokens t >= accepted[b] apply the neutral update
+(``decay = 1``, ``k^ = -0.0``, ``v_new = +0.0``: ``S`` bit for bit) and store nothing, so no
+data-dependent control flow; each thread writes back only what it read, so the checkpoint
+page may also be a target. PDL: everything is read after ``griddepcontrol.wait``;
+dependents are released once the page and the records are loaded.
 """
 
 from __future__ import annotations
@@ -20,9 +28,9 @@ from tpcomm.cuteutil import (
     warp_sum,
 )
 
+from ..operands import RecoverKernelOperands
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
-from .operands import RecoverKernelOperands
 
 
 class KdaRecover:
@@ -39,27 +47,12 @@ class KdaRecover:
         self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
 
     @cute.jit
-    def __call__(
-        self,
-        state: cute.Tensor,
-        slots: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        accepted: cute.Tensor,
-        checkpoint: cute.Tensor,
-        lower_bound: Float32,
-        stream,
-    ):
-        requests = accepted.shape[0]
-        call = self.kernel(
-            RecoverKernelOperands(
-                state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint,
-                lower_bound,
-            )
-        )  # fmt: skip
-        launch(call, (self.heads, requests, 1), (THREADS, 1, 1), stream, use_pdl=self.pdl)
+    def __call__(self, op: RecoverKernelOperands, stream):
+        """Launch on ``stream`` (``op``: ``kda.operands.RecoverKernelOperands``)."""
+        requests = op.accepted.shape[0]
+        launch(
+            self.kernel(op), (self.heads, requests, 1), (THREADS, 1, 1), stream, use_pdl=self.pdl
+        )
 
     # ---------------------------------------------------------------- device side
     @cute.jit

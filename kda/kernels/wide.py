@@ -4,7 +4,7 @@ Operands: ``KernelOperands`` (``conv_state`` as the ``[S, 3D, W]`` view; dummies
 absent bias, ``accepted`` or records). Padding: a request whose state slot (``slots[b]``,
 or ``slots[b, accepted[b] - 1]`` for T > 1) is <= 0 gets zero output rows and touches
 nothing else. Rounding: bf16 after the SiLU, on the raw gate and on ``o``; all else fp32
-(``kda.device``). PDL: the state page, conv window and weights are read before
+(``kda.kernels.device``). PDL: the state page, conv window and weights are read before
 ``griddepcontrol.wait`` (the kernel right before must not write them), x, gate, f_a and
 beta after it; dependents are released once those are read (gate mode 3 may re-read f_a
 rows later: a dependent writes f_a only after its own wait, as any PDL kernel must).
@@ -28,9 +28,9 @@ from tpcomm.cuteutil import (
     xor_sum,
 )
 
+from ..operands import KernelOperands
 from . import device as dev
 from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
-from .operands import KernelOperands
 
 STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
 
@@ -77,38 +77,9 @@ class KdaWide:
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        conv_weight: cute.Tensor,
-        conv_bias: cute.Tensor,
-        conv_state: cute.Tensor,
-        f_a: cute.Tensor,
-        beta: cute.Tensor,
-        a_log: cute.Tensor,
-        dt_bias: cute.Tensor,
-        slots: cute.Tensor,
-        state: cute.Tensor,
-        output: cute.Tensor,
-        gate: cute.Tensor,
-        norm_weight: cute.Tensor,
-        lower_bound: Float32,
-        scale: Float32,
-        eps: Float32,
-        f_b: cute.Tensor,
-        accepted: cute.Tensor,
-        v_records: cute.Tensor,
-        kg_records: cute.Tensor,
-        stream,
-    ):
-        call = self.kernel(
-            KernelOperands(
-                x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
-                state, output, gate, norm_weight, lower_bound, scale, eps, f_b, accepted,
-                v_records, kg_records,
-            )
-        )  # fmt: skip
-        self.launch_grid(call, output.shape[0] // self.tokens, stream)
+    def __call__(self, op: KernelOperands, stream):
+        """Launch on ``stream`` (``op``: ``kda.operands.KernelOperands``)."""
+        self.launch_grid(self.kernel(op), op.output.shape[0] // self.tokens, stream)
 
     def launch_grid(self, call, requests, stream):
         """One CTA per (head, request) item, two per SM (KdaStream, KdaSplit: their grids)."""

@@ -1,0 +1,236 @@
+"""The KDA torch ops' implementations: validate, choose the kernel, compile once, launch.
+
+``kda.custom_ops`` registers ``kimi::kda_decode``, ``kimi::kda_replay_decode`` and
+``kimi::kda_recover`` with these functions as their bodies; the public entries
+(``kda.decode``, ``kda.replay_decode``, ``kda.recover``) only call the ops, so a step goes
+one way: entry -> op -> launcher -> kernel. Each launcher checks its operands again, values
+included unless the stream is capturing a CUDA graph (``validate="full"`` adds the non-finite
+scan and is refused while capturing), raises ``ValueError`` before any launch, compiles a
+kernel once per (kernel, configuration, dtypes, arch) and launches it on
+``torch.cuda.current_stream()``. The CuTe DSL is imported on the first launch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch
+from ..operands import DecodeOperands, RecoverOperands, Ring
+from ..validate import (
+    capturing,
+    check_decode,
+    check_options,
+    check_out,
+    check_recover,
+    check_replay,
+    check_replay_kernel,
+)
+
+# Operands the kernels move with 16-byte vector loads / stores (checked, assumed aligned).
+STEP_ALIGNED = ("x", "f_a", "f_b", "state", "gate", "output")
+RECOVER_ALIGNED = ("state", "v_records", "kg_records")
+
+_CACHE: dict = {}
+_DUMMIES: dict = {}
+_SM_COUNT: dict = {}
+
+
+def sms(device) -> int:
+    """The SM count of ``device`` (cached)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _dummy(device, dtype):
+    """A stand-in for an absent operand (conv bias, accepted, records), one per device and
+    dtype."""
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(16, dtype=dtype, device=device)
+    return _DUMMIES[key]
+
+
+def _on_cuda(state, entry):
+    if state.device.type != "cuda":
+        raise ValueError(f"state must be a CUDA tensor ({entry} runs the GPU kernels)")
+    return state.device
+
+
+def _check_aligned(tensors: dict, aligned) -> None:
+    for name in aligned:
+        if tensors[name].data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
+
+
+def _step_tensors(op: DecodeOperands, out, slots=None) -> dict:
+    """The step fields of ``kda.operands.STEP_FIELDS`` as torch tensors (dummies for an
+    absent conv bias or ``accepted``; the conv pool as the ``[S, 3D, W]`` view)."""
+    device = op.state.device
+    conv = op.conv_state if op.conv_dim_first else op.conv_state.transpose(1, 2)
+    bias, accepted = op.conv_bias, op.accepted
+    return dict(
+        x=op.x,
+        conv_weight=op.conv_weight,
+        conv_bias=bias if bias is not None else _dummy(device, torch.bfloat16),
+        conv_state=conv,
+        f_a=op.f_a,
+        beta=op.beta,
+        a_log=op.a_log,
+        dt_bias=op.dt_bias,
+        slots=op.slots if slots is None else slots,
+        state=op.state,
+        output=out,
+        gate=op.gate,
+        norm_weight=op.norm_weight,
+        f_b=op.f_b,
+        accepted=accepted if accepted is not None else _dummy(device, torch.int32),
+    )
+
+
+def _cute_operands(kind, tensors: dict, scalars: dict, aligned, conv_dim_first=True):
+    """``kind`` (a kernel family's operands NamedTuple) of CuTe views of ``tensors``: dynamic
+    layouts, vector operands assumed 16-byte aligned, a ``[S, W, 3D]`` conv pool's view with
+    its leading dimension 1; ``scalars`` as ``Float32``."""
+    from cutlass import Float32
+
+    from tpcomm.cuteutil import to_cute
+
+    def view(name, t):
+        align = 16 if name in aligned else t.element_size()
+        leading = 1 if name == "conv_state" and not conv_dim_first else t.dim() - 1
+        return to_cute(t, align=align, leading_dim=leading)
+
+    values = {name: view(name, t) for name, t in tensors.items()}
+    values.update({name: Float32(v) for name, v in scalars.items()})
+    return kind(**values)
+
+
+def _run(key, build, operands, device, arch) -> None:
+    """Compile ``build()`` for ``operands`` once per ``key``; launch it on the current stream."""
+    import cuda.bindings.driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    compiled = _CACHE.get(key)
+    if compiled is None:
+        import cutlass.cute as cute
+
+        compiled = cute.compile(build(), operands, stream, options=f"--gpu-arch {arch}")
+        _CACHE[key] = compiled
+    compiled(operands, stream)
+
+
+def _arch(device) -> str:
+    return dispatch.arch_of(torch.cuda.get_device_capability(device))
+
+
+def _dtypes(tensors: dict) -> tuple:
+    return tuple(t.dtype for t in tensors.values())
+
+
+def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, validate=None):
+    """``kimi::kda_decode``: KdaWide, KdaStream or KdaSplit as ``kda.dispatch.choose`` says."""
+    from ..operands import KernelOperands
+
+    full = check_options(kernel, cluster, gate_mode, pdl, validate)
+    shape = check_decode(op, check_values=not capturing(op.state, full), full=full)
+    device = _on_cuda(op.state, "kda.decode")
+    check_out(out, shape, device)
+    B, T, H = shape.requests, shape.tokens, shape.heads
+    arch = _arch(device)
+    choice = dispatch.choose(B, H, T, sms=sms(device), kernel=kernel, cluster=cluster)
+    record = op.records is not None
+    v_records, kg_records = op.records if record else (None, None)
+    tensors = _step_tensors(op, out)
+    tensors["v_records"] = v_records if record else _dummy(device, torch.float32)
+    tensors["kg_records"] = kg_records if record else _dummy(device, torch.bfloat16)
+    _check_aligned(tensors, STEP_ALIGNED)
+    has_bias, dim_first = op.conv_bias is not None, bool(op.conv_dim_first)
+    config = (choice.kernel, H, T, record, gate_mode, has_bias, dim_first, shape.window,
+              _knob(choice), pdl, arch)  # fmt: skip
+    scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
+    operands = _cute_operands(KernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
+
+    def build():
+        common = dict(arch=arch, pdl=pdl)
+        if choice.kernel == "split":
+            from .split import KdaSplit
+
+            return KdaSplit(H, T, record, gate_mode, has_bias, choice.cluster, **common)
+        if choice.kernel == "wide":
+            from .wide import KdaWide
+
+            return KdaWide(H, T, record, gate_mode, has_bias, choice.ahead, **common)
+        from .stream import KdaStream
+
+        return KdaStream(
+            H, T, record, gate_mode, has_bias, dim_first, shape.window, choice.ctas, **common
+        )
+
+    _run((config, _dtypes(tensors)), build, operands, device, arch)
+
+
+def _knob(choice):
+    """The launch knob a compiled kernel depends on: wide's prefetch distance, stream's
+    persistent CTAs, split's cluster size."""
+    if choice.kernel == "wide":
+        return choice.ahead
+    if choice.kernel == "split":
+        return choice.cluster
+    return choice.ctas
+
+
+def launch_replay(op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None,
+                  kernel="auto") -> None:  # fmt: skip
+    """``kimi::kda_replay_decode``: KdaReplay (``kda.dispatch.choose_replay``)."""
+    from ..operands import ReplayKernelOperands
+
+    full = check_options(gate_mode=gate_mode, pdl=pdl, validate=validate)
+    check_replay_kernel(kernel)
+    shape, size = check_replay(op, ring, check_values=not capturing(op.state, full), full=full)
+    device = _on_cuda(op.state, "kda.replay_decode")
+    check_out(out, shape, device)
+    H, T = shape.heads, shape.tokens
+    arch = _arch(device)
+    choice = dispatch.choose_replay(shape.requests, H, T, size, sms=sms(device), kernel=kernel)
+    slots = op.slots
+    if T == 1 and slots.dim() == 2:  # the kernel reads slots[b] at T = 1
+        slots = slots[:, 0].contiguous()
+    tensors = _step_tensors(op, out, slots)
+    tensors.update(ring_v=ring.v, ring_kg=ring.kg, ring_length=ring.length)
+    _check_aligned(tensors, STEP_ALIGNED)
+    has_bias, dim_first = op.conv_bias is not None, bool(op.conv_dim_first)
+    config = (choice.kernel, H, size, T, gate_mode, has_bias, dim_first, bool(pdl), arch)
+    scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
+    operands = _cute_operands(ReplayKernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
+
+    def build():
+        from .replay import KdaReplay
+
+        return KdaReplay(H, size, T, gate_mode, has_bias, arch=arch, pdl=bool(pdl))
+
+    _run((config, _dtypes(tensors)), build, operands, device, arch)
+
+
+def launch_recover(op: RecoverOperands, *, pdl, validate=None) -> None:
+    """``kimi::kda_recover``: KdaRecover."""
+    from ..operands import RecoverKernelOperands
+
+    full = check_options(pdl=pdl, validate=validate)
+    shape = check_recover(op, check_values=not capturing(op.state, full), full=full)
+    device = _on_cuda(op.state, "kda.recover")
+    names = RecoverKernelOperands._fields[:-1]  # the tensors; lower_bound last
+    tensors = {name: getattr(op, name) for name in names}
+    _check_aligned(tensors, RECOVER_ALIGNED)
+    arch = _arch(device)
+    scalars = dict(lower_bound=op.lower_bound)
+    operands = _cute_operands(RecoverKernelOperands, tensors, scalars, RECOVER_ALIGNED)
+
+    def build():
+        from .recover import KdaRecover
+
+        return KdaRecover(shape.heads, shape.tokens, arch=arch, pdl=bool(pdl))
+
+    _run(("recover", shape.heads, shape.tokens, bool(pdl), arch), build, operands, device, arch)
