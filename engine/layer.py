@@ -23,7 +23,7 @@ commits that many, so there are no records and no ``recover``). In replay mode t
 holds the plain per-step state only after ``materialize``; a slot given to a new request
 must start with an empty ring (``ring.length[slot] = 0``) as well as its initial page.
 Replay pays at R 4 or 8 with about 400 (request, head) items per step or more; with fewer,
-or at R 16, per-step is faster (README, "Replay decode": the H200 table).
+or at R 16, per-step is faster (docs/replay.md: the H200 table).
 
 The consumer spins until every rank's partial of the step has landed: with one rank per
 GPU each process steps its layer; with every rank on one GPU (loopback) either step each

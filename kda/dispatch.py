@@ -127,7 +127,7 @@ def choose(
 # per SM) ran at 0.77-0.94x of its speed at T = 1 and won 3 of 12 T = 4 rows by <= 5% on the
 # H200 (2026-12-01, ``bench_kda.py --replay-only``), so it went; two CTAs per SM for verify
 # steps (128 registers, no spills) ran at 0.86-1.10x of three, slower at the large shapes.
-# Replay itself pays only from ~400 items at R 4 / 8 (README "Replay decode"): below that,
+# Replay itself pays only from ~400 items at R 4 / 8 (docs/replay.md): below that,
 # or at R 16, the per-step path is faster, and the engine's state mode decides, not this.
 REPLAY_KERNELS = ("auto", "wide")
 REPLAY_CTAS_PER_SM = 3

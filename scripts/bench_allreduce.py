@@ -198,11 +198,14 @@ class Bench:
         from tpcomm.oproj.producer import compiled_producer
 
         a = self.args
-        names = ("ours: producer + consumer", "ours: consumer alone",
-                 "ours: fused producer + consumer")  # fmt: skip
+        names = (
+            "ours: producer + consumer",
+            "ours: consumer alone",
+            "ours: fused producer + consumer",
+        )
         try:
-            comm = OprojAllReduce(self.backend, tokens, a.hidden, nb, groups=a.groups,
-                                  eps=EPS, out_eps=OUT_EPS, budget_ns=BUDGET_NS)  # fmt: skip
+            options = dict(groups=a.groups, eps=EPS, out_eps=OUT_EPS, budget_ns=BUDGET_NS)
+            comm = OprojAllReduce(self.backend, tokens, a.hidden, nb, **options)
         except ValueError as e:
             why = f"the o-projection producer/consumer cannot take {tokens} tokens: {e}"
             for name in names:
@@ -210,8 +213,10 @@ class Bench:
             return
         # compile before anyone polls (a peer's compile must not eat the poll budget)
         comm.functions()
-        compiled_producer(comm.tp, comm.hid, self.d_local, comm.multicast_base != 0,
-                          comm.fence, twoshot=comm.twoshot)  # fmt: skip
+        multicast = comm.multicast_base != 0
+        compiled_producer(
+            comm.tp, comm.hid, self.d_local, multicast, comm.fence, twoshot=comm.twoshot
+        )
         prefix = x["prefix"].clone()
         self._prefix0 = x["prefix"]
         output = torch.empty_like(prefix)
@@ -232,8 +237,9 @@ class Bench:
         total = everyone[0].float()
         for p in everyone[1:]:
             total = total + p.float()
-        want, want_prefix = torch_epilogue(total.to(torch.bfloat16), prefix0, x["blocks"],
-                                           x["w"], x["out_norm"])  # fmt: skip
+        want, want_prefix = torch_epilogue(
+            total.to(torch.bfloat16), prefix0, x["blocks"], x["w"], x["out_norm"]
+        )
         rms = want.float().pow(2).mean().sqrt().clamp_min(1e-30)
         err = float(((output.float() - want.float()).abs().max() / rms).item())
         prefix_err = float(
@@ -248,8 +254,8 @@ class Bench:
             graphs.append(fn)
         times = self.measure(graphs)
         errors = self.host_max(float(comm.errors[:, 0].abs().sum().item()))
-        self.record(names[0], tokens, nb, times, how, check=worst,
-                    prefix_check=self.host_max(prefix_err), timeouts=errors)  # fmt: skip
+        checks = dict(check=worst, prefix_check=self.host_max(prefix_err), timeouts=errors)
+        self.record(names[0], tokens, nb, times, how, **checks)
         if worst > CHECK_LIMIT:
             self.failures.append(f"ours at {tokens} tokens, nb {nb}: |diff|/rms {worst:.3g}")
         if errors:
@@ -312,8 +318,8 @@ class Bench:
             graphs.append(fn)
         times = self.measure(graphs)
         errors = self.host_max(float(comm.errors[:, 0].abs().sum().item()))
-        self.record(name, tokens, nb, times, how + ("" if differ == 0 else "; NOT BITWISE"),
-                    timeouts=errors, bitwise_vs_unfused=differ == 0)  # fmt: skip
+        how += "" if differ == 0 else "; NOT BITWISE"
+        self.record(name, tokens, nb, times, how, timeouts=errors, bitwise_vs_unfused=differ == 0)
         if differ:
             self.failures.append(f"fused at {tokens} tokens, nb {nb}: differs from unfused")
         if errors:
@@ -415,16 +421,18 @@ class Bench:
     def report(self, ok):
         a = self.args
         props = torch.cuda.get_device_properties(self.device)
-        config = {
-            "tp": self.world, "hidden": a.hidden, "heads": a.heads, "d_local": self.d_local,
-            "iters": a.iters, "warmup": a.warmup, "device": props.name,
-            "torch": torch.__version__, "multicast": "off",
-        }  # fmt: skip
-        print(f"all-reduce + residual + AttnRes + RMSNorm, TP {self.world} on {props.name}, "
-              f"HID {a.hidden}, D_local {self.d_local}; slowest rank per iteration, "
-              f"{a.iters} iterations")  # fmt: skip
-        print(f"{'variant':<40}{'tokens':>7}{'nb':>4}{'median us':>11}{'p99 us':>9}"
-              f"{'rank med':>10}  how")  # fmt: skip
+        config = dict(tp=self.world, hidden=a.hidden, heads=a.heads, d_local=self.d_local)
+        config.update(iters=a.iters, warmup=a.warmup, device=props.name, torch=torch.__version__)
+        config["multicast"] = "off"
+        print(
+            f"all-reduce + residual + AttnRes + RMSNorm, TP {self.world} on {props.name}, "
+            f"HID {a.hidden}, D_local {self.d_local}; slowest rank per iteration, "
+            f"{a.iters} iterations"
+        )
+        print(
+            f"{'variant':<40}{'tokens':>7}{'nb':>4}{'median us':>11}{'p99 us':>9}"
+            f"{'rank med':>10}  how"
+        )
         for r in self.rows:
             if "refused" in r:
                 print(f"{r['variant']:<40}{r['tokens']:>7}{r['nb']:>4}  refused: {r['refused']}")
@@ -434,8 +442,10 @@ class Bench:
             note = r["how"]
             if "check" in r:
                 note += f"; vs torch math |diff|/rms {r['check']:.2e}"
-            print(f"{r['variant']:<40}{r['tokens']:>7}{r['nb']:>4}{r['median_us']:>11.2f}"
-                  f"{r['p99_us']:>9.2f}{r['rank_median_max_us']:>10.2f}  {note}")  # fmt: skip
+            print(
+                f"{r['variant']:<40}{r['tokens']:>7}{r['nb']:>4}{r['median_us']:>11.2f}"
+                f"{r['p99_us']:>9.2f}{r['rank_median_max_us']:>10.2f}  {note}"
+            )
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"config": config, "rows": self.rows, "ok": ok}, f, indent=2)

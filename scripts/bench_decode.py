@@ -70,10 +70,21 @@ from launch.runner import DEFAULT_OPROJ_LAUNCH, OPROJ_LAUNCHES, Runner  # noqa: 
 BUDGET_NS = 5_000_000  # a rank that cannot be resident errors quickly instead of 50 ms
 
 
+def _ring(cfg):
+    """The replay ring's entries for the JSON rows (None in per-step mode)."""
+    return cfg.ring if cfg.replay else None
+
+
+def _ours_launching(mode):
+    """``ours`` with the o-projection launches ``mode``: the microseconds alone."""
+    return lambda cfg, model, replays: ours(cfg, model, replays, oproj_launch=mode)[0]
+
+
 def _config(tp, requests, args, tokens=1):
-    cfg = Config(tp=tp, heads=args.heads, hidden=args.hidden, requests=requests, tokens=tokens,
-                 blocks=args.blocks, steps=2, seed=tp * 100 + requests, groups=None,
-                 padding=0.0, kda_state=args.kda_state, ring=args.ring)  # fmt: skip
+    shape = dict(heads=args.heads, hidden=args.hidden, blocks=args.blocks)
+    run = dict(steps=2, seed=tp * 100 + requests, groups=None, padding=0.0)
+    state = dict(kda_state=args.kda_state, ring=args.ring)
+    cfg = Config(tp=tp, requests=requests, tokens=tokens, **shape, **run, **state)
     cfg.validate()
     return cfg
 
@@ -152,8 +163,9 @@ def ours(cfg, model, replays, oproj_launch=None):
         backend.teardown()
 
 
-def layer_step(layers, xs, f_a, betas, gates, slots, prefixes, blocks, outputs, attns, choice,
-               parity: int):  # fmt: skip
+def layer_step(
+    layers, xs, f_a, betas, gates, slots, prefixes, blocks, outputs, attns, choice, parity: int
+):
     """Every rank's T = 1 step through its DecodeLayer on one stream (every partial lands
     before a consumer polls): the function ``compiled`` hands to torch.compile."""
     for r, L in enumerate(layers):
@@ -163,8 +175,7 @@ def layer_step(layers, xs, f_a, betas, gates, slots, prefixes, blocks, outputs, 
         L.consume(prefixes[r], blocks, outputs[r], parity)
 
 
-def rank_step(layer, x, f_a, beta, gate, slots, prefix, blocks, output, attn, choice,
-              parity: int):  # fmt: skip
+def rank_step(layer, x, f_a, beta, gate, slots, prefix, blocks, output, attn, choice, parity: int):
     """One rank's T = 1 step through its DecodeLayer (KDA, producer, consumer): what an
     engine's process compiles with one rank per GPU."""
     layer.attend(x, f_a, beta, gate, slots, out=attn, choice=choice)
@@ -229,13 +240,13 @@ def compiled(cfg, model, replays):
         bk = runner.bucket(1, False)
         runner.fill(bk, plan, step, prefix, blocks)
         n = len(runner.ranks)
-        bufs = dict(
-            xs=[bk.x[i].clone() for i in range(n)], f_a=bk.f_a, betas=[bk.beta[i].clone()
-            for i in range(n)], gates=[bk.gate[i].clone() for i in range(n)], slots=bk.slots,
-            prefixes=[bk.prefix[i].clone() for i in range(n)], blocks=bk.blocks,
-            outputs=[bk.output[i].clone() for i in range(n)],
-            attns=[bk.attn[i].clone() for i in range(n)],
-        )  # fmt: skip
+
+        def ranks(t):  # each rank's own copy
+            return [t[i].clone() for i in range(n)]
+
+        bufs = dict(xs=ranks(bk.x), f_a=bk.f_a, betas=ranks(bk.beta), gates=ranks(bk.gate))
+        bufs.update(slots=bk.slots, prefixes=ranks(bk.prefix), blocks=bk.blocks)
+        bufs.update(outputs=ranks(bk.output), attns=ranks(bk.attn))
         for v in bufs.values():
             _static(v if isinstance(v, list) else [v])
         args = (runner.decode_layers, *bufs.values(), runner.kda_choice(bk), 0)
@@ -297,9 +308,9 @@ def compiled_alone(cfg, model, replays):
     try:
         with _lone_rank(cfg, model) as (runner, bk, publish_others):
             layer = runner.decode_layers[0]
-            bufs = _static([bk.x[0].clone(), bk.f_a, bk.beta[0].clone(), bk.gate[0].clone(),
-                            bk.slots, bk.prefix[0].clone(), bk.blocks, bk.output[0].clone(),
-                            bk.attn[0].clone()])  # fmt: skip
+            rank0 = (bk.x, bk.beta, bk.gate, bk.prefix, bk.output, bk.attn)
+            x, beta, gate, prefix, output, attn = (t[0].clone() for t in rank0)
+            bufs = _static([x, bk.f_a, beta, gate, bk.slots, prefix, bk.blocks, output, attn])
             args = (layer, *bufs, runner.kda_choice(bk), 0)
             live = [layer.shard.state, layer.shard.conv_state, bufs[5]]
             fn = _compile_checked(rank_step, args, live, [bufs[7]], before=publish_others)
@@ -373,11 +384,11 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="requests 8 only, 20 replays")
-    p.add_argument("--compiled", action="store_true",
-                   help="also the compiled DecodeLayer step (column 'compiled')")  # fmt: skip
-    p.add_argument("--kda-state", choices=KDA_STATES, default=KDA_STATES[0],
-                   help="ours: per-step state pages or replay (checkpoint + ring); the fla "
-                        "peer is per-step either way")  # fmt: skip
+    about = "also the compiled DecodeLayer step (column 'compiled')"
+    p.add_argument("--compiled", action="store_true", help=about)
+    about = "ours: per-step state pages or replay (checkpoint + ring); the fla peer is per-step "
+    about += "either way"
+    p.add_argument("--kda-state", choices=KDA_STATES, default=KDA_STATES[0], help=about)
     p.add_argument(
         "--ring",
         type=int,
@@ -407,15 +418,15 @@ def main(argv=None) -> int:
             if GRIDS:
                 exact_gate_weights(model.kda)
             b = step_bytes(cfg, step_kind(1, False, cfg.replay), 1)
-            row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden,
-                       kda_state=cfg.kda_state, ring=cfg.ring if cfg.replay else None,
-                       blocks=cfg.blocks, state_bytes=b["state"], w_o_bytes=b["w_o"],
-                       floor_us=(b["state"] + b["w_o"]) / (tbps * 1e6))  # fmt: skip
-            variants = [(f"{mode.replace('-', '_')}", lambda c, m, n, mode=mode: ours(
-                c, m, n, oproj_launch=mode)[0]) for mode in OPROJ_LAUNCHES
-                if mode != DEFAULT_OPROJ_LAUNCH]  # fmt: skip
-            extra = [("compiled", compiled), ("compiled_alone", compiled_alone)] \
-                if args.compiled else []  # fmt: skip
+            row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden)
+            row.update(kda_state=cfg.kda_state, ring=_ring(cfg), blocks=cfg.blocks)
+            row.update(state_bytes=b["state"], w_o_bytes=b["w_o"])
+            row["floor_us"] = (b["state"] + b["w_o"]) / (tbps * 1e6)
+            others = [m for m in OPROJ_LAUNCHES if m != DEFAULT_OPROJ_LAUNCH]
+            variants = [(m.replace("-", "_"), _ours_launching(m)) for m in others]
+            extra = []
+            if args.compiled:
+                extra = [("compiled", compiled), ("compiled_alone", compiled_alone)]
             for name, fn in [("ours", ours), *variants, *extra, ("alone", alone), ("peer", peer)]:
                 try:
                     result = fn(cfg, model, args.replays)
@@ -471,12 +482,11 @@ def rows_main(args) -> int:
                 hbm = b["state"] + b["w_o"] + exchange
                 flops = 2 * rows * cfg.hidden * cfg.heads * 128
                 floor = max(hbm / (tbps * 1e6), flops / (tflops * 1e6))
-                row = dict(tp=tp, requests=requests, tokens=tokens, rows=rows,
-                           kda_state=cfg.kda_state, ring=cfg.ring if cfg.replay else None,
-                           state_bytes=b["state"], w_o_bytes=b["w_o"], exchange_bytes=exchange,
-                           gemm_flops=flops, floor_us=floor,
-                           plan=dict(producer=plan.producer, twoshot=plan.twoshot,
-                                     reason=plan.reason))  # fmt: skip
+                row = dict(tp=tp, requests=requests, tokens=tokens, rows=rows)
+                row.update(kda_state=cfg.kda_state, ring=_ring(cfg), state_bytes=b["state"])
+                row.update(w_o_bytes=b["w_o"], exchange_bytes=exchange, gemm_flops=flops)
+                how = dict(producer=plan.producer, twoshot=plan.twoshot, reason=plan.reason)
+                row.update(floor_us=floor, plan=how)
                 for name, fn in (("ours", ours), ("peer", peer)):
                     if name == "peer" and tokens > 1:
                         row["peer_us"], row["peer_skipped"] = None, "the fla peer is T = 1"
@@ -494,10 +504,13 @@ def rows_main(args) -> int:
                     torch.cuda.empty_cache()
                 out.append(row)
                 ours_us, peer_us = row["ours_us"], row["peer_us"]
-                print(f"TP{tp:>3} B{requests:>4} T{tokens}: rows {rows:>5} ours {_cell(ours_us)} "
-                      f"peer {_cell(peer_us)} floor {_cell(floor)} "
-                      f"x floor {_cell(None if ours_us is None else ours_us / floor)} | "
-                      f"{plan.reason}", flush=True)  # fmt: skip
+                print(
+                    f"TP{tp:>3} B{requests:>4} T{tokens}: rows {rows:>5} ours {_cell(ours_us)} "
+                    f"peer {_cell(peer_us)} floor {_cell(floor)} "
+                    f"x floor {_cell(None if ours_us is None else ours_us / floor)} | "
+                    f"{plan.reason}",
+                    flush=True,
+                )
                 _print_row(row)
                 if args.json:  # after every row: a cut run keeps what it measured
                     with open(args.json, "w") as f:
@@ -524,23 +537,30 @@ def _print_table(rows, tbps):
         ratio = None if ours_us is None else ours_us / r["floor_us"]
         speed = None if ours_us is None or peer_us is None else peer_us / ours_us
         stages = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("stages_us") or {}).items())
-        print(f"{r['tp']:>3}{r['requests']:>4}{_cell(ours_us)}{_cell(r.get('alone_us'))}"
-              f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
-              f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}")  # fmt: skip
+        print(
+            f"{r['tp']:>3}{r['requests']:>4}{_cell(ours_us)}{_cell(r.get('alone_us'))}"
+            f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
+            f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}"
+        )
     for r in rows:
         if "compiled_us" in r:  # --compiled
             c, o = r["compiled_us"], r.get("ours_us")
             ca, a = r.get("compiled_alone_us"), r.get("alone_us")
             vs = "-" if c is None or o is None else f"{c / o:.2f} x ours"
             va = "-" if ca is None or a is None else f"{ca / a:.2f} x alone"
-            print(f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step, one rank "
-                  f"(engine, one rank per GPU) {_cell(ca).strip()} us GPU ({va}; target <= "
-                  f"1.00 x), host dispatch {_cell(r.get('compiled_alone_host_us')).strip()} us "
-                  f"per call (graph replay: {_cell(r.get('alone_host_us')).strip()} us); "
-                  f"every rank on one stream {_cell(c).strip()} us ({vs})")  # fmt: skip
+            print(
+                f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step, one rank "
+                f"(engine, one rank per GPU) {_cell(ca).strip()} us GPU ({va}; target <= "
+                f"1.00 x), host dispatch {_cell(r.get('compiled_alone_host_us')).strip()} us "
+                f"per call (graph replay: {_cell(r.get('alone_host_us')).strip()} us); "
+                f"every rank on one stream {_cell(c).strip()} us ({vs})"
+            )
     for r in rows:
-        modes = ", ".join(f"{m} {r[k]:.2f} us" for m in OPROJ_LAUNCHES
-                          if r.get(k := f"{m.replace('-', '_')}_us") is not None)  # fmt: skip
+        modes = ", ".join(
+            f"{m} {r[k]:.2f} us"
+            for m in OPROJ_LAUNCHES
+            if r.get(k := f"{m.replace('-', '_')}_us") is not None
+        )
         print(
             f"  TP {r['tp']} B {r['requests']}: ours = o-projection launches "
             f"{DEFAULT_OPROJ_LAUNCH}; other modes: {modes or '-'}"

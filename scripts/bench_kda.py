@@ -104,9 +104,25 @@ def setup(H, B, T, rotations, seed=0, device="cuda"):
     steps = []
     for r in range(rotations):
         table = 1 + r * B * T + torch.arange(B * T, dtype=torch.int32).view(B, T)
-        steps.append(kt.make_step(B, T, H, pages=pages, slot_table=table, seed=seed + r,
-                                  device=device))  # fmt: skip
+        steps.append(
+            kt.make_step(B, T, H, pages=pages, slot_table=table, seed=seed + r, device=device)
+        )
     return layer, steps
+
+
+CONSTANTS = dict(lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS)
+
+
+def operands(layer, step):
+    """``kda.decode``'s operands of ``step`` on ``layer``, as keywords: each positional field
+    of ``DecodeOperands`` from the layer or the step, then ``accepted`` and the constants."""
+    import dataclasses
+
+    from kda.operands import DecodeOperands
+
+    names = [f.name for f in dataclasses.fields(DecodeOperands) if not f.kw_only]
+    named = {n: getattr(layer if hasattr(layer, n) else step, n) for n in names}
+    return named | dict(accepted=step.accepted, **CONSTANTS)
 
 
 def ours(layer, steps, kernel, gate_mode=3, cluster=None):
@@ -117,12 +133,7 @@ def ours(layer, steps, kernel, gate_mode=3, cluster=None):
 
     def fn():
         for s in steps:
-            kda.decode(
-                s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
-                layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
-                layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
-                accepted=s.accepted, kernel=kernel, out=out, gate_mode=gate_mode, **extra,
-            )  # fmt: skip
+            kda.decode(**operands(layer, s), kernel=kernel, out=out, gate_mode=gate_mode, **extra)
 
     return fn
 
@@ -184,11 +195,8 @@ def replay(layer, steps, ring, gate_mode=3, kernel="auto"):
         for _ in range(ring.size):
             for s in steps:
                 kda.replay_decode(
-                    s.x, layer.conv_weight, layer.conv_bias, layer.conv_state, s.f_a, s.beta,
-                    layer.a_log, layer.dt_bias, s.slots, layer.state, s.gate, layer.norm_weight,
-                    layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
-                    accepted=s.accepted, ring=ring, gate_mode=gate_mode, kernel=kernel, out=out,
-                )  # fmt: skip
+                    **operands(layer, s), ring=ring, gate_mode=gate_mode, kernel=kernel, out=out
+                )
 
     return fn
 
@@ -227,6 +235,7 @@ def replay_bytes(heads, size, tokens, slots, accepted=None, calls=9, timed=7):
 
 def fla_recurrence(layer, steps, H, B, T):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from step_peers import fla_options
 
     prepared = []
     for s in steps:
@@ -250,12 +259,7 @@ def fla_recurrence(layer, steps, H, B, T):
 
     def fn():
         for q, k, v, g, beta, out, extra in prepared:
-            fused_recurrent_kda_fwd(
-                q, k, v, g, beta, A_log=layer.a_log, dt_bias=layer.dt_bias,
-                initial_state=layer.state, scale=kl.SCALE, inplace_final_state=True,
-                state_v_first=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, lower_bound=kl.LOWER_BOUND, out=out, **extra,
-            )  # fmt: skip
+            fused_recurrent_kda_fwd(q, k, v, g, beta, **fla_options(layer, out=out), **extra)
 
     return fn
 
@@ -265,6 +269,7 @@ def fla_composed(layer, steps, H, B):
     from fla.modules.causal_conv1d.ops import causal_conv1d_update
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from step_peers import fla_options
 
     D = H * 128
     weight = layer.conv_weight.permute(0, 2, 1).reshape(3 * D, 4).contiguous()  # [3D, 4]
@@ -274,20 +279,16 @@ def fla_composed(layer, steps, H, B):
 
     def fn():
         for s, cache, out in zip(steps, caches, outs, strict=True):
-            y, _ = causal_conv1d_update(s.x, cache, weight=weight, bias=layer.conv_bias,
-                                        activation="silu")  # fmt: skip
+            y, _ = causal_conv1d_update(
+                s.x, cache, weight=weight, bias=layer.conv_bias, activation="silu"
+            )
             qkv = y.view(B, 1, 3, H, 128)
             g = (s.f_a @ layer.f_b.T).view(B, 1, H, 128)
-            fused_recurrent_kda_fwd(
-                qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, s.beta.view(B, 1, H),
-                A_log=layer.a_log, dt_bias=layer.dt_bias, initial_state=layer.state,
-                scale=kl.SCALE, inplace_final_state=True, state_v_first=True,
-                ssm_state_indices=s.slots, use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=kl.LOWER_BOUND, out=out,
-            )  # fmt: skip
-            rms_norm_gated(out.view(B * H, 128), s.gate.view(B * H, 128), layer.norm_weight,
-                           None, activation=activation, eps=kl.EPS)  # fmt: skip
+            q, k, v = qkv.unbind(2)
+            options = fla_options(layer, ssm_state_indices=s.slots, out=out)
+            fused_recurrent_kda_fwd(q, k, v, g, s.beta.view(B, 1, H), **options)
+            o, gate = out.view(B * H, 128), s.gate.view(B * H, 128)
+            rms_norm_gated(o, gate, layer.norm_weight, None, activation=activation, eps=kl.EPS)
 
     return fn
 
@@ -303,17 +304,16 @@ def diagnose():
             layer = kt.make_layer(H, pages, window=T + 2, seed=1, device="cuda")
             step = kt.make_step(B, T, H, pages=pages, seed=2, device="cuda")
             ref_layer = layer.clone()
-            rec = [(torch.zeros(B, H, T, 128, device="cuda"),
-                    torch.zeros(B, H, T, 256, dtype=torch.bfloat16, device="cuda"))
-                   for _ in range(2)]  # fmt: skip
+            rec = [
+                (
+                    torch.zeros(B, H, T, 128, device="cuda"),
+                    torch.zeros(B, H, T, 256, dtype=torch.bfloat16, device="cuda"),
+                )
+                for _ in range(2)
+            ]
             ref = kt.run_reference(ref_layer, step, records=rec[0])
-            out = kda.decode(
-                step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a,
-                step.beta, layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate,
-                layer.norm_weight, layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE,
-                eps=kl.EPS, accepted=step.accepted, records=rec[1], kernel=kernel,
-                gate_mode=gate_mode,
-            )  # fmt: skip
+            options = dict(records=rec[1], kernel=kernel, gate_mode=gate_mode)
+            out = kda.decode(**operands(layer, step), **options)
             torch.cuda.synchronize()
             rk, gk = rec[0][1], rec[1][1]
             k_bad = (rk[..., :128] != gk[..., :128]).any(-1).any(-1)
@@ -404,11 +404,15 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     left = Counter((H, B, T) for H, B, T, _ in grid)
     built = {}
-    print("replay rows: kda.replay_decode (us per step; MB of state per step), beside the "
-          "per-step kda.decode (step us, step MB) and fla's recurrence")  # fmt: skip
-    print(f"{'H':>3} {'B':>4} {'T':>2} {'R':>2} {'kernel':>7} {'replay':>8} {'MB/step':>8} "
-          f"{'TB/s':>6} {'%copy':>6} {'step us':>8} {'step MB':>8} {'x step':>6} "
-          f"{'fla rec':>8} {'x rec':>6}")  # fmt: skip
+    print(
+        "replay rows: kda.replay_decode (us per step; MB of state per step), beside the "
+        "per-step kda.decode (step us, step MB) and fla's recurrence"
+    )
+    print(
+        f"{'H':>3} {'B':>4} {'T':>2} {'R':>2} {'kernel':>7} {'replay':>8} {'MB/step':>8} "
+        f"{'TB/s':>6} {'%copy':>6} {'step us':>8} {'step MB':>8} {'x step':>6} "
+        f"{'fla rec':>8} {'x rec':>6}"
+    )
     for H, B, T, size in grid:
         shape = (H, B, T)
         if shape not in built:
@@ -417,8 +421,9 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
         rotations, per_launch, layer, steps = built[shape]
         if shape not in per_step:  # the per-step path, timed as the per-step rows time it
             us = time_graph(ours(layer, steps, "auto", gate_mode), inner=rotations)
-            per_step[shape] = dict(H=H, B=B, T=T, kernel=plan(B, H, T, "cuda").kernel,
-                                   auto_us=us, fla_us=None, state_bytes=per_launch)  # fmt: skip
+            kernel = plan(B, H, T, "cuda").kernel
+            row = dict(kernel=kernel, auto_us=us, fla_us=None, state_bytes=per_launch)
+            per_step[shape] = dict(H=H, B=B, T=T, **row)
             try:  # the peer in the same run, as the per-step rows time it
                 fn = fla_recurrence(layer, steps, H, B, T)
                 per_step[shape]["fla_us"] = time_graph(fn, inner=rotations)
@@ -427,8 +432,9 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
             fn = None
         step_row = per_step[shape]
         choice = choose_replay(B, H, T, size, sms=sms)
-        row = dict(H=H, B=B, T=T, R=size, kernel=choice.kernel, reason=choice.reason,
-                   rotations=rotations)  # fmt: skip
+        row = dict(
+            H=H, B=B, T=T, R=size, kernel=choice.kernel, reason=choice.reason, rotations=rotations
+        )
         us = None
         try:  # from the staggered fill levels (a fresh ring)
             fn = replay(layer, steps, replay_setup(layer, size), gate_mode)
@@ -443,8 +449,8 @@ def replay_table(grid, per_step, gate_mode, copy_tbs, emit):
         row["replay_tbs"] = moved / (us * 1e-6) / 1e12 if us else None
         row["pct_copy"] = 100 * row["replay_tbs"] / copy_tbs if us else None
         step_us, fla = step_row["auto_us"], step_row.get("fla_us")
-        row.update(per_step_us=step_us, per_step_kernel=step_row["kernel"],
-                   per_step_bytes=per_launch, fla_us=fla)  # fmt: skip
+        row.update(per_step_us=step_us, per_step_kernel=step_row["kernel"])
+        row.update(per_step_bytes=per_launch, fla_us=fla)
         row["speedup_per_step"] = step_us / us if us else None
         row["speedup_fla"] = fla / us if us and fla else None
         print(
@@ -470,8 +476,9 @@ def main(argv=None):
     copy_tbs = copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_tbs:.2f} TB/s")
     rows, replay_rows = [], []
-    payload = dict(device=torch.cuda.get_device_name(), copy_tbs=copy_tbs, rows=rows,
-                   replay_rows=replay_rows)  # fmt: skip
+    payload = dict(
+        device=torch.cuda.get_device_name(), copy_tbs=copy_tbs, rows=rows, replay_rows=replay_rows
+    )
 
     def save():
         if args.json:
@@ -479,9 +486,11 @@ def main(argv=None):
 
     shapes = per_step_shapes(args)
     if shapes:
-        header = (f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} "
-                  f"{'%copy':>6} {'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} "
-                  f"{'fla comp':>9} {'x comp':>6}")  # fmt: skip
+        header = (
+            f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} "
+            f"{'%copy':>6} {'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} "
+            f"{'fla comp':>9} {'x comp':>6}"
+        )
         print(header)
     for H, B, T in shapes:
         rotations, per_launch = rotations_for(H, B, T)
@@ -489,8 +498,8 @@ def main(argv=None):
         from kda.decode import plan
 
         choice = plan(B, H, T, "cuda")
-        result = dict(H=H, B=B, T=T, kernel=choice.kernel, reason=choice.reason,
-                      rotations=rotations, state_bytes=per_launch)  # fmt: skip
+        result = dict(H=H, B=B, T=T, kernel=choice.kernel, reason=choice.reason)
+        result.update(rotations=rotations, state_bytes=per_launch)
         for name in ("auto", "wide", "stream"):
             fn = ours(layer, steps, name, args.gate_mode)
             result[f"{name}_us"] = time_graph(fn, inner=rotations)
@@ -502,8 +511,10 @@ def main(argv=None):
                 except Exception as error:  # report, keep going
                     result[f"split{cluster}_us"] = None
                     result[f"split{cluster}_error"] = repr(error)[:200]
-        kernels = {k[:-3]: v for k, v in result.items() if k.endswith("_us") and v
-                   and k[:-3] in ("wide", "stream", "split2", "split4", "split8")}  # fmt: skip
+        named = ("wide", "stream", "split2", "split4", "split8")
+        kernels = {
+            k[:-3]: v for k, v in result.items() if k.endswith("_us") and v and k[:-3] in named
+        }
         best = min(kernels, key=kernels.get)
         result["best"], result["auto_vs_best"] = best, result["auto_us"] / kernels[best]
         try:

@@ -79,6 +79,8 @@ def torch_consume(a, prefix, out):
 
 def bench_row(tp, tokens, nb, hid, iters, repeats):
     a = _inputs(tp, tokens, hid, nb)
+    epilogue = a["blocks"], a["norm"], a["query"], a["out_norm"]  # the consumer's AttnRes inputs
+    sizes = dict(eps=EPS, out_eps=EPS, budget_ns=BUDGET)
     row = dict(tp=tp, tokens=tokens, nb=nb, hid=hid)
     nbytes = consumer_bytes(tp, tokens, hid, nb)
     row["floor_alone_us"] = nbytes / COPY_TBPS / 1e6
@@ -96,7 +98,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     def alone(i):
         refill(i)
-        comm.consume(prefix, a["blocks"], a["norm"], a["query"], a["out_norm"], out, i, rank=0)
+        comm.consume(prefix, *epilogue, out, i, rank=0)
 
     t_copy = graph_us(refill, iters, repeats)
     t_both = graph_us(alone, iters, repeats)
@@ -123,8 +125,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     def fused_alone(i):
         refill_others(i)
-        comm.produce_consume(attn, w_os[i % ROTATE], prefix, a["blocks"], a["norm"],
-                             a["query"], a["out_norm"], out, i, rank=0, launches=1)  # fmt: skip
+        comm.produce_consume(attn, w_os[i % ROTATE], prefix, *epilogue, out, i, rank=0, launches=1)
 
     try:
         row["fused_tiles_alone"] = comm.fused_plan(launches=1).tiles
@@ -143,24 +144,21 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     attns = torch.randn(tp, tokens, d_local, device="cuda").to(torch.bfloat16)
     w_all = (torch.randn(tp, hid, d_local, device="cuda") * d_local**-0.5).to(torch.bfloat16)
     try:
-        comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET)
+        comm = OprojAllReduce(backend, tokens, hid, nb, **sizes)
 
         def all_ranks(i):
-            comm.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
-                           a["out_norm"], outs, i)  # fmt: skip
+            comm.run_ranks(a["partials"], prefixes, *epilogue, outs, i)
 
         row["publish_consume_all_us"] = graph_us(all_ranks, iters, repeats)
 
         def produce_all(i):
-            comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
-                           a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
+            comm.run_ranks(attns, prefixes, *epilogue, outs, i, w_os=w_all)
 
         row["produce_consume_all_us"] = graph_us(produce_all, iters, repeats)
         row["errors_all"] = int(comm.errors.abs().sum())
 
         def fused_all(i):
-            comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
-                           a["out_norm"], outs, i, w_os=w_all, mode="fused")  # fmt: skip
+            comm.run_ranks(attns, prefixes, *epilogue, outs, i, w_os=w_all, mode="fused")
 
         try:
             try:
@@ -170,8 +168,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
                 # (what a loopback deployment would run) before giving up
                 backend.teardown()
                 backend = LoopbackBackend(tp)
-                comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS,
-                                      budget_ns=BUDGET, groups=1)  # fmt: skip
+                comm = OprojAllReduce(backend, tokens, hid, nb, **sizes, groups=1)
                 row["fused_tiles_all"] = comm.fused_plan().tiles
             row["fused_all_groups"] = comm.groups
             row["fused_all_us"] = graph_us(fused_all, iters, repeats)
@@ -186,8 +183,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     # every rank in one launch (one publisher or producer launch, one consumer launch, PDL
     # between them): what a one-GPU deployment runs; consumers start after every partial,
     # so no co-residency rule (one_launch=True all-reduces), every token count runs
-    one = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET,
-                         one_launch=True)  # fmt: skip
+    one = OprojAllReduce(backend, tokens, hid, nb, **sizes, one_launch=True)
     boxes = one.mailbox.buffer.payload  # [TP ranks, 2, TP slots, tokens, HID]
     stacked = a["partials"][None].expand(tp, -1, -1, -1)
 
@@ -196,7 +192,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     def consume_all(i):
         refill_all(i)
-        one.consume_all(prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outs, i)
+        one.consume_all(prefixes, *epilogue, outs, i)
 
     t_copy = graph_us(refill_all, iters, repeats)
     row["consumer_all_1l_us"] = graph_us(consume_all, iters, repeats) - t_copy
@@ -204,9 +200,8 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     for key, w in (("publish_consume_all_1l_us", None), ("produce_consume_all_1l_us", w_all)):
 
         def one_launch(i, w=w):
-            one.run_ranks(a["partials"] if w is None else attns, prefixes, a["blocks"],
-                          a["norm"], a["query"], a["out_norm"], outs, i, w_os=w,
-                          mode="one-launch", pdl=True)  # fmt: skip
+            inputs = a["partials"] if w is None else attns
+            one.run_ranks(inputs, prefixes, *epilogue, outs, i, w_os=w, mode="one-launch", pdl=True)
 
         row[key] = graph_us(one_launch, iters, repeats)
     row["errors_1l"] = int(one.errors.abs().sum())
@@ -245,9 +240,9 @@ def main():
         return rows_main(args)
     hid = 7168
     tokens = [int(t) for t in args.tokens.split(",")]
-    grid = [(16, 1, 8), (16, 1, 0), (8, 1, 8), (16, 8, 8)] if args.quick else [
-        (tp, t, nb) for tp in (16, 8) for t in tokens for nb in (8, 0)
-    ]  # fmt: skip
+    grid = [(tp, t, nb) for tp in (16, 8) for t in tokens for nb in (8, 0)]
+    if args.quick:
+        grid = [(16, 1, 8), (16, 1, 0), (8, 1, 8), (16, 8, 8)]
     rows = []
     head = f"{'TP':>3} {'T':>2} {'nb':>3} | {'cons 1':>7} {'floor':>5} | {'prod 1':>7} "
     head += f"{'floor':>5} | {'pub+cons all':>12} {'floor':>5} | "
@@ -261,24 +256,29 @@ def main():
     for tp, tokens, nb in grid:
         r = bench_row(tp, tokens, nb, hid, args.iters, args.repeats)
         rows.append(r)
-        print(f"{tp:>3} {tokens:>2} {nb:>3} | {cell(r['consumer_alone_us'], 7)} "
-              f"{cell(r['floor_alone_us'], 5)} | {cell(r['producer_alone_us'], 7)} "
-              f"{cell(r['floor_producer_us'], 5)} | "
-              f"{cell(r['publish_consume_all_us'], 12)} "
-              f"{cell(r['floor_all_us'], 5)} | {cell(r['produce_consume_all_us'], 13)} "
-              f"{cell(r.get('floor_produce_consume_all_us'), 6)} | "
-              f"{cell(r['fused_alone_us'], 7)} {cell(r['floor_fused_alone_us'], 5)} | "
-              f"{cell(r['fused_all_us'], 9)} | "
-              f"{cell(r['torch_us'], 6)}", flush=True)  # fmt: skip
+        print(
+            f"{tp:>3} {tokens:>2} {nb:>3} | {cell(r['consumer_alone_us'], 7)} "
+            f"{cell(r['floor_alone_us'], 5)} | {cell(r['producer_alone_us'], 7)} "
+            f"{cell(r['floor_producer_us'], 5)} | "
+            f"{cell(r['publish_consume_all_us'], 12)} "
+            f"{cell(r['floor_all_us'], 5)} | {cell(r['produce_consume_all_us'], 13)} "
+            f"{cell(r.get('floor_produce_consume_all_us'), 6)} | "
+            f"{cell(r['fused_alone_us'], 7)} {cell(r['floor_fused_alone_us'], 5)} | "
+            f"{cell(r['fused_all_us'], 9)} | "
+            f"{cell(r['torch_us'], 6)}",
+            flush=True,
+        )
         for key in ("fused_alone_skipped", "fused_all_skipped", "all_skipped"):
             if key in r:
                 print(f"    {key}: {r[key]}", flush=True)
-        print(f"    one launch, all ranks: cons {cell(r.get('consumer_all_1l_us'), 6)} | "
-              f"pub+cons {cell(r.get('publish_consume_all_1l_us'), 6)} | "
-              f"prod+cons {cell(r.get('produce_consume_all_1l_us'), 6)} | "
-              f"floor {cell(r.get('floor_produce_consume_all_us'), 6)} | "
-              f"groups {r.get('groups_1l')}",
-              flush=True)  # fmt: skip
+        print(
+            f"    one launch, all ranks: cons {cell(r.get('consumer_all_1l_us'), 6)} | "
+            f"pub+cons {cell(r.get('publish_consume_all_1l_us'), 6)} | "
+            f"prod+cons {cell(r.get('produce_consume_all_1l_us'), 6)} | "
+            f"floor {cell(r.get('floor_produce_consume_all_us'), 6)} | "
+            f"groups {r.get('groups_1l')}",
+            flush=True,
+        )
         if r.get("fused_all_us") is not None:
             print(f"    fused all: groups {r['fused_all_groups']}, tiles {r['fused_tiles_all']}")
     if args.json:
@@ -298,12 +298,13 @@ def rows_main(args):
     def dump(out, tflops):
         if args.json:
             with open(args.json, "w") as f:
-                summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops,
-                           "crossovers": oproj_rows.crossovers(out)}  # fmt: skip
+                summary = dict(device=device, copy_tbps=tbps, gemm_tflops=tflops)
+                summary["crossovers"] = oproj_rows.crossovers(out)
                 json.dump(dict(summary, rows=out), f, indent=1)
 
-    out, _ = oproj_rows.sweep(args.tp, rows, 7168, 8, args.heads, iters, args.repeats, tbps,
-                              on_row=dump)  # fmt: skip
+    out, _ = oproj_rows.sweep(
+        args.tp, rows, 7168, 8, args.heads, iters, args.repeats, tbps, on_row=dump
+    )
     if args.write_crossovers:
         oproj_rows.write_crossovers(out, device)
 

@@ -46,10 +46,17 @@ from launch.layer import OUT_EPS, Config, Model  # noqa: E402
 from launch.procs import env_rank, job_processes, nvshmem_installed, nvshmem_job  # noqa: E402
 from launch.runner import GATE_CYCLES, Runner, check_rows  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
-VARIANTS = {"ours": "ours (nvshmem)", "nccl": "fla + NCCL all_reduce",
-            "symm": "fla + symm one-shot", "flashinfer": "fla + flashinfer fusion"}  # fmt: skip
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+VARIANTS = {
+    "ours": "ours (nvshmem)",
+    "nccl": "fla + NCCL all_reduce",
+    "symm": "fla + symm one-shot",
+    "flashinfer": "fla + flashinfer fusion",
+}
 ONE_TOKEN = "the fla peer decodes one token per step (T = 1)"
 
 
@@ -66,17 +73,19 @@ def parse_args(argv=None):
 
 
 def config(args, tp: int, requests: int) -> Config:
-    return Config(tp=tp, heads=args.heads, hidden=args.hidden, requests=requests,
-                  tokens=args.tokens, blocks=args.blocks, steps=2, seed=tp * 100 + requests,
-                  groups=None, padding=0.0)  # fmt: skip
+    shape = dict(heads=args.heads, hidden=args.hidden, tokens=args.tokens, blocks=args.blocks)
+    run = dict(steps=2, seed=tp * 100 + requests, groups=None, padding=0.0)
+    return Config(tp=tp, requests=requests, **shape, **run)
 
 
 def check_args(args, world: int) -> None:
     """ValueError naming the option unless every requests count gives a layer that
     ``world`` processes (one per GPU) can run."""
     if world < 2:
-        raise ValueError(f"one process per GPU and at least 2 (torchrun --nproc-per-node N); "
-                         f"this job has {world}")  # fmt: skip
+        raise ValueError(
+            f"one process per GPU and at least 2 (torchrun --nproc-per-node N); "
+            f"this job has {world}"
+        )
     if args.replays < 1:
         raise ValueError(f"--replays must be >= 1; got {args.replays}")
     for requests in args.requests:
@@ -119,8 +128,10 @@ def format_table(meta: dict, rows: list[dict]) -> list[str]:
     ]
     for row in rows:
         floor = row["floor_us"]
-        lines.append(f"{row['requests']:>4}  {'floor':<24}{_cell(floor, 10)}{'-':>9}"
-                     f"{'-':>9}{'-':>8}  {row['rank_bytes'] / 1e6:.1f} MB per rank")  # fmt: skip
+        lines.append(
+            f"{row['requests']:>4}  {'floor':<24}{_cell(floor, 10)}{'-':>9}"
+            f"{'-':>9}{'-':>8}  {row['rank_bytes'] / 1e6:.1f} MB per rank"
+        )
         ours = row["variants"].get("ours", {}).get("median_us")
         for key, label in VARIANTS.items():
             v = row["variants"].get(key, {"skipped": "not run"})
@@ -128,8 +139,10 @@ def format_table(meta: dict, rows: list[dict]) -> list[str]:
             x_floor = None if med is None else med / floor
             x_ours = None if med is None or ours is None else med / ours
             how = f"skipped: {v['skipped']}" if "skipped" in v else v.get("how", "")
-            lines.append(f"{'':>4}  {label:<24}{_cell(med, 10)}{_cell(v.get('p99_us'))}"
-                         f"{_cell(x_floor)}{_cell(x_ours, 8)}  {how}")  # fmt: skip
+            lines.append(
+                f"{'':>4}  {label:<24}{_cell(med, 10)}{_cell(v.get('p99_us'))}"
+                f"{_cell(x_floor)}{_cell(x_ours, 8)}  {how}"
+            )
     return lines
 
 
@@ -214,19 +227,31 @@ def flashinfer_step(runner, kda, w_o, prefix, blocks, w, output, partial):
         raise ImportError("this flashinfer has no allreduce_fusion")
     rows, hid = prefix.shape
     ws = fc.create_allreduce_fusion_workspace(
-        backend="trtllm", world_size=runner.cfg.tp, rank=runner.ranks[0], max_token_num=rows,
-        hidden_dim=hid, dtype=torch.bfloat16,
-    )  # fmt: skip
+        backend="trtllm",
+        world_size=runner.cfg.tp,
+        rank=runner.ranks[0],
+        max_token_num=rows,
+        hidden_dim=hid,
+        dtype=torch.bfloat16,
+    )
     normed, out_norm = torch.empty_like(prefix), runner.out_norm
 
     def step():
         torch.matmul(kda(), w_o.t(), out=partial)
-        fc.allreduce_fusion(input=partial, workspace=ws,
-                            pattern=fc.AllReduceFusionPattern.kARResidualRMSNorm,
-                            launch_with_pdl=True, residual_in=prefix, residual_out=prefix,
-                            norm_out=normed, rms_gamma=out_norm, rms_eps=OUT_EPS,
-                            use_oneshot=True, trigger_completion_at_end=True,
-                            fp32_acc=True)  # fmt: skip
+        fc.allreduce_fusion(
+            input=partial,
+            workspace=ws,
+            pattern=fc.AllReduceFusionPattern.kARResidualRMSNorm,
+            launch_with_pdl=True,
+            residual_in=prefix,
+            residual_out=prefix,
+            norm_out=normed,
+            rms_gamma=out_norm,
+            rms_eps=OUT_EPS,
+            use_oneshot=True,
+            trigger_completion_at_end=True,
+            fp32_acc=True,
+        )
         output.copy_(normed if blocks is None else peers.attn_res_norm(prefix, blocks, w, out_norm))
 
     return step
@@ -309,9 +334,9 @@ def main(argv=None) -> int:
             os._exit(1)  # the other ranks may wait in a collective: torchrun ends them
         if not procs.root:
             return 0 if not failures else 1
-        meta = dict(tp=backend.world, heads=args.heads, hidden=args.hidden, blocks=args.blocks,
-                    tokens=args.tokens, replays=args.replays, copy_tbps=tbps,
-                    device=torch.cuda.get_device_name(backend.device))  # fmt: skip
+        meta = dict(tp=backend.world, heads=args.heads, hidden=args.hidden, blocks=args.blocks)
+        meta.update(tokens=args.tokens, replays=args.replays, copy_tbps=tbps)
+        meta["device"] = torch.cuda.get_device_name(backend.device)
     print("\n".join(format_table(meta, rows)), flush=True)
     if args.json:
         with open(args.json, "w") as f:

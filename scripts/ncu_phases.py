@@ -118,9 +118,11 @@ def summary(table: dict, items: int) -> dict:
     result = {}
     for name, (samples, executed, stalls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
         top = {k: round(100 * c / samples, 1) for k, c in stalls.most_common(3)} if samples else {}
-        result[name] = dict(samples_pct=round(100 * samples / total, 1),
-                            warp_instructions_per_item=round(executed / items),
-                            top_stalls_pct=top)  # fmt: skip
+        result[name] = dict(
+            samples_pct=round(100 * samples / total, 1),
+            warp_instructions_per_item=round(executed / items),
+            top_stalls_pct=top,
+        )
     return result
 
 
@@ -133,8 +135,10 @@ def main(argv=None):
     with open(args.csv) as f:
         result = summary(phases(list(sass_rows(f))), args.items)
     for name, row in result.items():
-        print(f"{row['samples_pct']:5.1f}% {row['warp_instructions_per_item']:6d} warp "
-              f"instructions / item  {name:28s} {row['top_stalls_pct']}")  # fmt: skip
+        print(
+            f"{row['samples_pct']:5.1f}% {row['warp_instructions_per_item']:6d} warp "
+            f"instructions / item  {name:28s} {row['top_stalls_pct']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

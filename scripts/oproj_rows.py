@@ -137,12 +137,19 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
         kw = dict(eps=EPS, out_eps=EPS, budget_ns=BUDGET)
         if kind.startswith("oneshot_1l"):
             producer = "cublas" if kind.endswith("cublas") else None
-            comm = OprojAllReduce(backend, rows, hid, nb, one_launch=True, producer=producer,
-                                  **kw)  # fmt: skip
+            comm = OprojAllReduce(backend, rows, hid, nb, one_launch=True, producer=producer, **kw)
 
             def fn(i):
-                comm.run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"],
-                               mode="one-launch", pdl=True)  # fmt: skip
+                comm.run_ranks(
+                    a["attn"],
+                    prefixes,
+                    *args,
+                    outputs,
+                    i,
+                    w_os=a["w_os"],
+                    mode="one-launch",
+                    pdl=True,
+                )
 
             errors = comm.errors
         else:
@@ -179,10 +186,21 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
             chunks = choose(tp, rows, hid)  # per-rank launches (RowChunks): the crossover
             exchange = tp * buffer_bytes(tp, rows, hid, False) // 2
             floor = floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops)
-            row = dict(tp=tp, rows=rows, hid=hid, nb=nb, d_local=d_local, floor_us=floor,
-                       plan=dict(producer=plan.producer, twoshot=plan.twoshot,
-                                 bytes=plan.bytes, reason=plan.reason),
-                       chunks_plan=dict(twoshot=chunks.twoshot, reason=chunks.reason))  # fmt: skip
+            row = dict(
+                tp=tp,
+                rows=rows,
+                hid=hid,
+                nb=nb,
+                d_local=d_local,
+                floor_us=floor,
+                plan=dict(
+                    producer=plan.producer,
+                    twoshot=plan.twoshot,
+                    bytes=plan.bytes,
+                    reason=plan.reason,
+                ),
+                chunks_plan=dict(twoshot=chunks.twoshot, reason=chunks.reason),
+            )
             kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
             if rows <= 8:
                 kinds.insert(1, "oneshot_1l_cublas")
@@ -210,11 +228,14 @@ def print_row(r):
     ours, best, floor = r["ours_us"], r["best_us"], r["floor_us"]
     ratio = None if ours is None else ours / floor
     vs_best = None if ours is None or best is None else ours / best
-    print(f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell(ours)} (x floor {cell(ratio, 5, 2)}, "
-          f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell(r['oneshot_chunks_us'])} | "
-          f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS <= 8 "
-          f"{cell(r.get('oneshot_1l_cublas_us'))} | peer {cell(r['peer_us'])} | floor "
-          f"{cell(floor)} | {r['plan']['producer']}", flush=True)  # fmt: skip
+    print(
+        f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell(ours)} (x floor {cell(ratio, 5, 2)}, "
+        f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell(r['oneshot_chunks_us'])} | "
+        f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS <= 8 "
+        f"{cell(r.get('oneshot_1l_cublas_us'))} | peer {cell(r['peer_us'])} | floor "
+        f"{cell(floor)} | {r['plan']['producer']}",
+        flush=True,
+    )
 
 
 def crossovers(rows_out):
@@ -222,8 +243,11 @@ def crossovers(rows_out):
     that and every larger measured count; None when it never does."""
     table = {}
     for tp in sorted({r["tp"] for r in rows_out}):
-        pts = sorted((r["rows"], r["twoshot_chunks_us"], r["oneshot_chunks_us"])
-                     for r in rows_out if r["tp"] == tp)  # fmt: skip
+        pts = sorted(
+            (r["rows"], r["twoshot_chunks_us"], r["oneshot_chunks_us"])
+            for r in rows_out
+            if r["tp"] == tp
+        )
         start = None
         for rows, two, one in reversed(pts):
             if two is None or one is None or two >= one:
@@ -240,10 +264,14 @@ def one_launch_fastest(rows_out):
     table = {}
     for tp in sorted({r["tp"] for r in rows_out}):
         mine = sorted((r for r in rows_out if r["tp"] == tp), key=lambda r: r["rows"])
-        wins = [r.get("oneshot_1l_us") is not None and all(
-                    r.get(k) is None or r["oneshot_1l_us"] < r[k]
-                    for k in ("oneshot_chunks_us", "twoshot_chunks_us"))
-                for r in mine]  # fmt: skip
+        wins = [
+            r.get("oneshot_1l_us") is not None
+            and all(
+                r.get(k) is None or r["oneshot_1l_us"] < r[k]
+                for k in ("oneshot_chunks_us", "twoshot_chunks_us")
+            )
+            for r in mine
+        ]
         table[str(tp)] = dict(rows=[r["rows"] for r in mine], fastest=all(wins))
     return table
 
@@ -260,13 +288,14 @@ def write_crossovers(rows_out, device, path=CROSSOVERS, date=None):
         "twoshot": False,
         "fastest": fastest,
         "why": "one launch for every rank of one GPU (the loopback launcher's path, "
-               "OprojAllReduce(one_launch=True)) exists one-shot only; where 'fastest' it beat "
-               "chunked one-shot and chunked twoshot at every measured rows count, so choose("
-               "..., one_launch=True) ignores twoshot_from_rows",
-    }  # fmt: skip
+        "OprojAllReduce(one_launch=True)) exists one-shot only; where 'fastest' it beat "
+        "chunked one-shot and chunked twoshot at every measured rows count, so choose("
+        "..., one_launch=True) ignores twoshot_from_rows",
+    }
     on = device if "loopback" in device else f"{device} (loopback)"
-    measured = ", ".join(f"TP {tp} rows {'/'.join(map(str, f['rows']))}"
-                         for tp, f in fastest.items())  # fmt: skip
+    measured = ", ".join(
+        f"TP {tp} rows {'/'.join(map(str, f['rows']))}" for tp, f in fastest.items()
+    )
     chunk = {}  # per TP the largest one-shot chunk the GPU held (its co-residency rule)
     for r in rows_out:
         if isinstance(r.get("oneshot_chunks_note"), int):

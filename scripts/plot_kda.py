@@ -49,8 +49,13 @@ def main(argv=None):
         for key, label, style in SERIES:
             ys = [r.get(key) for r in rs]
             if any(y is not None for y in ys):
-                ax.plot(bs, [float("nan") if y is None else y for y in ys], style,
-                        marker="o", label=label)  # fmt: skip
+                ax.plot(
+                    bs,
+                    [float("nan") if y is None else y for y in ys],
+                    style,
+                    marker="o",
+                    label=label,
+                )
         ax.set_title(f"H = {H}, T = {T}")
         ax.set_xlabel("requests B")
         ax.set_ylabel("us per step (CUDA graph)")

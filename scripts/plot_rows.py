@@ -15,8 +15,11 @@ import json
 import os
 import sys
 
-SERIES = (("ours_us", "-", "o", "ours"), ("peer_us", "--", "s", "peer"),
-          ("floor_us", ":", None, "floor"))  # fmt: skip
+SERIES = (
+    ("ours_us", "-", "o", "ours"),
+    ("peer_us", "--", "s", "peer"),
+    ("floor_us", ":", None, "floor"),
+)
 
 
 def lines(rows, x="rows"):
@@ -64,16 +67,18 @@ def panels(decode, oproj=None):
         out.append((title, mine, devices))
     if oproj:
         rows, devices = merged(oproj)
-        out.append(("o-projection alone (producer + exchange + consumer), all ranks", rows,
-                    devices))  # fmt: skip
+        out.append(
+            ("o-projection alone (producer + exchange + consumer), all ranks", rows, devices)
+        )
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("decode", nargs="+", help="JSON of bench_decode.py --rows (one or more)")
-    p.add_argument("--oproj", nargs="+", default=None,
-                   help="JSON of bench_oproj.py --rows (one or more)")  # fmt: skip
+    p.add_argument(
+        "--oproj", nargs="+", default=None, help="JSON of bench_oproj.py --rows (one or more)"
+    )
     p.add_argument("--out", default="docs/decode_rows.png")
     args = p.parse_args(argv)
     shown = panels(args.decode, args.oproj)
@@ -92,8 +97,15 @@ def main(argv=None) -> int:
         ticks = set()
         for (tp, key), points in lines(rows).items():
             style, marker, name = next((s, m, n) for k, s, m, n in SERIES if k == key)
-            ax.plot([x for x, _ in points], [y for _, y in points], style, marker=marker,
-                    color=colours[tp], label=f"TP {tp} {name}", markersize=4)  # fmt: skip
+            ax.plot(
+                [x for x, _ in points],
+                [y for _, y in points],
+                style,
+                marker=marker,
+                color=colours[tp],
+                label=f"TP {tp} {name}",
+                markersize=4,
+            )
             ticks.update(x for x, _ in points)
             count += len(points)
         ax.set_xscale("log", base=2)

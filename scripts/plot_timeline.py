@@ -76,9 +76,13 @@ def main(argv=None) -> int:
     p.add_argument("report", help="JSON report of launch/decode.py --trace --json")
     p.add_argument("--out", default="timeline.png", help="image to write")
     p.add_argument("--steps", type=int, default=3, help="traced steps to draw (from the first)")
-    p.add_argument("--align", choices=("auto", "clock", "rank"), default="auto",
-                   help="lanes as stamped (clock), each shifted by its rank's median skew "
-                        "(rank), or rank where a skew exceeds a step (auto)")  # fmt: skip
+    p.add_argument(
+        "--align",
+        choices=("auto", "clock", "rank"),
+        default="auto",
+        help="lanes as stamped (clock), each shifted by its rank's median skew "
+        "(rank), or rank where a skew exceeds a step (auto)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         print("--steps must be >= 1", file=sys.stderr)
@@ -101,24 +105,38 @@ def main(argv=None) -> int:
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.6 * ranks))
     for r, lane in enumerate(bars):
         for stage, start, length in lane:
-            ax.broken_barh([(start, length)], (r - 0.35, 0.7), facecolors=COLOURS[stage],
-                           edgecolors="white", linewidth=0.5)  # fmt: skip
+            ax.broken_barh(
+                [(start, length)],
+                (r - 0.35, 0.7),
+                facecolors=COLOURS[stage],
+                edgecolors="white",
+                linewidth=0.5,
+            )
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[s]) for s in ("launch", *tl["stages"])]
-    ax.legend(handles, ["kernel boundary", *tl["stages"]], loc="upper right", fontsize=8,
-              ncol=len(handles))  # fmt: skip
+    ax.legend(
+        handles,
+        ["kernel boundary", *tl["stages"]],
+        loc="upper right",
+        fontsize=8,
+        ncol=len(handles),
+    )
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.set_ylim(ranks - 0.5, -0.5 - 0.6)  # rank 0 on top, room for the legend
     s = tl["summary"]
     steps = [r["step_us"] for r in s["per_rank"]]
     gaps = [r["gap_us"] for r in s["per_rank"] if r.get("gap_us") is not None]
-    title = (f"{tl['kind']} steps back to back: step {min(steps):.1f}-{max(steps):.1f} us per "
-             f"rank (medians)")  # fmt: skip
+    title = (
+        f"{tl['kind']} steps back to back: step {min(steps):.1f}-{max(steps):.1f} us per "
+        f"rank (medians)"
+    )
     if gaps:
         title += f", gap before a step {min(gaps):.1f}-{max(gaps):.1f} us"
     if any(shifts):
         ax.set_xlabel("us (globaltimer, each rank's lane shifted by its median skew)")
-        title += (f"\nlanes aligned per rank: {max(shifts) - min(shifts):.1f} us of median "
-                  "skew removed (more than a step: the GPUs' globaltimer offset)")  # fmt: skip
+        title += (
+            f"\nlanes aligned per rank: {max(shifts) - min(shifts):.1f} us of median "
+            "skew removed (more than a step: the GPUs' globaltimer offset)"
+        )
     else:
         ax.set_xlabel("us (globaltimer, from the first step's earliest stamp)")
         title += f"; median span {s['span_us']:.1f} us, skew {s['skew_us']:.2f} us"

@@ -76,8 +76,10 @@ def compare(before: pathlib.Path, after: pathlib.Path) -> int:
         print("only after", k)
     for k in dropped:
         print("only before", k)
-    print(f"{len(new)} compiles after: {len(changed)} changed, {len(added)} only after, "
-          f"{len(dropped)} only before")  # fmt: skip
+    print(
+        f"{len(new)} compiles after: {len(changed)} changed, {len(added)} only after, "
+        f"{len(dropped)} only before"
+    )
     return 1 if changed or added else 0
 
 

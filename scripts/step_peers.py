@@ -31,6 +31,25 @@ def first_step(cfg, model):
     return plan, step, prefix, blocks
 
 
+def fla_options(layer, **kwargs):
+    """fla's ``fused_recurrent_kda_fwd`` options for ``layer`` plus ``kwargs``: the gate in
+    the kernel with the lower bound, the V-first state pool updated in place, q / k
+    L2-normalised and beta's sigmoid in the kernel."""
+    return dict(
+        A_log=layer.a_log,
+        dt_bias=layer.dt_bias,
+        initial_state=layer.state,
+        scale=kl.SCALE,
+        inplace_final_state=True,
+        state_v_first=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=kl.LOWER_BOUND,
+        **kwargs,
+    )
+
+
 def fla_kda(layer, x, f_a, beta, gate, slots):
     """fla's T = 1 step of ``layer``'s heads (``causal_conv1d_update`` with SiLU, the gate
     projection as a torch matmul, ``fused_recurrent_kda_fwd`` in place on the state pool,
@@ -48,19 +67,17 @@ def fla_kda(layer, x, f_a, beta, gate, slots):
     o = torch.empty(B, 1, H, 128, device=x.device, dtype=torch.bfloat16)
 
     def fn():
-        y, _ = causal_conv1d_update(x, cache, weight=weight, bias=layer.conv_bias,
-                                    activation="silu")  # fmt: skip
+        y, _ = causal_conv1d_update(
+            x, cache, weight=weight, bias=layer.conv_bias, activation="silu"
+        )
         qkv = y.view(B, 1, 3, H, 128)
         g = (f_a @ layer.f_b.T).view(B, 1, H, 128)
+        q, k, v = qkv.unbind(2)
         fused_recurrent_kda_fwd(
-            qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], g, beta.view(B, 1, H),
-            A_log=layer.a_log, dt_bias=layer.dt_bias, initial_state=layer.state,
-            scale=kl.SCALE, inplace_final_state=True, state_v_first=True,
-            ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, lower_bound=kl.LOWER_BOUND, out=o,
-        )  # fmt: skip
-        attn = rms_norm_gated(o.view(B * H, 128), gate.view(B * H, 128), layer.norm_weight,
-                              None, activation="sigmoid", eps=kl.EPS)  # fmt: skip
+            q, k, v, g, beta.view(B, 1, H), **fla_options(layer, ssm_state_indices=slots, out=o)
+        )
+        rows = o.view(B * H, 128), gate.view(B * H, 128), layer.norm_weight, None
+        attn = rms_norm_gated(*rows, activation="sigmoid", eps=kl.EPS)
         return attn.view(B, D)
 
     return fn
