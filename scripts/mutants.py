@@ -55,7 +55,17 @@ WIDE_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-wide]"  #
 WIDE_T1 = f"{KGPU}::test_decode_matches_reference[s2-H12B64T5-df-b1-r0-wide]"
 STREAM_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-stream]"
 SPLIT_ROW = f"{KGPU}::test_steps_in_a_row[split2]"
+REPLAY = "tests/test_kda_replay_gpu.py"
 SCALE = "0.08838834764831845"  # 128 ** -0.5
+# KdaWide's (and KdaSplit's) PDL wait: the first line of read_inputs after its docstring.
+# KdaReplay's suffix chain: each ring entry's warp sum, then its decay into the product.
+RING_SUM = "            ring_parts.append(warp_sum((prod * r_k[j, channel]) * x))\n"
+RING_PRODUCT = (
+    "            prod = prod * Float32(cutlass.select_(j < entries, r_d[j, channel], "
+    "Float32(1.0)))\n"
+)
+WIDE_NO_WAIT = '        the dependents. Returns (inputs, fragments)."""\n'
+WIDE_WAIT = WIDE_NO_WAIT + "        cute.arch.griddepcontrol_wait()\n"
 
 MUTANTS: list[Mutant] = [
     # --- CPU: the references (kda.reference, tpcomm.oproj.reference, tpcomm.mailbox) ---------
@@ -121,24 +131,23 @@ MUTANTS: list[Mutant] = [
     M("step-bytes-decode-pages", "launch/report.py", '{"decode": 2,', '{"decode": 1,',
       "tests/test_launch_gpu.py::test_step_bytes"),
     # --- CPU: each PDL kernel's wait removed (the PTX order check) ----------------------------
-    M("pdl-wait-wide", "kda/wide.py",
-      "        fragments or None).\"\"\"\n        cute.arch.griddepcontrol_wait()\n",
-      "        fragments or None).\"\"\"\n", PDL_PTX, select="wide or split"),
-    M("pdl-wait-stream", "kda/stream.py",
+    M("pdl-wait-wide", "kda/kernels/wide.py", WIDE_WAIT, WIDE_NO_WAIT, PDL_PTX,
+      select="wide or split"),
+    M("pdl-wait-stream", "kda/kernels/stream.py",
       "        cute.arch.griddepcontrol_wait()\n        if count > 0:",
       "        if count > 0:", PDL_PTX, select="stream"),
-    M("pdl-wait-late-stream", "kda/stream.py",
+    M("pdl-wait-late-stream", "kda/kernels/stream.py",
       "        cute.arch.griddepcontrol_wait()\n        if count > 0:\n"
       "            self.stage_item(op, buffers, head, request, 0, True)\n",
       "        if count > 0:\n            self.stage_item(op, buffers, head, request, 0, True)\n"
       "        cute.arch.griddepcontrol_wait()\n", PDL_PTX, select="stream"),
-    M("pdl-wait-late-recover", "kda/recover_kernel.py",
+    M("pdl-wait-late-recover", "kda/kernels/recover.py",
       "            cute.arch.griddepcontrol_wait()\n"
       "        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])\n",
       "            pass\n"
       "        source = Int32(op.slots[request, Int32(op.checkpoint[request]) - 1])\n"
       "        cute.arch.griddepcontrol_wait()\n", PDL_PTX, select="recover"),
-    M("pdl-wait-recover", "kda/recover_kernel.py",
+    M("pdl-wait-recover", "kda/kernels/recover.py",
       "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n",
       "", PDL_PTX, select="recover"),
     M("pdl-wait-producer", "tpcomm/oproj/producer.py",
@@ -154,51 +163,64 @@ MUTANTS: list[Mutant] = [
       "            # everything above reads only what no kernel of this step writes\n"
       "            cute.arch.griddepcontrol_wait()\n", "", PDL_PTX, select="fused"),
     # --- GPU: the kernels' scalars ----------------------------------------------------------
-    M("gpu-wide-eps-hardcoded", "kda/wide.py",
+    M("gpu-wide-eps-hardcoded", "kda/kernels/wide.py",
       "self.write_output(s_o, out_sums, op.gate, nw, op.eps,",
       "self.write_output(s_o, out_sums, op.gate, nw, Float32(1e-6),", WIDE_CASE, gpu=True),
-    M("gpu-stream-eps-hardcoded", "kda/stream.py", "nw, op.eps, op.output, token, head)",
+    M("gpu-stream-eps-hardcoded", "kda/kernels/stream.py", "nw, op.eps, op.output, token, head)",
       "nw, Float32(1e-6), op.output, token, head)", STREAM_CASE, gpu=True),
-    M("gpu-split-eps-hardcoded", "kda/split.py", "(1.0 / HEAD_DIM) + op.eps)",
+    M("gpu-split-eps-hardcoded", "kda/kernels/split.py", "(1.0 / HEAD_DIM) + op.eps)",
       "(1.0 / HEAD_DIM) + 1e-6)", SPLIT_ROW, gpu=True),
-    M("gpu-wide-lower-bound-hardcoded", "kda/wide.py",
+    M("gpu-wide-lower-bound-hardcoded", "kda/kernels/wide.py",
       "lower_bound, kg_records = op.lower_bound, op.kg_records",
-      "lower_bound, kg_records = Float32(-5.0), op.kg_records", WIDE_CASE, gpu=True, count=2),
-    M("gpu-wide-scale-hardcoded", "kda/wide.py", "self.normalize_qk(s_q, s_k, sums, op.scale)",
+      "lower_bound, kg_records = Float32(-5.0), op.kg_records", WIDE_CASE, gpu=True),
+    M("gpu-wide-scale-hardcoded", "kda/kernels/wide.py",
+      "self.normalize_qk(s_q, s_k, sums, op.scale)",
       f"self.normalize_qk(s_q, s_k, sums, Float32({SCALE}))", WIDE_CASE, gpu=True),
-    M("gpu-split-scale-hardcoded", "kda/split.py",
+    M("gpu-split-scale-hardcoded", "kda/kernels/split.py",
       "self.normalize_cluster(s_q, s_k, qk_pairs, op.scale)",
       f"self.normalize_cluster(s_q, s_k, qk_pairs, Float32({SCALE}))", SPLIT_ROW, gpu=True),
-    M("gpu-recover-lower-bound-hardcoded", "kda/recover_kernel.py",
+    M("gpu-recover-lower-bound-hardcoded", "kda/kernels/recover.py",
       "lower_bound = op.lower_bound", "lower_bound = Float32(-5.0)", RGPU, gpu=True,
       select="H1B1T2 or pdl"),
     # --- GPU: KDA state, conv and padding ----------------------------------------------------
-    M("gpu-wide-conv-tap-off-by-one", "kda/wide.py",
+    M("gpu-wide-conv-tap-off-by-one", "kda/kernels/wide.py",
       "conv_state[Int64(conv_slot), ch, 0] = conv_type(taps[s][1])",
       "conv_state[Int64(conv_slot), ch, 0] = conv_type(taps[s][0])", WIDE_T1, gpu=True),
-    M("gpu-wide-state-written-in-record-mode", "kda/wide.py",
+    M("gpu-wide-state-written-in-record-mode", "kda/kernels/wide.py",
       "            if cutlass.const_expr(not self.record):\n                target = slot",
       "            if cutlass.const_expr(True):\n                target = slot", WIDE_CASE,
       gpu=True),
-    M("gpu-wide-padding-rows-written", "kda/wide.py",
+    M("gpu-wide-padding-rows-written", "kda/kernels/wide.py",
       "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
       "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
       WIDE_CASE, gpu=True),
+    # --- GPU: KdaReplay's ring --------------------------------------------------------------
+    M("gpu-replay-fold-threshold", "kda/kernels/replay.py", "fold = held + T > R",
+      "fold = held + T > R + 1", REPLAY, gpu=True, select="replay_matches_reference"),
+    M("gpu-replay-suffix-order", "kda/kernels/replay.py",
+      RING_SUM + RING_PRODUCT, RING_PRODUCT + RING_SUM,
+      REPLAY, gpu=True, select="replay_matches_reference"),
+    M("gpu-replay-pending-commit-count", "kda/kernels/replay.py",
+      "            if accepted < pending:\n                pending = accepted\n",
+      "            if accepted < pending:\n                pending = pending\n",
+      REPLAY, gpu=True, select="replay_matches_reference and T4"),
+    M("gpu-replay-padding-rows-written", "kda/kernels/replay.py",
+      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
+      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
+      REPLAY, gpu=True, select="replay_matches_reference"),
     # --- GPU: each PDL wait removed, against an early-releasing predecessor ------------------
-    M("gpu-pdl-wait-wide", "kda/wide.py",
-      "        fragments or None).\"\"\"\n        cute.arch.griddepcontrol_wait()\n",
-      "        fragments or None).\"\"\"\n", KGPU,
+    M("gpu-pdl-wait-wide", "kda/kernels/wide.py", WIDE_WAIT, WIDE_NO_WAIT, KGPU,
       gpu=True, select="early_releasing and (wide or split2)"),
-    M("gpu-pdl-wait-stream", "kda/stream.py",
+    M("gpu-pdl-wait-stream", "kda/kernels/stream.py",
       "        cute.arch.griddepcontrol_wait()\n        if count > 0:", "        if count > 0:",
       KGPU, gpu=True, select="early_releasing and stream"),
-    M("gpu-pdl-wait-late-stream", "kda/stream.py",
+    M("gpu-pdl-wait-late-stream", "kda/kernels/stream.py",
       "        cute.arch.griddepcontrol_wait()\n        if count > 0:\n"
       "            self.stage_item(op, buffers, head, request, 0, True)\n",
       "        if count > 0:\n            self.stage_item(op, buffers, head, request, 0, True)\n"
       "        cute.arch.griddepcontrol_wait()\n", KGPU, gpu=True,
       select="early_releasing and stream"),
-    M("gpu-pdl-wait-recover", "kda/recover_kernel.py",
+    M("gpu-pdl-wait-recover", "kda/kernels/recover.py",
       "        if cutlass.const_expr(self.pdl):\n            cute.arch.griddepcontrol_wait()\n",
       "", RGPU, gpu=True, select="early_releasing"),
     M("gpu-pdl-wait-producer", "tpcomm/oproj/producer.py",
