@@ -10,10 +10,17 @@ argument, also under fake tensors) and launch nothing; the real ones are the lau
 ``kda.kernels.launch`` (the route is one way: entry -> op -> launcher), which check
 again, values included (and, with ``validate`` = ``"full"`` or ``$KDA_VALIDATE``, the
 non-finite scan), before the launch.
+
+The schemas are written once, as parameter lists: a step's tensors (``STEP``), then each
+op's own, then the step's scalars (``SCALARS``) and the options. ``step_arguments`` gives a
+``DecodeOperands``' fields under those names, so the entries call the ops by keyword.
 Importing this module needs no CuTe DSL.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Optional
 
 import torch
 
@@ -31,152 +38,155 @@ from .validate import (
 
 NAMESPACE = "kimi"
 
-_DECODE_MUTATES = ("conv_state", "state", "out", "v_records", "kg_records")
+Tensor, MaybeTensor = torch.Tensor, Optional[torch.Tensor]  # noqa: UP045 (the schema's type)
+
+# (name, type[, default]) in schema order.
+STEP = (
+    ("x", Tensor),
+    ("conv_weight", Tensor),
+    ("conv_bias", MaybeTensor),
+    ("conv_state", Tensor),
+    ("f_a", Tensor),
+    ("beta", Tensor),
+    ("a_log", Tensor),
+    ("dt_bias", Tensor),
+    ("slots", Tensor),
+    ("state", Tensor),
+    ("gate", Tensor),
+    ("norm_weight", Tensor),
+    ("f_b", Tensor),
+    ("out", Tensor),
+    ("accepted", MaybeTensor),
+)
+SCALARS = (("lower_bound", float), ("scale", float), ("eps", float), ("conv_dim_first", bool))
+VALIDATE = (("validate", Optional[str], None),)  # noqa: UP045
+RECORDS = (("v_records", MaybeTensor), ("kg_records", MaybeTensor))
+RING = (("ring_v", Tensor), ("ring_kg", Tensor), ("ring_length", Tensor))
+RECOVER = (
+    ("state", Tensor),
+    ("slots", Tensor),
+    ("v_records", Tensor),
+    ("kg_records", Tensor),
+    ("a_log", Tensor),
+    ("dt_bias", Tensor),
+    ("accepted", Tensor),
+    ("checkpoint", Tensor),
+    ("lower_bound", float),
+    ("pdl", bool),
+)
+
+_DECODE = (
+    *STEP,
+    *RECORDS,
+    *SCALARS,
+    ("kernel", str),
+    ("cluster", Optional[int]),  # noqa: UP045
+    ("gate_mode", int),
+    ("pdl", bool),
+    *VALIDATE,
+)
+_REPLAY = (*STEP, *RING, *SCALARS, ("gate_mode", int), ("pdl", bool), *VALIDATE)
+_REPLAY += (("kernel", str, "auto"),)
+_RECOVER = (*RECOVER, *VALIDATE)
 
 
-def _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state,
-              gate, norm_weight, f_b, accepted, v_records, kg_records, lower_bound, scale, eps,
-              conv_dim_first):  # fmt: skip
-    records = None if v_records is None and kg_records is None else (v_records, kg_records)
-    return DecodeOperands(
-        x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots, state, gate,
-        norm_weight, f_b, lower_bound=lower_bound, scale=scale, eps=eps, accepted=accepted,
-        conv_dim_first=conv_dim_first, records=records,
-    )  # fmt: skip
+def _signature(params) -> inspect.Signature:
+    P = inspect.Parameter
+
+    def parameter(name, kind, *default):
+        return P(name, P.POSITIONAL_OR_KEYWORD, annotation=kind, default=(*default, P.empty)[0])
+
+    return inspect.Signature([parameter(*p) for p in params], return_annotation=None)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::kda_decode", mutates_args=_DECODE_MUTATES)
-def kda_decode(
-    x: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    f_a: torch.Tensor,
-    beta: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    slots: torch.Tensor,
-    state: torch.Tensor,
-    gate: torch.Tensor,
-    norm_weight: torch.Tensor,
-    f_b: torch.Tensor,
-    out: torch.Tensor,
-    accepted: torch.Tensor | None,
-    v_records: torch.Tensor | None,
-    kg_records: torch.Tensor | None,
-    lower_bound: float,
-    scale: float,
-    eps: float,
-    conv_dim_first: bool,
-    kernel: str,
-    cluster: int | None,
-    gate_mode: int,
-    pdl: bool,
-    validate: str | None = None,
-) -> None:
+def _custom_op(name, params, mutates, impl, fake):
+    """``kimi::name`` of the schema ``params``; ``impl`` / ``fake`` take the arguments by
+    name (bound to the schema, defaults applied)."""
+    signature = _signature(params)
+
+    def by_name(fn):
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            fn(**bound.arguments)
+
+        call.__signature__ = signature
+        call.__name__, call.__doc__ = name, fn.__doc__
+        return call
+
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", by_name(impl), mutates_args=mutates)
+    op.register_fake(by_name(fake))
+    return op
+
+
+def step_arguments(op: DecodeOperands, out) -> dict:
+    """``op``'s step fields and scalars under the schemas' names (``STEP`` and ``SCALARS``)."""
+    names = [p[0] for p in STEP + SCALARS if p[0] != "out"]
+    return {"out": out, **{name: getattr(op, name) for name in names}}
+
+
+def _operands(a: dict, records=None) -> DecodeOperands:
+    fields = {p[0] for p in STEP + SCALARS} - {"out"}
+    return DecodeOperands(**{name: a[name] for name in fields}, records=records)
+
+
+def _records(a):
+    v, kg = a["v_records"], a["kg_records"]
+    return None if v is None and kg is None else (v, kg)
+
+
+def _decode(**a) -> None:
     """``kda.decode`` into ``out`` (every mode the dispatcher offers; ``validate``: its
     checked mode)."""
-    op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
-                   state, gate, norm_weight, f_b, accepted, v_records, kg_records, lower_bound,
-                   scale, eps, conv_dim_first)  # fmt: skip
-    launch_decode(op, out, kernel=kernel, cluster=cluster, gate_mode=gate_mode, pdl=pdl,
-               validate=validate)  # fmt: skip
+    options = {k: a[k] for k in ("kernel", "cluster", "gate_mode", "pdl", "validate")}
+    launch_decode(_operands(a, _records(a)), a["out"], **options)
 
 
-@kda_decode.register_fake
-def _kda_decode_fake(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
-                     state, gate, norm_weight, f_b, out, accepted, v_records, kg_records,
-                     lower_bound, scale, eps, conv_dim_first, kernel, cluster, gate_mode,
-                     pdl, validate=None):  # fmt: skip
-    op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
-                   state, gate, norm_weight, f_b, accepted, v_records, kg_records, lower_bound,
-                   scale, eps, conv_dim_first)  # fmt: skip
-    check_options(kernel, cluster, gate_mode, pdl, validate)
-    check_out(out, check_decode(op, check_values=False), state.device)
+def _decode_fake(**a) -> None:
+    op = _operands(a, _records(a))
+    check_options(a["kernel"], a["cluster"], a["gate_mode"], a["pdl"], a["validate"])
+    check_out(a["out"], check_decode(op, check_values=False), a["state"].device)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::kda_recover", mutates_args=("state",))
-def kda_recover(
-    state: torch.Tensor,
-    slots: torch.Tensor,
-    v_records: torch.Tensor,
-    kg_records: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    accepted: torch.Tensor,
-    checkpoint: torch.Tensor,
-    lower_bound: float,
-    pdl: bool,
-    validate: str | None = None,
-) -> None:
+def _recover_operands(a) -> RecoverOperands:
+    names = [p[0] for p in RECOVER if p[0] not in ("lower_bound", "pdl")]
+    return RecoverOperands(*(a[n] for n in names), lower_bound=a["lower_bound"])
+
+
+def _recover(**a) -> None:
     """``kda.recover``: commits the accepted tokens of a recorded verify step into ``state``."""
-    op = RecoverOperands(state, slots, v_records, kg_records, a_log, dt_bias, accepted,
-                         checkpoint, lower_bound=lower_bound)  # fmt: skip
-    launch_recover(op, pdl=pdl, validate=validate)
+    launch_recover(_recover_operands(a), pdl=a["pdl"], validate=a["validate"])
 
 
-@kda_recover.register_fake
-def _kda_recover_fake(state, slots, v_records, kg_records, a_log, dt_bias, accepted, checkpoint,
-                      lower_bound, pdl, validate=None):  # fmt: skip
-    op = RecoverOperands(state, slots, v_records, kg_records, a_log, dt_bias, accepted,
-                         checkpoint, lower_bound=lower_bound)  # fmt: skip
-    check_options(pdl=pdl, validate=validate)
-    check_recover(op, check_values=False)
+def _recover_fake(**a) -> None:
+    check_options(pdl=a["pdl"], validate=a["validate"])
+    check_recover(_recover_operands(a), check_values=False)
 
 
-_REPLAY_MUTATES = ("conv_state", "state", "out", "ring_v", "ring_kg", "ring_length")
+def _ring(a) -> Ring:
+    return Ring(a["ring_v"], a["ring_kg"], a["ring_length"])
 
 
-@torch.library.custom_op(f"{NAMESPACE}::kda_replay_decode", mutates_args=_REPLAY_MUTATES)
-def kda_replay_decode(
-    x: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    f_a: torch.Tensor,
-    beta: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    slots: torch.Tensor,
-    state: torch.Tensor,
-    gate: torch.Tensor,
-    norm_weight: torch.Tensor,
-    f_b: torch.Tensor,
-    out: torch.Tensor,
-    accepted: torch.Tensor | None,
-    ring_v: torch.Tensor,
-    ring_kg: torch.Tensor,
-    ring_length: torch.Tensor,
-    lower_bound: float,
-    scale: float,
-    eps: float,
-    conv_dim_first: bool,
-    gate_mode: int,
-    pdl: bool,
-    validate: str | None = None,
-    kernel: str = "auto",
-) -> None:
+def _replay(**a) -> None:
     """``kda.replay_decode`` into ``out``; the ring is passed as its three tensors."""
-    op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
-                   state, gate, norm_weight, f_b, accepted, None, None, lower_bound, scale, eps,
-                   conv_dim_first)  # fmt: skip
-    ring = Ring(ring_v, ring_kg, ring_length)
-    launch_replay(op, ring, out, gate_mode=gate_mode, pdl=pdl, validate=validate, kernel=kernel)
+    options = {k: a[k] for k in ("gate_mode", "pdl", "validate", "kernel")}
+    launch_replay(_operands(a), _ring(a), a["out"], **options)
 
 
-@kda_replay_decode.register_fake
-def _kda_replay_decode_fake(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias,
-                            slots, state, gate, norm_weight, f_b, out, accepted, ring_v, ring_kg,
-                            ring_length, lower_bound, scale, eps, conv_dim_first, gate_mode, pdl,
-                            validate=None, kernel="auto"):  # fmt: skip
-    op = _operands(x, conv_weight, conv_bias, conv_state, f_a, beta, a_log, dt_bias, slots,
-                   state, gate, norm_weight, f_b, accepted, None, None, lower_bound, scale, eps,
-                   conv_dim_first)  # fmt: skip
-    check_options(gate_mode=gate_mode, pdl=pdl, validate=validate)
+def _replay_fake(**a) -> None:
+    op, kernel = _operands(a), a["kernel"]
+    check_options(gate_mode=a["gate_mode"], pdl=a["pdl"], validate=a["validate"])
     check_replay_kernel(kernel)
-    shape, size = check_replay(op, Ring(ring_v, ring_kg, ring_length), check_values=False)
-    check_out(out, shape, state.device)
+    shape, size = check_replay(op, _ring(a), check_values=False)
+    check_out(a["out"], shape, a["state"].device)
     choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)
 
 
-__all__ = ["NAMESPACE", "kda_decode", "kda_recover", "kda_replay_decode"]
+_DECODE_MUTATES = ("conv_state", "state", "out", "v_records", "kg_records")
+_REPLAY_MUTATES = ("conv_state", "state", "out", "ring_v", "ring_kg", "ring_length")
+
+kda_decode = _custom_op("kda_decode", _DECODE, _DECODE_MUTATES, _decode, _decode_fake)
+kda_recover = _custom_op("kda_recover", _RECOVER, ("state",), _recover, _recover_fake)
+kda_replay_decode = _custom_op("kda_replay_decode", _REPLAY, _REPLAY_MUTATES, _replay, _replay_fake)
+
+__all__ = ["NAMESPACE", "kda_decode", "kda_recover", "kda_replay_decode", "step_arguments"]

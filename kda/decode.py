@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .custom_ops import step_arguments
 from .operands import DecodeOperands, takes
 from .validate import check_decode, check_options, check_out
 
@@ -50,11 +51,15 @@ def decode(*args, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
         device = op.state.device
         out = torch.empty(op.x.shape[0], op.gate.shape[1], dtype=torch.bfloat16, device=device)
     torch.ops.kimi.kda_decode(
-        op.x, op.conv_weight, op.conv_bias, op.conv_state, op.f_a, op.beta, op.a_log,
-        op.dt_bias, op.slots, op.state, op.gate, op.norm_weight, op.f_b, out, op.accepted,
-        v_records, kg_records, op.lower_bound, op.scale, op.eps, op.conv_dim_first,
-        kernel, cluster, gate_mode, pdl, validate,
-    )  # fmt: skip
+        **step_arguments(op, out),
+        v_records=v_records,
+        kg_records=kg_records,
+        kernel=kernel,
+        cluster=cluster,
+        gate_mode=gate_mode,
+        pdl=pdl,
+        validate=validate,
+    )
     return out
 
 

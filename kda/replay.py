@@ -18,6 +18,7 @@ import inspect
 
 import torch
 
+from .custom_ops import step_arguments
 from .decode import typed
 from .operands import DecodeOperands, Ring, takes
 from .validate import check_options, check_out, check_replay, check_replay_kernel
@@ -46,11 +47,15 @@ def replay_decode(*args, ring: Ring, gate_mode=3, pdl=False, kernel="auto", out=
         device = op.state.device
         out = torch.empty(op.x.shape[0], op.gate.shape[1], dtype=torch.bfloat16, device=device)
     torch.ops.kimi.kda_replay_decode(
-        op.x, op.conv_weight, op.conv_bias, op.conv_state, op.f_a, op.beta, op.a_log,
-        op.dt_bias, op.slots, op.state, op.gate, op.norm_weight, op.f_b, out, op.accepted,
-        ring.v, ring.kg, ring.length, op.lower_bound, op.scale, op.eps, op.conv_dim_first,
-        gate_mode, pdl, validate, kernel,
-    )  # fmt: skip
+        **step_arguments(op, out),
+        ring_v=ring.v,
+        ring_kg=ring.kg,
+        ring_length=ring.length,
+        gate_mode=gate_mode,
+        pdl=pdl,
+        validate=validate,
+        kernel=kernel,
+    )
     return out
 
 
