@@ -33,10 +33,10 @@ def plan(requests, heads, tokens, device, kernel="auto", cluster=None):
     return dispatch.choose(requests, heads, tokens, sms=count, kernel=kernel, cluster=cluster)
 
 
-@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
-       validate=None)  # fmt: skip
-def decode(*args, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None,
-           validate=None, **kwargs):  # fmt: skip
+@takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None, validate=None)
+def decode(
+    *args, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None, validate=None, **kwargs
+):
     """One fused KDA decode / verify step on the GPU; returns ``output`` [B*T, D] bf16.
     ``args`` / ``kwargs``: ``kda.operands.DecodeOperands``'s fields. Calls the torch op
     ``kimi::kda_decode`` (``kda.custom_ops``), so ``torch.compile`` traces it as one op."""
@@ -67,13 +67,26 @@ def typed(op: DecodeOperands) -> bool:
     """Every operand the op's schema types is of that type (2-D ``x`` and ``gate``, a
     ``(v_records, kg_records)`` pair, real scalars and a bool ``conv_dim_first``), so the
     op call itself cannot raise a TypeError."""
-    needed = (op.x, op.conv_weight, op.conv_state, op.f_a, op.beta, op.a_log, op.dt_bias,
-              op.slots, op.state, op.gate, op.norm_weight, op.f_b)  # fmt: skip
+    needed = (
+        op.x,
+        op.conv_weight,
+        op.conv_state,
+        op.f_a,
+        op.beta,
+        op.a_log,
+        op.dt_bias,
+        op.slots,
+        op.state,
+        op.gate,
+        op.norm_weight,
+        op.f_b,
+    )
     optional = (op.conv_bias, op.accepted)
     if not all(isinstance(t, torch.Tensor) for t in needed) or op.x.dim() != 2:
         return False
-    if op.gate.dim() != 2 or any(t is not None and not isinstance(t, torch.Tensor)
-                                 for t in optional):  # fmt: skip
+    if op.gate.dim() != 2 or any(
+        t is not None and not isinstance(t, torch.Tensor) for t in optional
+    ):
         return False
     if op.records is not None and (
         not isinstance(op.records, tuple | list)

@@ -52,9 +52,16 @@ class Layer:
 
     def clone(self) -> Layer:
         return Layer(
-            self.conv_weight, self.conv_bias, self.a_log, self.dt_bias, self.norm_weight,
-            self.f_b, self.state.clone(), self.conv_state.clone(), self.conv_dim_first,
-        )  # fmt: skip
+            self.conv_weight,
+            self.conv_bias,
+            self.a_log,
+            self.dt_bias,
+            self.norm_weight,
+            self.f_b,
+            self.state.clone(),
+            self.conv_state.clone(),
+            self.conv_dim_first,
+        )
 
 
 @dataclass

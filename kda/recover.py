@@ -24,8 +24,16 @@ def recover(*args, pdl=False, validate=None, **kwargs):
     """
     op = RecoverOperands(*args, **kwargs)
     check_options(pdl=pdl, validate=validate)
-    tensors = (op.state, op.slots, op.v_records, op.kg_records, op.a_log, op.dt_bias,
-               op.accepted, op.checkpoint)  # fmt: skip
+    tensors = (
+        op.state,
+        op.slots,
+        op.v_records,
+        op.kg_records,
+        op.a_log,
+        op.dt_bias,
+        op.accepted,
+        op.checkpoint,
+    )
     lower_bound = op.lower_bound
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not (
         isinstance(lower_bound, int | float) and not isinstance(lower_bound, bool)

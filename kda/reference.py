@@ -272,10 +272,10 @@ def recover(*args, validate=None, **kwargs):
         state[targets[keep, t]] = S[keep]
 
 
-@takes(DecodeOperands, ring=inspect.Parameter.empty, o_out=None, o_abs=None, v_abs=None,
-       validate=None)  # fmt: skip
-def replay_decode(*args, ring: Ring, o_out=None, o_abs=None, v_abs=None, validate=None,
-                  **kwargs):  # fmt: skip
+@takes(
+    DecodeOperands, ring=inspect.Parameter.empty, o_out=None, o_abs=None, v_abs=None, validate=None
+)
+def replay_decode(*args, ring: Ring, o_out=None, o_abs=None, v_abs=None, validate=None, **kwargs):
     """One replay decode (T = 1) or verify (T = 2..8) step: ``decode``'s arguments
     (``state`` is the checkpoint pool; ``records`` must be None) plus ``ring``; mutates
     ``ring`` and ``conv_state``, and ``state`` only where a full ring is materialised.

@@ -24,10 +24,18 @@ from .operands import DecodeOperands, Ring, takes
 from .validate import check_options, check_out, check_replay, check_replay_kernel
 
 
-@takes(DecodeOperands, ring=inspect.Parameter.empty, gate_mode=3, pdl=False, kernel="auto",
-       out=None, validate=None)  # fmt: skip
-def replay_decode(*args, ring: Ring, gate_mode=3, pdl=False, kernel="auto", out=None,
-                  validate=None, **kwargs):  # fmt: skip
+@takes(
+    DecodeOperands,
+    ring=inspect.Parameter.empty,
+    gate_mode=3,
+    pdl=False,
+    kernel="auto",
+    out=None,
+    validate=None,
+)
+def replay_decode(
+    *args, ring: Ring, gate_mode=3, pdl=False, kernel="auto", out=None, validate=None, **kwargs
+):
     """One replay decode (T = 1) or verify (T = 2..8) step on the GPU; returns ``output``
     [B*T, D] bf16 and mutates ``conv_state``, ``ring`` and, where a slot's ring is full,
     its checkpoint pages in ``state`` (``kda.reference.replay_decode``'s contract)."""

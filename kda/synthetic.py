@@ -95,15 +95,42 @@ def make_step(
     return step_to(step, device)
 
 
-def run_reference(layer: Layer, step: Step, records=None, *, lower_bound=LOWER_BOUND,
-                  scale=SCALE, eps=EPS, o_fp32=None, o_abs=None, raw_gate=None):  # fmt: skip
+def run_reference(
+    layer: Layer,
+    step: Step,
+    records=None,
+    *,
+    lower_bound=LOWER_BOUND,
+    scale=SCALE,
+    eps=EPS,
+    o_fp32=None,
+    o_abs=None,
+    raw_gate=None,
+):
     """``kda.reference.decode`` on a layer and a step (mutates the layer's pools)."""
     from .reference import decode
 
     return decode(
-        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
-        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=lower_bound, scale=scale, eps=eps, accepted=step.accepted,
-        conv_dim_first=layer.conv_dim_first, records=records, o_fp32=o_fp32, o_abs=o_abs,
+        step.x,
+        layer.conv_weight,
+        layer.conv_bias,
+        layer.conv_state,
+        step.f_a,
+        step.beta,
+        layer.a_log,
+        layer.dt_bias,
+        step.slots,
+        layer.state,
+        step.gate,
+        layer.norm_weight,
+        layer.f_b,
+        lower_bound=lower_bound,
+        scale=scale,
+        eps=eps,
+        accepted=step.accepted,
+        conv_dim_first=layer.conv_dim_first,
+        records=records,
+        o_fp32=o_fp32,
+        o_abs=o_abs,
         raw_gate=raw_gate,
-    )  # fmt: skip
+    )

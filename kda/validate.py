@@ -26,11 +26,26 @@ GATE_RANK = 128
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = [
-    "CONV_TAPS", "GATE_RANK", "HEAD_DIM", "MAX_TOKENS", "DecodeShape", "RecoverShape",
-    "capturing", "check_decode", "check_decode_finite", "check_options", "check_out",
-    "check_pages_shared", "check_recover", "check_ring", "check_ring_finite", "check_scalars",
-    "check_slot_values", "mode", "step_slots",
-]  # fmt: skip
+    "CONV_TAPS",
+    "GATE_RANK",
+    "HEAD_DIM",
+    "MAX_TOKENS",
+    "DecodeShape",
+    "RecoverShape",
+    "capturing",
+    "check_decode",
+    "check_decode_finite",
+    "check_options",
+    "check_out",
+    "check_pages_shared",
+    "check_recover",
+    "check_ring",
+    "check_ring_finite",
+    "check_scalars",
+    "check_slot_values",
+    "mode",
+    "step_slots",
+]
 
 
 def check_pages_shared(reads, writes) -> None:

@@ -296,9 +296,21 @@ def exact_dot_warp(row_a, row_b):
 
 
 @cute.jit
-def settle_gate(op, acc, bound, a, dt, s_gate, first, tile, request, head,
-                tokens: cutlass.Constexpr, record: cutlass.Constexpr,
-                batch: cutlass.Constexpr):  # fmt: skip
+def settle_gate(
+    op,
+    acc,
+    bound,
+    a,
+    dt,
+    s_gate,
+    first,
+    tile,
+    request,
+    head,
+    tokens: cutlass.Constexpr,
+    record: cutlass.Constexpr,
+    batch: cutlass.Constexpr,
+):
     """Gate mode 3, after the fast path wrote its decays (and records): the accumulators
     whose bound straddles a bf16 rounding (tokens < T only) are recomputed exactly by the
     whole warp, and the owning lane rewrites ``s_gate[t, first + row]`` (and the raw-gate
@@ -314,13 +326,22 @@ def settle_gate(op, acc, bound, a, dt, s_gate, first, tile, request, head,
     if cutlass.const_expr(batch == 1):
         settle_each(op, lane, flags, s_gate, first, tile, request, head, tokens, record)
     else:
-        settle_rounds(op, flags, a, dt, s_gate, first, tile, request, head, tokens, record,
-                      batch)  # fmt: skip
+        settle_rounds(op, flags, a, dt, s_gate, first, tile, request, head, tokens, record, batch)
 
 
 @cute.jit
-def settle_each(op, lane, flags, s_gate, first, tile, request, head,
-                tokens: cutlass.Constexpr, record: cutlass.Constexpr):  # fmt: skip
+def settle_each(
+    op,
+    lane,
+    flags,
+    s_gate,
+    first,
+    tile,
+    request,
+    head,
+    tokens: cutlass.Constexpr,
+    record: cutlass.Constexpr,
+):
     """``settle_gate`` lane by lane (lowest first), a lane's flagged accumulators in turn:
     each value's f_a and f_b rows loaded and summed alone; the owner reloads a_log and its
     dt_bias (no registers held across the loop)."""
@@ -347,9 +368,20 @@ def settle_each(op, lane, flags, s_gate, first, tile, request, head,
 
 
 @cute.jit
-def settle_rounds(op, flags, a, dt, s_gate, first, tile, request, head,
-                  tokens: cutlass.Constexpr, record: cutlass.Constexpr,
-                  batch: cutlass.Constexpr):  # fmt: skip
+def settle_rounds(
+    op,
+    flags,
+    a,
+    dt,
+    s_gate,
+    first,
+    tile,
+    request,
+    head,
+    tokens: cutlass.Constexpr,
+    record: cutlass.Constexpr,
+    batch: cutlass.Constexpr,
+):
     """``settle_gate`` ``batch`` values per round (``next_flagged`` order): the f_a and f_b
     row loads of a round are issued together, the butterflies interleaved, lane ``l``
     computes the decay of the round's value ``l % batch`` (dt_bias shuffled from the

@@ -148,8 +148,19 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
     tensors["kg_records"] = kg_records if record else _dummy(device, torch.bfloat16)
     _check_aligned(tensors, STEP_ALIGNED)
     has_bias, dim_first = op.conv_bias is not None, bool(op.conv_dim_first)
-    config = (choice.kernel, H, T, record, gate_mode, has_bias, dim_first, shape.window,
-              _knob(choice), pdl, arch)  # fmt: skip
+    config = (
+        choice.kernel,
+        H,
+        T,
+        record,
+        gate_mode,
+        has_bias,
+        dim_first,
+        shape.window,
+        _knob(choice),
+        pdl,
+        arch,
+    )
     scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
     operands = _cute_operands(KernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
 
@@ -182,8 +193,9 @@ def _knob(choice):
     return choice.ctas
 
 
-def launch_replay(op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None,
-                  kernel="auto") -> None:  # fmt: skip
+def launch_replay(
+    op: DecodeOperands, ring: Ring, out, *, gate_mode, pdl, validate=None, kernel="auto"
+) -> None:
     """``kimi::kda_replay_decode``: KdaReplay (``kda.dispatch.choose_replay``)."""
     from ..operands import ReplayKernelOperands
 

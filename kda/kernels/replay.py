@@ -88,8 +88,9 @@ class KdaReplay(KdaWide):
     verify, slots [B, >= T] and accepted [B]; T <= R), ``gate_mode`` / ``has_bias`` /
     ``arch`` / ``pdl`` as KdaWide's."""
 
-    def __init__(self, heads, size, tokens=1, gate_mode=3, has_bias=False, *, arch="sm_90a",
-                 pdl=False):  # fmt: skip
+    def __init__(
+        self, heads, size, tokens=1, gate_mode=3, has_bias=False, *, arch="sm_90a", pdl=False
+    ):
         super().__init__(heads, tokens, False, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
         if not MIN_RING <= size <= MAX_RING or tokens > size:
             raise ValueError(f"size must be in {MIN_RING}..{MAX_RING} and >= tokens; got {size}")
@@ -133,8 +134,9 @@ class KdaReplay(KdaWide):
                     cp_async_16(raw0 + (j * 2 * HEAD_DIM) * 2 + part * 16, kg0 + at * 2 + part * 16)
                 else:
                     at = cute.crd2idx((Int64(slot), j, head, 0), op.ring_v.layout)
-                    cp_async_16(v0 + (j * HEAD_DIM) * 4 + (part - 32) * 16,
-                                vg0 + at * 4 + (part - 32) * 16)  # fmt: skip
+                    cp_async_16(
+                        v0 + (j * HEAD_DIM) * 4 + (part - 32) * 16, vg0 + at * 4 + (part - 32) * 16
+                    )
 
     @cute.jit
     def stage_entries(self, op, held, ring, r_raw, head):
@@ -326,11 +328,19 @@ class KdaReplay(KdaWide):
                         for p in cutlass.range_constexpr(2):
                             j = (2 * c + p) % PAIRS
                             pair = (h[2 * p], h[2 * p + 1])
-                            acc = dev.fma2(pair, (dk4[2 * p], dk4[2 * p + 1]),
-                                           (sk[i][2 * j], sk[i][2 * j + 1]), packed)  # fmt: skip
+                            acc = dev.fma2(
+                                pair,
+                                (dk4[2 * p], dk4[2 * p + 1]),
+                                (sk[i][2 * j], sk[i][2 * j + 1]),
+                                packed,
+                            )
                             sk[i][2 * j], sk[i][2 * j + 1] = acc[0], acc[1]
-                            acc = dev.fma2(pair, (dq4[2 * p], dq4[2 * p + 1]),
-                                           (sq[i][2 * j], sq[i][2 * j + 1]), packed)  # fmt: skip
+                            acc = dev.fma2(
+                                pair,
+                                (dq4[2 * p], dq4[2 * p + 1]),
+                                (sq[i][2 * j], sq[i][2 * j + 1]),
+                                packed,
+                            )
                             sq[i][2 * j], sq[i][2 * j + 1] = acc[0], acc[1]
             kq = dev.quad_sum(ld_shared_f32x4(kq0 + t * 16))
             beta_t = s_beta[t]
@@ -346,10 +356,12 @@ class KdaReplay(KdaWide):
                 live = j < entries + t
                 for i, r in enumerate(rows):
                     v_j = r_v[j, base_row + 64 * r]
-                    s_k[i] = Float32(cutlass.select_(live, cute.math.fma(v_j, alpha, s_k[i]),
-                                                     s_k[i]))  # fmt: skip
-                    s_q[i] = Float32(cutlass.select_(live, cute.math.fma(v_j, gamma, s_q[i]),
-                                                     s_q[i]))  # fmt: skip
+                    s_k[i] = Float32(
+                        cutlass.select_(live, cute.math.fma(v_j, alpha, s_k[i]), s_k[i])
+                    )
+                    s_q[i] = Float32(
+                        cutlass.select_(live, cute.math.fma(v_j, gamma, s_q[i]), s_q[i])
+                    )
             for i, r in enumerate(rows):
                 row = base_row + 64 * r
                 v_new = (s_v[t, row] - s_k[i]) * beta_t
@@ -450,9 +462,15 @@ class KdaReplay(KdaWide):
             parts_in = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
             columns = [parts_in[s] * dim + head * HEAD_DIM + channel for s in range(2)]
             taps, coeff, bias = self.conv_operands(
-                op.conv_state, op.conv_weight, op.conv_bias, slot, offset, columns, parts_in,
+                op.conv_state,
+                op.conv_weight,
+                op.conv_bias,
+                slot,
+                offset,
+                columns,
+                parts_in,
                 [head * HEAD_DIM + channel] * 2,
-            )  # fmt: skip
+            )
             nw = Float32(op.norm_weight[channel])
             a, dt, weights = self.gate_operands(op, head, warp, lane)
             inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
@@ -463,9 +481,13 @@ class KdaReplay(KdaWide):
             )
             self.write_conv(op.conv_state, slot, head, taps, inputs)
             gate_op = SimpleNamespace(
-                f_a=op.f_a, f_b=op.f_b, a_log=op.a_log, dt_bias=op.dt_bias,
-                lower_bound=op.lower_bound, kg_records=records,
-            )  # fmt: skip
+                f_a=op.f_a,
+                f_b=op.f_b,
+                a_log=op.a_log,
+                dt_bias=op.dt_bias,
+                lower_bound=op.lower_bound,
+                kg_records=records,
+            )
             # The ring's entries have landed (every thread's copies: before the new k and
             # raw-gate records go over entry 0 of a folding ring).
             cute.arch.cp_async_wait_group(0)

@@ -204,8 +204,9 @@ class KdaSplit(KdaWide):
             ptx.push_float(target, value, bars, peer)
 
     @cute.jit
-    def gate_tile(self, op, weights, activations, a, dt, s_gate, s_decay, bars, request, head,
-                  tile):  # fmt: skip
+    def gate_tile(
+        self, op, weights, activations, a, dt, s_gate, s_decay, bars, request, head, tile
+    ):
         """KdaWide.gate_phase on one 16-feature tile: raw gate (mode 3: settled exactly
         where undecided), decays into ``s_gate[t, local feature]``, the raw-gate record;
         then each lane pushes its decays of tokens < T into every CTA's ``s_decay``."""
@@ -226,8 +227,21 @@ class KdaSplit(KdaWide):
                     feature = 16 * tile + group + 8 * (e // 2)
                     op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(op, acc, bound, a, dt, s_gate, first, tile, request, head,
-                            self.tokens, self.record, self.settle_batch)  # fmt: skip
+            dev.settle_gate(
+                op,
+                acc,
+                bound,
+                a,
+                dt,
+                s_gate,
+                first,
+                tile,
+                request,
+                head,
+                self.tokens,
+                self.record,
+                self.settle_batch,
+            )
         # each lane reads back only what it wrote itself
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
@@ -316,8 +330,10 @@ class KdaSplit(KdaWide):
             nw = Float32(op.norm_weight[own_row])
             tile = rank * tiles + warp % tiles
             a = Float32(op.a_log[head])
-            dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * tile + lane // 4 + 8 * i])
-                  for i in range(2)]  # fmt: skip
+            dt = [
+                Float32(op.dt_bias[head * HEAD_DIM + 16 * tile + lane // 4 + 8 * i])
+                for i in range(2)
+            ]
             weights = self.load_gate_weights(op.f_b, head, tile, cute.arch.lane_idx())
 
             # The step's inputs (written by the kernel before): x, beta, f_a, output gate.
@@ -346,8 +362,9 @@ class KdaSplit(KdaWide):
                             op.kg_records[request, head, t, channel] = BFloat16(values[t])
             # the raw gate and decays of the CTA's R features, pushed to every CTA
             if warp >= 8 - tiles:
-                self.gate_tile(op, weights, activations, a, dt, s_gate, s_decay, bars,
-                               request, head, tile)  # fmt: skip
+                self.gate_tile(
+                    op, weights, activations, a, dt, s_gate, s_decay, bars, request, head, tile
+                )
             out_gates = [dev.sigmoid(Float32(g)) for g in gates]
 
             ptx.wait_exchange(bars)  # all of q, k and the decays, from every CTA

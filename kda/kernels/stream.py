@@ -56,9 +56,17 @@ def fresh_index(register: str = "%tid.x", *, loc=None, ip=None) -> Int32:
     computed per item, not hoisted out of the item loop and held in registers across the
     recurrence."""
     return Int32(
-        llvm.inline_asm(IR.i32(), [], f"mov.u32 $0, {register};", "=r",
-                        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
-    )  # fmt: skip
+        llvm.inline_asm(
+            IR.i32(),
+            [],
+            f"mov.u32 $0, {register};",
+            "=r",
+            has_side_effects=True,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
 
 
 @dsl_user_op
@@ -66,9 +74,17 @@ def opaque(value: Int32, *, loc=None, ip=None) -> Int32:
     """``value`` through a volatile asm: an expression of it is recomputed where used,
     not merged with an earlier one and held in registers."""
     return Int32(
-        llvm.inline_asm(IR.i32(), [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
-                        "=r,r", has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
-    )  # fmt: skip
+        llvm.inline_asm(
+            IR.i32(),
+            [Int32(value).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=r,r",
+            has_side_effects=True,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
 
 
 def fresh_tid():
@@ -86,8 +102,11 @@ def reload_shared_f32x4(shared: Int32, *, loc=None, ip=None):
         [Int32(shared).ir_value(loc=loc, ip=ip)],
         "ld.volatile.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
         "=f,=f,=f,=f,r",
-        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
-    )  # fmt: skip
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
     return tuple(
         Float32(llvm.extractvalue(Float32.mlir_type, result, [e], loc=loc, ip=ip)) for e in range(4)
     )
@@ -106,8 +125,11 @@ def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=No
         operands,
         "{ .reg .pred p; setp.eq.s32 p, $2, 0; @p st.global.f32 [$0], $1; }",
         "l,f,r",
-        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
-    )  # fmt: skip
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
 
 
 @dsl_user_op
@@ -125,8 +147,11 @@ def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, i
         "xor.b32 a, $1, z; xor.b32 b, $2, z; xor.b32 c, $3, z; xor.b32 d, $4, z; "
         "@p st.global.v4.b32 [$0], {a, b, c, d}; }",
         "l,f,f,f,f,r",
-        has_side_effects=True, asm_dialect=0, loc=loc, ip=ip,
-    )  # fmt: skip
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
 
 
 class KdaStream(KdaWide):

@@ -228,8 +228,21 @@ class KdaWide:
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(op, acc, bound, a, dt, s_decay, 16 * warp, warp, request, head,
-                            self.tokens, self.record, self.settle_batch)  # fmt: skip
+            dev.settle_gate(
+                op,
+                acc,
+                bound,
+                a,
+                dt,
+                s_decay,
+                16 * warp,
+                warp,
+                request,
+                head,
+                self.tokens,
+                self.record,
+                self.settle_batch,
+            )
 
     @cute.jit
     def normalize_qk(self, s_q, s_k, sums, scale):
@@ -320,8 +333,17 @@ class KdaWide:
             if lane == 0:
                 out_sums[t, warp] = total
 
-    def conv_operands(self, conv_state, conv_weight, conv_bias, conv_slot, offset, columns,
-                      weight_parts, weight_columns):  # fmt: skip
+    def conv_operands(
+        self,
+        conv_state,
+        conv_weight,
+        conv_bias,
+        conv_slot,
+        offset,
+        columns,
+        weight_parts,
+        weight_columns,
+    ):
         """Trace-time helper (no barrier): the predecessor-independent conv operands of a
         thread's two channels ``s`` = 0, 1: column ``columns[s]`` of x / conv_state, weight
         ``conv_weight[weight_parts[s], :, weight_columns[s]]``. Returns the three window
@@ -450,9 +472,15 @@ class KdaWide:
             parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
             columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
             taps, coeff, bias = self.conv_operands(
-                op.conv_state, op.conv_weight, op.conv_bias, conv_slot, offset, columns, parts,
+                op.conv_state,
+                op.conv_weight,
+                op.conv_bias,
+                conv_slot,
+                offset,
+                columns,
+                parts,
                 [head * HEAD_DIM + channel] * 2,
-            )  # fmt: skip
+            )
             nw = Float32(op.norm_weight[channel])
             a, dt, weights = self.gate_operands(op, head, warp, lane)
             inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
