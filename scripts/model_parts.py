@@ -113,6 +113,37 @@ STATED = {
 NCCL_PROTOCOLS = (("ll", 1 / 4, 1 / 3.8), ("ll128", 0.92, 7 / 9), ("simple", 1.0, 1.0))
 
 
+# What the model takes for granted (docs/tp_model.md, the report JSON)
+ASSUMPTIONS = [
+    "One rank per GPU. TP <= 8: one HGX H200 node, one NVLink domain; TP 16: two nodes of "
+    "8, two domains, ranks of the other node reached by put-with-signal over one 400 Gb/s "
+    "NIC per GPU. Kimi shapes (96 heads, HID 7168, nb 8), every request live, the per-step "
+    "KDA path (T 4: a verify step, not recorded, no recover).",
+    "One GPU's kernel figures hold for a rank on its own GPU: KDA from the kernel table by "
+    "items = heads per rank x B (L2 rotated), the mma.sync producer at one rank's measured "
+    "rate, cuBLAS and the consumer at the efficiencies fitted to the loopback rows tables.",
+    "The chain's fixed part (launch overlap inside the graph, L2 reuse between back-to-back "
+    "steps) is the B 8 anchor's at every B, T and head count (TP 2 and 4 take TP 8's).",
+    "Exchange: the stores are not overlapped with compute; every GPU sends and receives the "
+    "same bytes at once; NVLink at 83% of 450 GB/s per direction, 1.5 us to visibility.",
+    "Split domains: one-shot (the code's rule), one put per remote rank issued one after "
+    "another on the stream at the two-GPU measured issue cost, its bytes at 90% of 50 GB/s, "
+    "the last landing 4 us later; the consumer's signal wait and re-arm cost what they cost "
+    "over NVLink on two GPUs. Host-initiated puts over InfiniBand (IBRC proxy) may cost more.",
+    "sync (fitted at TP 2) is the same with 7 or 15 peers; more peers can only skew more.",
+    "Twoshot where the plan's per-rank crossover says (TP 8 from 8 rows, TP 16 from 4; "
+    "measured on loopback, provisional across GPUs); never across domains.",
+    "Peer: fla's composed path = its recurrence (kernel table) + the conv / gate / norm "
+    "kernels' median at H >= 12 (at H 6 fla's composed path measured about 3x its "
+    "recurrence at B >= 32, so the TP 16 peer may be slower than modelled); the torch "
+    "epilogue linear in rows, fitted on 1-256 rows and extrapolated to 1024; NCCL all_reduce "
+    "by NCCL's tuning model at 360 GB/s bus bandwidth, NVLS off; T 4 prices fla's "
+    "recurrence at T 4 (fla's conv update takes one token: no measured counterpart).",
+    "Not modelled: other layers between two steps of a layer (w_o and state cold in L2: the "
+    "KDA table is cold, the anchor warm), MoE traffic on the same links, host dispatch.",
+]
+
+
 def interp(points, x: float) -> float:
     """Piecewise-linear through ``points`` [(x, y)] (equal x averaged): clamped below the
     first point (a latency floor), the last segment's slope above the last."""

@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_parts import (  # noqa: E402
+    ASSUMPTIONS,
     BF16,
     BLOCKS,
     DATA,
@@ -479,43 +480,26 @@ def predict(model: Model, tps=TPS, requests=REQUESTS, tokens=TOKENS) -> list[dic
     return out
 
 
-ASSUMPTIONS = [
-    "One rank per GPU. TP <= 8: one HGX H200 node, one NVLink domain; TP 16: two nodes of "
-    "8, two domains, ranks of the other node reached by put-with-signal over one 400 Gb/s "
-    "NIC per GPU. Kimi shapes (96 heads, HID 7168, nb 8), every request live, the per-step "
-    "KDA path (T 4: a verify step, not recorded, no recover).",
-    "One GPU's kernel figures hold for a rank on its own GPU: KDA from the kernel table by "
-    "items = heads per rank x B (L2 rotated), the mma.sync producer at one rank's measured "
-    "rate, cuBLAS and the consumer at the efficiencies fitted to the loopback rows tables.",
-    "The chain's fixed part (launch overlap inside the graph, L2 reuse between back-to-back "
-    "steps) is the B 8 anchor's at every B, T and head count (TP 2 and 4 take TP 8's).",
-    "Exchange: the stores are not overlapped with compute; every GPU sends and receives the "
-    "same bytes at once; NVLink at 83% of 450 GB/s per direction, 1.5 us to visibility.",
-    "Split domains: one-shot (the code's rule), one put per remote rank issued one after "
-    "another on the stream at the two-GPU measured issue cost, its bytes at 90% of 50 GB/s, "
-    "the last landing 4 us later; the consumer's signal wait and re-arm cost what they cost "
-    "over NVLink on two GPUs. Host-initiated puts over InfiniBand (IBRC proxy) may cost more.",
-    "sync (fitted at TP 2) is the same with 7 or 15 peers; more peers can only skew more.",
-    "Twoshot where the plan's per-rank crossover says (TP 8 from 8 rows, TP 16 from 4; "
-    "measured on loopback, provisional across GPUs); never across domains.",
-    "Peer: fla's composed path = its recurrence (kernel table) + the conv / gate / norm "
-    "kernels' median at H >= 12 (at H 6 fla's composed path measured about 3x its "
-    "recurrence at B >= 32, so the TP 16 peer may be slower than modelled); the torch "
-    "epilogue linear in rows, fitted on 1-256 rows and extrapolated to 1024; NCCL all_reduce "
-    "by NCCL's tuning model at 360 GB/s bus bandwidth, NVLS off; T 4 prices fla's "
-    "recurrence at T 4 (fla's conv update takes one token: no measured counterpart).",
-    "Not modelled: other layers between two steps of a layer (w_o and state cold in L2: the "
-    "KDA table is cold, the anchor warm), MoE traffic on the same links, host dispatch.",
-]
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(DATA), help="the measurements' folder")
     p.add_argument("--json", default=str(DATA / "tp_model.json"), help="report JSON path")
     p.add_argument("--plot", default=str(DATA.parent / "tp_model.png"), help="plot path")
     p.add_argument("--no-write", action="store_true", help="print only")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a measured, derived or stated parameter's value for this run (the "
+        "fitted ones are refitted around it): what the predictions owe to it",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.vary = {k: float(v) for k, v in (item.split("=", 1) for item in args.vary)}
+    except ValueError:
+        p.error(f"--vary takes NAME=VALUE (a number); got {args.vary}")
+    return args
 
 
 def shown(path) -> str:
@@ -525,9 +509,17 @@ def shown(path) -> str:
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
-def run(data: Path = DATA) -> tuple[Model, list[dict], list[dict]]:
-    """(the calibrated model, the calibration table, the predictions) from ``data``."""
-    model, table = calibrate(build(data), two_gpu_rows(data))
+def run(data: Path = DATA, vary: dict | None = None) -> tuple[Model, list[dict], list[dict]]:
+    """(the calibrated model, the calibration table, the predictions) from ``data``, with
+    ``vary`` {name: value} replacing parameters before the fit (ValueError: a fitted one or
+    an unknown name)."""
+    model = build(data)
+    for name, value in (vary or {}).items():
+        if name not in model.p or name in FITTED:
+            raise ValueError(f"--vary {name}: not a measured, derived or stated parameter")
+        p = model.p[name]
+        model.p[name] = Param(value, p.unit, p.kind, f"{p.source} [--vary: was {p.value:g}]")
+    model, table = calibrate(model, two_gpu_rows(data))
     return model, table, predict(model)
 
 
@@ -537,7 +529,7 @@ def main(argv=None) -> int:
     import model_report as rep
 
     args = parse_args(argv)
-    model, table, predictions = run(Path(args.data))
+    model, table, predictions = run(Path(args.data), args.vary)
     command = "python3 scripts/model_step.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     report = rep.validate(
         rep.to_json(

@@ -200,3 +200,18 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     report = rep.validate(json.loads(out.read_text()))
     assert report["generated"]["command"].startswith("python3 scripts/model_step.py --json")
     assert png.stat().st_size > 10_000
+
+
+def test_vary_moves_what_depends_on_the_parameter(result):
+    """``--vary``: TP 16 (puts across nodes) moves with the put's issue cost, TP 8 does not;
+    a fitted parameter is refused (it would be refitted away)."""
+    model, _, base = result
+    _, _, slow = ms.run(vary={"put_us": 10.0})
+    for a, b in zip(base, slow, strict=True):
+        if a["tp"] == 16:  # eight puts a step, one after another
+            grown = 8 * (10.0 - model.v("put_us"))
+            assert b["ours"]["us"] == pytest.approx(a["ours"]["us"] + grown)
+        else:
+            assert b["ours"]["us"] == pytest.approx(a["ours"]["us"])
+    with pytest.raises(ValueError, match="sync_us"):
+        ms.run(vary={"sync_us": 1.0})
