@@ -51,8 +51,8 @@ def derived(value, unit, source) -> Param:
 
 
 NCCL_SRC = (
-    "NCCL's own tuning model (src/graph/tuning.cc, NCCL 2.19-2.23: baseLat, hwLat; NVLS off "
-    "as in the project's runs, NCCL_NVLS_ENABLE=0)"
+    "NCCL's tuning model, recent releases (src/graph/tuning.cc: baseLat, hwLat; the NET "
+    "figure used for ring and tree alike; NVLS off, as in the project's runs)"
 )
 STATED = {
     "nvlink_gbps": stated(
