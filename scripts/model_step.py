@@ -2,6 +2,7 @@
 
     python3 scripts/model_step.py [--data docs/data] [--json docs/data/tp_model.json]
                                   [--plot docs/tp_model.png] [--no-write]
+                                  [--vary NAME=VALUE ...]
 
 Contract. Per TP rank and step, one rank per GPU, Kimi shapes (96 heads, HID 7168, nb 8),
 B requests of T tokens (rows = B x T), in us (``model_parts.Model``):
