@@ -43,11 +43,25 @@ SECOND_ORDER = 1 + 2.0**-5  # the bounds below are first order in the perturbati
 
 
 def fla_dir() -> Path | None:
-    """The installed ``fla`` package's directory (None without fla-core), not imported."""
+    """The installed ``fla`` package's first directory (None without fla-core), not imported."""
     spec = importlib.util.find_spec("fla")
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def fla_file(relative: str) -> Path:
+    """``fla/<relative>`` in whichever of fla's directories holds it (fla-core and
+    flash-linear-attention may be installed apart)."""
+    if "fla" in sys.modules:  # fla's __init__ extends its path over both installs
+        locations = list(sys.modules["fla"].__path__)
+    else:
+        spec = importlib.util.find_spec("fla")
+        locations = list(spec.submodule_search_locations or ()) if spec else []
+    for location in locations:
+        if (Path(location) / relative).is_file():
+            return Path(location) / relative
+    raise ImportError(f"fla/{relative} is not installed")
 
 
 def _load_file(name: str, path: Path):
@@ -59,13 +73,13 @@ def _load_file(name: str, path: Path):
 
 def naive():
     """fla's ``naive_recurrent_kda`` / ``naive_chunk_kda`` module, loaded by path."""
-    return _load_file("fla_kda_naive", fla_dir() / "ops" / "kda" / "naive.py")
+    return _load_file("fla_kda_naive", fla_file("ops/kda/naive.py"))
 
 
 def lower_bound_gate():
     """fla's ``naive_kda_lowerbound_gate`` (``fla/ops/kda/gate.py``), compiled from its
     source alone: the file imports triton, the function only torch."""
-    path = fla_dir() / "ops" / "kda" / "gate.py"
+    path = fla_file("ops/kda/gate.py")
     tree = ast.parse(path.read_text())
     fn = [n for n in tree.body if getattr(n, "name", "") == "naive_kda_lowerbound_gate"]
     namespace = {"torch": torch, "F": F}
@@ -79,11 +93,11 @@ def kda_layer_class():
     try:
         from fla.layers.kda import KimiDeltaAttention
     except ImportError:
-        layers = fla_dir() / "layers"
+        path = fla_file("layers/kda.py")
         package = types.ModuleType("fla.layers")
-        package.__path__ = [str(layers)]
+        package.__path__ = [str(path.parent)]
         sys.modules["fla.layers"] = package
-        module = _load_file("fla.layers.kda", layers / "kda.py")
+        module = _load_file("fla.layers.kda", path)
         sys.modules["fla.layers.kda"] = module
         KimiDeltaAttention = module.KimiDeltaAttention
     return KimiDeltaAttention

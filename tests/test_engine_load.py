@@ -176,6 +176,36 @@ def test_module_source_gives_its_scalars():
     assert torch.equal(got.shard.f_b, _load(rank=1, tp=2).shard.f_b)
 
 
+def test_fla_module_loads_as_its_state_dict():
+    """fla's own ``KimiDeltaAttention`` (built where fla's layers import: triton installed)
+    has the harness's key names and shapes and loads as its ``state_dict`` does."""
+    if fh.fla_dir() is None:
+        pytest.skip("fla-core 0.6.0 is not installed")
+    try:
+        cls = fh.kda_layer_class()
+    except ImportError as e:
+        pytest.skip(f"fla's KimiDeltaAttention does not import here: {e}")
+    layer = cls(
+        hidden_size=HID,
+        num_heads=H,
+        head_dim=128,
+        lower_bound=-5.0,
+        conv_bias=True,
+        layer_idx=0,
+        norm_eps=1e-5,
+    ).to(torch.bfloat16)
+    want = {n: tuple(t.shape) for n, t in _sd().items()}
+    assert {n: tuple(t.shape) for n, t in layer.state_dict().items()} == want
+    layer.load_state_dict(_sd())
+    got, ref = load_rank(layer, rank=1, tp=2, pages=2), _load(rank=1, tp=2, pages=2)
+    assert (got.lower_bound, got.eps) == (-5.0, 1e-5)
+    for name in ("conv_weight", "conv_bias", "norm_weight", "f_b"):
+        assert torch.equal(getattr(got.shard, name), getattr(ref.shard, name)), name
+    # the module casts A_log / dt_bias to bf16 with the rest; the loader widens them exactly
+    assert torch.equal(got.shard.a_log, ref.shard.a_log.bfloat16().float())
+    assert torch.equal(got.w_o, ref.w_o)
+
+
 def test_step_inputs_and_prefill_handoff():
     """``step_inputs``: the rank's [q | k | v] columns, beta heads and gate columns;
     ``admit_prefill``: the rank's heads of fla's state (V-first, or transposed) and the last
