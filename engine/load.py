@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kda.synthetic import Layer, head_columns  # the runtime's layer container (one import)
+from kda.layer import Layer, head_columns  # the runtime's layer container (one import)
 from kda.validate import CONV_TAPS, GATE_RANK, HEAD_DIM, MAX_TOKENS
 from tpcomm.oproj.plan import check_hidden
 

@@ -120,9 +120,10 @@ def _fla_run():
 
 def runtime_decode(module, trace: fh.Trace, tp: int):
     """The trace's decode tokens through ``DecodeLayer`` ranks loaded from ``module`` on a
-    loopback backend of ``tp`` ranks, one stream (every rank's KDA and producer, then every
-    consumer; a zero prefix, so the prefix it leaves is the o-projection). Outputs poisoned
-    before each step; every rank's prefix bitwise equal. Returns (y [N, D], z [N, HID])."""
+    loopback backend of ``tp`` ranks, one stream (TP 1: ``step``; else every rank's KDA and
+    producer, then every consumer; a zero prefix, so the prefix left is the o-projection).
+    Outputs poisoned before each step; every rank's prefix bitwise equal. Returns (y [N, D],
+    z [N, HID])."""
     from tpcomm.backends import make_backend
 
     backend = make_backend("loopback", world=tp)
@@ -150,15 +151,21 @@ def runtime_decode(module, trace: fh.Trace, tp: int):
         for t in range(trace.q.shape[0]):
             names = ("q", "k", "v", "f_a", "beta", "gate")
             rows = [getattr(trace, n)[t : t + 1].to(dev) for n in names]
-            for r, L in enumerate(layers):
+            for r in range(tp):
                 attns[r].fill_(float("nan"))
                 prefixes[r].zero_()
                 outputs[r].fill_(float("nan"))
-                x, f_a, beta, gate = step_inputs(*rows, rank=r, tp=tp)
-                L.attend(x, f_a, beta, gate, slots, out=attns[r])
-                L.produce(attns[r], t & 1)
-            for r, L in enumerate(layers):
-                L.consume(prefixes[r], None, outputs[r], t & 1)
+            inputs = [step_inputs(*rows, rank=r, tp=tp) for r in range(tp)]
+            if tp == 1:  # the step an engine calls
+                layers[0].step(
+                    *inputs[0], slots, prefixes[0], None, t & 1, output=outputs[0], attn=attns[0]
+                )
+            else:  # its parts, every rank's KDA and producer before any consumer
+                for r, L in enumerate(layers):
+                    L.attend(*inputs[r], slots, out=attns[r])
+                    L.produce(attns[r], t & 1)
+                for r, L in enumerate(layers):
+                    L.consume(prefixes[r], None, outputs[r], t & 1)
             torch.cuda.synchronize()
             assert int(comms[1].errors.abs().sum()) == 0, f"token {t}: a rank went unheard"
             for r in range(1, tp):
