@@ -300,7 +300,7 @@ def load_rank(
         conv_bias=conv_bias,
         a_log=take(src.get("A_log").reshape(heads), heads_r).float(),
         dt_bias=take(src.get("dt_bias"), cols).float(),
-        norm_weight=norm_weight.to(device),
+        norm_weight=norm_weight.to(device, copy=True),
         f_b=take(f_b, cols),
         state=torch.zeros(pages, count, HEAD_DIM, HEAD_DIM, device=device),
         conv_state=torch.zeros(conv_shape, dtype=conv_dtype, device=device),
