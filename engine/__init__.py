@@ -2,9 +2,19 @@
 all-reduce stepped as registered torch ops (``kimi::kda_*`` from ``kda.custom_ops``,
 ``kimi::oproj_*`` from ``tpcomm.oproj.custom_ops``), graph-capturable and traceable by
 ``torch.compile`` without graph breaks. The one package that imports both ``kda`` and
-``tpcomm.oproj``; ``launch/`` steps its ranks through it.
+``tpcomm.oproj``; ``launch/`` steps its ranks through it. ``engine.load`` builds a rank's
+layer from a real one: fla's ``KimiDeltaAttention`` or its ``state_dict``.
 """
 
 from .layer import DecodeLayer, all_reduces
+from .load import KIMI_LINEAR_NAMES, RankLayer, admit_prefill, load_rank, step_inputs
 
-__all__ = ["DecodeLayer", "all_reduces"]
+__all__ = [
+    "DecodeLayer",
+    "all_reduces",
+    "KIMI_LINEAR_NAMES",
+    "RankLayer",
+    "admit_prefill",
+    "load_rank",
+    "step_inputs",
+]
