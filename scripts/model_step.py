@@ -350,7 +350,7 @@ def two_gpu_rows(data: Path = DATA) -> list[Row]:
     two = load(data, "readme_figures.json")["two_gpu"]
     run = two["step_issue14"]
     add(
-        "TP 2 step B 8: ours, issue 14's run",
+        "TP 2 step B 8: ours, the first two-GPU run",
         run["back_to_back_us"],
         lambda m: step(m, 8)["us"],
         "sync",
