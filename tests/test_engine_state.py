@@ -25,16 +25,43 @@ H, PAGES = 2, 10
 SCALARS = dict(lower_bound=-5.0, scale=128**-0.5, eps=1e-6)
 
 
-def make_layer(kda_state="per-step", *, heads=H, pages=PAGES, window=5, conv_dim_first=True,
-               conv_dtype=torch.bfloat16, ring_size=4, device="cpu", seed=1):  # fmt: skip
+def make_layer(
+    kda_state="per-step",
+    *,
+    heads=H,
+    pages=PAGES,
+    window=5,
+    conv_dim_first=True,
+    conv_dtype=torch.bfloat16,
+    ring_size=4,
+    device="cpu",
+    seed=1,
+):
     """A ``DecodeLayer`` over a random shard (no all-reduces: the state functions need none)
     with random pools and, in replay mode, random ring entries and counters."""
-    shard = kt.make_layer(heads, pages, window=window, conv_dim_first=conv_dim_first,
-                          conv_dtype=conv_dtype, seed=seed, device=device)  # fmt: skip
+    shard = kt.make_layer(
+        heads,
+        pages,
+        window=window,
+        conv_dim_first=conv_dim_first,
+        conv_dtype=conv_dtype,
+        seed=seed,
+        device=device,
+    )
     ones = torch.ones(1024, dtype=torch.bfloat16, device=device)
     w_o = torch.zeros(1024, heads * 128, dtype=torch.bfloat16, device=device)
-    layer = DecodeLayer(shard, w_o, {}, rank=0, norm=ones, query=ones, out_norm=ones, sms=132,
-                        kda_state=kda_state, ring_size=ring_size)  # fmt: skip
+    layer = DecodeLayer(
+        shard,
+        w_o,
+        {},
+        rank=0,
+        norm=ones,
+        query=ones,
+        out_norm=ones,
+        sms=132,
+        kda_state=kda_state,
+        ring_size=ring_size,
+    )
     if layer.ring is not None:
         g = torch.Generator(device=device).manual_seed(seed)
         layer.ring.v.normal_(generator=g)
@@ -57,8 +84,9 @@ def i32(*values, device="cpu"):
 
 
 @pytest.mark.parametrize("kda_state", ["per-step", "replay"])
-@pytest.mark.parametrize("conv_dim_first, conv_dtype", [(True, torch.bfloat16),
-                                                        (False, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "conv_dim_first, conv_dtype", [(True, torch.bfloat16), (False, torch.float32)]
+)
 def test_copy_state_copies_whole_slots(kda_state, conv_dim_first, conv_dtype):
     """Pairs (1 -> 4), (2 -> 5), (1 -> 6) and two padding pairs: every pool's destination
     page is its source's, bit for bit; every other page (sources included) unchanged."""
@@ -122,8 +150,15 @@ def test_fold_op_is_materialize(with_accepted):
     want_state, want_ring = layer.shard.state.clone(), Ring(*(t.clone() for t in layer.ring))
     S = layer.shard
     accepted = i32(1, 2) if with_accepted else None
-    ref.materialize(want_state, want_ring, S.a_log, S.dt_bias, lower_bound=layer.lower_bound,
-                    slots=i32(3, 5), accepted=accepted)  # fmt: skip
+    ref.materialize(
+        want_state,
+        want_ring,
+        S.a_log,
+        S.dt_bias,
+        lower_bound=layer.lower_bound,
+        slots=i32(3, 5),
+        accepted=accepted,
+    )
     layer.fold(i32(3, 0, 5), None if accepted is None else i32(1, 7, 2))
     assert torch.equal(S.state, want_state)
     assert all(torch.equal(a, b) for a, b in zip(layer.ring, want_ring, strict=True))
@@ -166,8 +201,12 @@ def test_export_import_round_trip(kda_state):
         with pytest.raises(ValueError, match="blob: its"):
             other.import_state(i32(1, 4, 9), blob)
         assert all(torch.equal(p, k) for p, k in zip(pools(other), kept, strict=True))
-    for slots, match in ((i32(1, 4), "holds 3 slots"), (i32(1, 4, 4), "twice"),
-                         (i32(1, 4, PAGES), "1..9"), (i32(0, 4, 5), "1..9")):  # fmt: skip
+    for slots, match in (
+        (i32(1, 4), "holds 3 slots"),
+        (i32(1, 4, 4), "twice"),
+        (i32(1, 4, PAGES), "1..9"),
+        (i32(0, 4, 5), "1..9"),
+    ):
         with pytest.raises(ValueError, match=match):
             layer.import_state(slots, blob)
     with pytest.raises(ValueError, match="live"):
@@ -192,10 +231,19 @@ def test_handoff_is_admit_prefill_for_many_slots(state_v_first, conv_dim_first):
     many = make_layer("replay", conv_dim_first=conv_dim_first)
     slots = i32(6, 2, 8)
     for i, s in enumerate(slots.tolist()):
-        admit_prefill(one.shard, s, recurrent, windows, rank=1, tp=2, index=i,
-                      state_v_first=state_v_first)  # fmt: skip
-    es.handoff(many.shard, slots, recurrent, windows, rank=1, tp=2,
-               state_v_first=state_v_first, ring=many.ring)  # fmt: skip
+        admit_prefill(
+            one.shard, s, recurrent, windows, rank=1, tp=2, index=i, state_v_first=state_v_first
+        )
+    es.handoff(
+        many.shard,
+        slots,
+        recurrent,
+        windows,
+        rank=1,
+        tp=2,
+        state_v_first=state_v_first,
+        ring=many.ring,
+    )
     assert torch.equal(one.shard.state, many.shard.state)
     assert torch.equal(one.shard.conv_state, many.shard.conv_state)
     assert not many.ring.length[slots.long()].any()
@@ -206,8 +254,9 @@ def test_handoff_is_admit_prefill_for_many_slots(state_v_first, conv_dim_first):
     with pytest.raises(ValueError, match="rank 2 of TP 2"):
         es.handoff(many.shard, slots, recurrent, windows, rank=2, tp=2)
     with pytest.raises(ValueError, match="conv_state \\(k\\)"):
-        es.handoff(many.shard, slots, recurrent, (windows[0], windows[1][:2], windows[2]),
-                   rank=1, tp=2)  # fmt: skip
+        es.handoff(
+            many.shard, slots, recurrent, (windows[0], windows[1][:2], windows[2]), rank=1, tp=2
+        )
 
 
 # --- the prefix-cache scenario ---------------------------------------------------------------
@@ -218,22 +267,45 @@ def replicate(step, order, slots, T):
     index = torch.tensor(order, device=step.x.device)
     rows = lambda t: t.view(step.slots.shape[0], T, -1)[index].reshape(len(order) * T, -1)
     accepted = None if step.accepted is None else step.accepted[index].contiguous()
-    return kl.Step(x=rows(step.x), f_a=rows(step.f_a), beta=rows(step.beta).contiguous(),
-                   gate=rows(step.gate), slots=slots, accepted=accepted)  # fmt: skip
+    return kl.Step(
+        x=rows(step.x),
+        f_a=rows(step.f_a),
+        beta=rows(step.beta).contiguous(),
+        gate=rows(step.gate),
+        slots=slots,
+        accepted=accepted,
+    )
 
 
 def run_step(layer, step, attend):
     """One KDA step of ``layer`` on ``step``: the references (``attend`` False, the host
     backend's route) or ``DecodeLayer.attend`` (the kernels)."""
     if attend:
-        return layer.attend(step.x, step.f_a, step.beta, step.gate, step.slots,
-                            accepted=step.accepted)  # fmt: skip
+        return layer.attend(
+            step.x, step.f_a, step.beta, step.gate, step.slots, accepted=step.accepted
+        )
     S = layer.shard
     fn = ref.decode if layer.ring is None else ref.replay_decode
     extra = {} if layer.ring is None else dict(ring=layer.ring)
-    return fn(step.x, S.conv_weight, S.conv_bias, S.conv_state, step.f_a, step.beta, S.a_log,
-              S.dt_bias, step.slots, S.state, step.gate, S.norm_weight, S.f_b,
-              accepted=step.accepted, conv_dim_first=S.conv_dim_first, **SCALARS, **extra)  # fmt: skip
+    return fn(
+        step.x,
+        S.conv_weight,
+        S.conv_bias,
+        S.conv_state,
+        step.f_a,
+        step.beta,
+        S.a_log,
+        S.dt_bias,
+        step.slots,
+        S.state,
+        step.gate,
+        S.norm_weight,
+        S.f_b,
+        accepted=step.accepted,
+        conv_dim_first=S.conv_dim_first,
+        **SCALARS,
+        **extra,
+    )
 
 
 def prefix_cache_scenario(kda_state, device="cpu", attend=False, heads=H):
