@@ -18,7 +18,7 @@ from kda.validate import HEAD_DIM
 from launch.checks import SEED_GATE_MODES
 
 MAX_SHOWN = 8  # failures spelled out on the last line
-COPY_TBPS = 4.16  # H200 device-to-device copy, bytes read + written (../shared/H200.md)
+COPY_TBPS = 4.16  # H200 device-to-device copy TB/s, bytes read + written (measured)
 PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
 ENTRY_BYTES = HEAD_DIM * 4 + 2 * HEAD_DIM * 2  # a ring entry of one head: v_new fp32, k | g bf16
 

@@ -296,7 +296,7 @@ def scratch_copy(dest: pathlib.Path) -> None:
         if src.is_file():
             (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name.decode())
-    if (ROOT / ".dev").is_dir():  # the GPU machine's packages (../shared/device)
+    if (ROOT / ".dev").is_dir():  # the GPU machine's packages (.dev/site.tar.xz)
         (dest / ".dev").symlink_to(ROOT / ".dev")
 
 

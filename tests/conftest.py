@@ -1,4 +1,6 @@
+import json
 import os
+import pathlib
 import sys
 
 import pytest
@@ -19,10 +21,38 @@ def _has_cuda():
         return False
 
 
+# Seconds per test of the last GPU suite (``--gpu-durations-out`` rewrites it).
+DURATIONS = pathlib.Path(__file__).with_name("gpu_durations.json")
+
+
+def pytest_addoption(parser):
+    what = "write each GPU test's call duration (seconds) to PATH as JSON"
+    parser.addoption("--gpu-durations-out", default=None, metavar="PATH", help=what)
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
+        # Slowest first: pytest-xdist hands out the first items first, so the long tests
+        # (launcher subprocesses, fla's Triton compiles) start at once instead of last.
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        items.sort(key=lambda item: -known.get(item.nodeid, 0.0))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_seconds: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        _seconds[report.nodeid] = round(report.duration, 1)
+
+
+def pytest_sessionfinish(session):
+    out = session.config.getoption("--gpu-durations-out")
+    if out and not hasattr(session.config, "workerinput"):  # the controller writes it
+        ranked = dict(sorted(_seconds.items(), key=lambda kv: -kv[1]))
+        pathlib.Path(out).write_text(json.dumps(ranked, indent=1) + "\n")

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 from test_oproj_consumer_gpu import random_inputs
 
 from tpcomm.backends.loopback import LoopbackBackend
@@ -63,7 +64,7 @@ def test_loopback_split_is_bitwise_the_load_store_path(domain):
 
 
 def test_loopback_dead_remote_rank_is_named():
-    budget, dead = 20_000_000, 3
+    budget, dead = poll_budget_ns(20_000_000), 3
     start = time.perf_counter()
     seen, _, _ = run_steps(2, steps=2, publishers=(0, 1, 2), budget=budget)
     outputs, _, errors = seen[-1]

@@ -16,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 
 from engine import DecodeLayer, all_reduces
 from kda import layer as kl
@@ -33,7 +34,9 @@ from launch.runner import shard_inputs
 from tpcomm.oproj import reference as oref
 
 pytestmark = pytest.mark.gpu
-BUDGET_NS = 20_000_000  # a consumer that never hears from a peer errors instead of hanging
+BUDGET_NS = poll_budget_ns(
+    20_000_000
+)  # a consumer that never hears from a peer errors instead of hanging
 UTILS = (
     "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
     "test_aot_dispatch_dynamic",

@@ -27,11 +27,14 @@ import os
 import _harness_fla as fh
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 
 from engine import admit_prefill, all_reduces, load_rank, step_inputs
 
 pytestmark = pytest.mark.gpu
-BUDGET_NS = 20_000_000  # a consumer that never hears from a peer errors instead of hanging
+BUDGET_NS = poll_budget_ns(
+    20_000_000
+)  # a consumer that never hears from a peer errors instead of hanging
 RECORDED = {  # trace field -> (submodule, output index or None)
     "q": ("q_proj", None),
     "k": ("k_proj", None),

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import reference as R
@@ -257,7 +258,7 @@ def test_graph_replay():
 
 def test_never_publishing_rank_errors():
     tp, tokens, hid, nb, dead = 4, 2, 2048, 3, 2
-    budget_ns = 20_000_000
+    budget_ns = poll_budget_ns(20_000_000)
     s = _Setup(tp, tokens, hid, nb, groups=2, xmoe=1, budget_ns=budget_ns)
     a = random_inputs(tp, tokens, hid, nb, seed=3)
     s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
@@ -373,7 +374,7 @@ def test_twoshot_matches_reference(tp, tokens, hid, nb, has_delta, groups):
 
 def test_twoshot_producer_and_dead_rank():
     tp, tokens, hid, d_local, nb = 8, 4, 2048, 1536, 3
-    s = _Setup(tp, tokens, hid, nb, twoshot=True, budget_ns=20_000_000)
+    s = _Setup(tp, tokens, hid, nb, twoshot=True, budget_ns=poll_budget_ns(20_000_000))
     g = torch.Generator(device="cuda").manual_seed(77)
     attn = torch.randn(tp, tokens, d_local, generator=g, device="cuda").to(torch.bfloat16)
     w_os = (torch.randn(tp, hid, d_local, generator=g, device="cuda") * d_local**-0.5).to(

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
@@ -291,7 +292,7 @@ def test_fused_twoshot_matches_pair():
 
 def test_fused_rank_that_never_launches_errors():
     tp, tokens, hid, nb, d_local, dead = 4, 2, 2048, 3, 256, 2
-    budget_ns = 20_000_000
+    budget_ns = poll_budget_ns(20_000_000)
     s = _Setup(tp, tokens, hid, nb, d_local, groups=2, xmoe=1, budget_ns=budget_ns)
     a = random_inputs(tp, tokens, hid, nb, d_local, seed=3)
     s.start("fused", a["prefix"])

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, random_inputs, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
@@ -205,7 +206,7 @@ def test_graph_replay_large_rows():
 def test_dead_rank_one_launch_large_rows():
     """Rank 3's partial never lands (its slot re-armed after the publish): every rank's
     consumer reports it within the budget, writes nothing; after reset the step is right."""
-    rows, nb, dead, budget_ns = 1024, 3, 3, 2_000_000
+    rows, nb, dead, budget_ns = 1024, 3, 3, poll_budget_ns(2_000_000)
     backend = LoopbackBackend(TP)
     comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, budget_ns=budget_ns,
                           one_launch=True)  # fmt: skip
@@ -251,7 +252,7 @@ def test_dead_rank_twoshot_chunks():
     rows, nb, dead = 64, 3, 5
     backend = LoopbackBackend(TP)
     chunks = RowChunks(backend, rows, HID, nb, twoshot=True, eps=EPS, out_eps=OUT_EPS,
-                       budget_ns=50_000_000)  # fmt: skip
+                       budget_ns=poll_budget_ns(50_000_000))  # fmt: skip
     a = random_inputs(TP, rows, HID, nb, seed=9)
     bf = dict(dtype=torch.bfloat16, device="cuda")
     prefixes = torch.empty(TP, rows, HID, **bf)
@@ -345,7 +346,7 @@ def test_xmoe_hints_gate_every_read(rows):
     # no consumer: the waiter times out within its budget, reads nothing
     poison(dests)
     start = time.perf_counter()
-    wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=5_000_000)
+    wait_hints(comm, xmoes, dests, every_rank=True, budget_ns=poll_budget_ns(5_000_000))
     torch.cuda.synchronize()
     assert time.perf_counter() - start < 10.0
     assert comm.hint_words[:TP, 2].tolist() == [1] * TP

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from shared_gpu import poll_budget_ns
 
 from tpcomm import mailbox as mb
 from tpcomm.allreduce import MailboxAllReduce
@@ -160,7 +161,7 @@ def test_loopback_dead_rank_errors_within_budget(tp, dead):
     """The error word names the dead rank in rank numbering (ranks past the first chunk
     of four too)."""
     tokens, hid = 2, 1024
-    budget_ns = 20_000_000
+    budget_ns = poll_budget_ns(20_000_000)
     group = _Group(tp, tokens, hid, budget_ns=budget_ns)
     partials = _partials(tp, tokens, hid, seed=5)
     group.ar.run_ranks(partials, group.out, 0)  # warm: compiled and loaded

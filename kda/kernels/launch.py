@@ -65,6 +65,7 @@ def _on_cuda(state, entry):
 def _check_aligned(tensors: dict, aligned) -> None:
     for name in aligned:
         if tensors[name].data_ptr() % 16:
+            name = "out" if name == "output" else name  # the public argument's name
             raise ValueError(f"{name} must be 16-byte aligned (vector loads/stores)")
 
 
