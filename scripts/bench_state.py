@@ -1,4 +1,4 @@
-"""Benchmark the state-management paths of issue 32 on one GPU, each against its floor
+"""Benchmark the state-management paths (docs/state.md) on one GPU, each against its floor
 measured in the same run.
 
 - ``copy_state``: ``DecodeLayer.copy_state`` (KdaCopy, one launch) of ``--slots`` pairs of a
@@ -14,7 +14,7 @@ measured in the same run.
   (pinned blobs), timed with events, against one plain pinned device-to-host /
   host-to-device copy of the same bytes in the same run.
 
-Targets (issue 32): copy >= 85% of the copy bandwidth; export / import >= 80% of the link;
+Targets: copy >= 85% of the copy bandwidth; export / import >= 80% of the link;
 fold >= 80% of its floor. ``--json`` writes the rows with the command and date.
 
 Usage: python scripts/bench_state.py [--heads 12] [--slots 256] [--ring 4 8] [--json out.json]
