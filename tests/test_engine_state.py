@@ -343,3 +343,26 @@ def prefix_cache_scenario(kda_state, device="cpu", attend=False, heads=H):
 @pytest.mark.parametrize("kda_state", ["per-step", "replay"])
 def test_prefix_cache_snapshot_matches_own_prefix(kda_state):
     assert prefix_cache_scenario(kda_state) == 5
+
+
+OPCHECK_UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_static",
+    "test_aot_dispatch_dynamic",
+)
+
+
+@pytest.mark.parametrize("kda_state", ["per-step", "replay"])
+def test_state_ops_pass_opcheck(kda_state):
+    """``kimi::kda_copy_state`` and ``kimi::kda_fold`` (their CPU implementations, the
+    references) through ``torch.library.opcheck``: schema, mutations, fake implementation."""
+    layer = make_layer(kda_state)
+    S = layer.shard
+    ring = tuple(layer.ring) if layer.ring is not None else (None,) * 3
+    args = (S.state, S.conv_state, i32(1, 2), i32(4, 5), *ring, None)
+    torch.library.opcheck(torch.ops.kimi.kda_copy_state.default, args, test_utils=OPCHECK_UTILS)
+    if layer.ring is not None:
+        args = (S.state, *layer.ring, S.a_log, S.dt_bias, i32(1, 3), i32(1, 1), -5.0)
+        torch.library.opcheck(torch.ops.kimi.kda_fold.default, args, test_utils=OPCHECK_UTILS)
