@@ -3,11 +3,13 @@ all-reduce stepped as registered torch ops (``kimi::kda_*`` from ``kda.custom_op
 ``kimi::oproj_*`` from ``tpcomm.oproj.custom_ops``), graph-capturable and traceable by
 ``torch.compile`` without graph breaks. The one package that imports both ``kda`` and
 ``tpcomm.oproj``; ``launch/`` steps its ranks through it. ``engine.load`` builds a rank's
-layer from a real one: fla's ``KimiDeltaAttention`` or its ``state_dict``.
+layer from a real one: fla's ``KimiDeltaAttention`` or its ``state_dict``; ``engine.state``
+manages its KDA state (slot copies, ring folds, host swaps, the prefill hand-off).
 """
 
 from .layer import DecodeLayer, all_reduces
 from .load import KIMI_LINEAR_NAMES, RankLayer, admit_prefill, load_rank, step_inputs
+from .state import StateBlob, StateLayout, handoff, prefill_state
 
 __all__ = [
     "DecodeLayer",
@@ -17,4 +19,8 @@ __all__ = [
     "admit_prefill",
     "load_rank",
     "step_inputs",
+    "StateBlob",
+    "StateLayout",
+    "handoff",
+    "prefill_state",
 ]

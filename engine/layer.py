@@ -247,6 +247,33 @@ class DecodeLayer:
         self.consume(prefix, blocks, output, parity)
         return output
 
+    # --- state management (engine.state) ---------------------------------------------
+    def copy_state(self, src, dst, *, live=None) -> None:
+        """Copy slot ``src[p]`` into slot ``dst[p]`` ([P] int32 on the pool's device, <= 0
+        padding): page, conv page and (replay) ring, bit for bit; one launch, capturable
+        (``engine.state.copy_state``)."""
+        from .state import copy_state
+
+        copy_state(self, src, dst, live=live)
+
+    def fold(self, slots, accepted=None) -> None:
+        """Replay mode: ``materialize`` as one capturable launch (``engine.state.fold``)."""
+        from .state import fold
+
+        fold(self, slots, accepted)
+
+    def export_state(self, slots, out=None, *, stream=None):
+        """``slots`` into a pinned host ``StateBlob`` on ``stream`` (``engine.state``)."""
+        from .state import export_state
+
+        return export_state(self, slots, out, stream=stream)
+
+    def import_state(self, slots, blob, *, stream=None, live=None):
+        """A ``StateBlob`` into ``slots``; returns the event to wait on (``engine.state``)."""
+        from .state import import_state
+
+        return import_state(self, slots, blob, stream=stream, live=live)
+
 
 def check_kda_state(kda_state, ring_size) -> None:
     """``DecodeLayer``'s ``kda_state`` (one of ``KDA_STATES``) and ``ring_size`` (an int in

@@ -1,5 +1,6 @@
-"""The KDA kernels as torch ops: ``kimi::kda_decode``, ``kimi::kda_recover`` and
-``kimi::kda_replay_decode``.
+"""The KDA kernels as torch ops: ``kimi::kda_decode``, ``kimi::kda_recover``,
+``kimi::kda_replay_decode`` and the state-management ops ``kimi::kda_copy_state`` /
+``kimi::kda_fold`` (``kda.state``; on a CPU pool these two run the references).
 
 Registered with ``torch.library.custom_op`` so that a ``torch.compile``d model calling
 ``kda.decode`` / ``kda.recover`` traces them as single ops (no graph break) and knows what
@@ -25,8 +26,9 @@ from typing import Optional
 import torch
 
 from .dispatch import choose_replay
-from .kernels.launch import launch_decode, launch_recover, launch_replay
+from .kernels.launch import launch_copy, launch_decode, launch_fold, launch_recover, launch_replay
 from .operands import DecodeOperands, RecoverOperands, Ring
+from .state import check_copy, check_fold
 from .validate import (
     check_decode,
     check_options,
@@ -182,11 +184,92 @@ def _replay_fake(**a) -> None:
     choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)
 
 
+COPY = (
+    ("state", Tensor),
+    ("conv_state", Tensor),
+    ("src", Tensor),
+    ("dst", Tensor),
+    ("ring_v", MaybeTensor),
+    ("ring_kg", MaybeTensor),
+    ("ring_length", MaybeTensor),
+    ("live", MaybeTensor),
+)
+FOLD = (
+    ("state", Tensor),
+    *RING,
+    ("a_log", Tensor),
+    ("dt_bias", Tensor),
+    ("slots", Tensor),
+    ("accepted", MaybeTensor),
+    ("lower_bound", float),
+)
+
+
+def _maybe_ring(a):
+    parts = (a["ring_v"], a["ring_kg"], a["ring_length"])
+    return None if all(t is None for t in parts) else Ring(*parts)
+
+
+def _copy_args(a):
+    return (a["state"], a["conv_state"], a["src"], a["dst"], _maybe_ring(a), a["live"])
+
+
+def _copy_state(**a) -> None:
+    """``kda.copy_state``: KdaCopy on a CUDA pool, ``kda.reference.copy_state`` on a CPU one."""
+    if a["state"].is_cuda:
+        launch_copy(*_copy_args(a))
+    else:
+        from .reference import copy_state
+
+        state, conv, src, dst, ring, live = _copy_args(a)
+        copy_state(state, conv, src, dst, ring=ring, live=live)
+
+
+def _copy_state_fake(**a) -> None:
+    check_copy(*_copy_args(a), check_values=False)
+
+
+def _fold_args(a):
+    names = ("a_log", "dt_bias", "slots", "accepted", "lower_bound")
+    return (a["state"], _ring(a), *(a[n] for n in names))
+
+
+def _fold(**a) -> None:
+    """``kda.fold``: KdaFold on a CUDA pool, ``kda.reference.materialize`` of the listed
+    slots (padding dropped) on a CPU one."""
+    if a["state"].is_cuda:
+        launch_fold(*_fold_args(a))
+        return
+    from .reference import materialize
+
+    state, ring, a_log, dt_bias, slots, accepted, lower_bound = _fold_args(a)
+    check_fold(*_fold_args(a))
+    keep = slots > 0
+    committed = None if accepted is None else accepted[keep]
+    options = dict(lower_bound=lower_bound, slots=slots[keep], accepted=committed)
+    materialize(state, ring, a_log, dt_bias, **options)
+
+
+def _fold_fake(**a) -> None:
+    check_fold(*_fold_args(a), check_values=False)
+
+
+_COPY_MUTATES = ("state", "conv_state", "ring_v", "ring_kg", "ring_length")
 _DECODE_MUTATES = ("conv_state", "state", "out", "v_records", "kg_records")
 _REPLAY_MUTATES = ("conv_state", "state", "out", "ring_v", "ring_kg", "ring_length")
 
 kda_decode = _custom_op("kda_decode", _DECODE, _DECODE_MUTATES, _decode, _decode_fake)
 kda_recover = _custom_op("kda_recover", _RECOVER, ("state",), _recover, _recover_fake)
 kda_replay_decode = _custom_op("kda_replay_decode", _REPLAY, _REPLAY_MUTATES, _replay, _replay_fake)
+kda_copy_state = _custom_op("kda_copy_state", COPY, _COPY_MUTATES, _copy_state, _copy_state_fake)
+kda_fold = _custom_op("kda_fold", FOLD, ("state", "ring_length"), _fold, _fold_fake)
 
-__all__ = ["NAMESPACE", "kda_decode", "kda_recover", "kda_replay_decode", "step_arguments"]
+__all__ = [
+    "NAMESPACE",
+    "kda_copy_state",
+    "kda_decode",
+    "kda_fold",
+    "kda_recover",
+    "kda_replay_decode",
+    "step_arguments",
+]

@@ -117,6 +117,34 @@ ReplayKernelOperands.__doc__ = """KdaReplay's operands: the step's fields, then 
 tensors."""
 
 
+class CopyKernelOperands(NamedTuple):
+    """KdaCopy's operands (``kda.kernels.copy``): the slot pairs, then each pool as a
+    ``[S, words]`` int32 view of its pages (one ``[1, 4]`` dummy for an absent ring)."""
+
+    src: cute.Tensor  # [P] int32
+    dst: cute.Tensor  # [P] int32
+    state: cute.Tensor
+    conv_state: cute.Tensor
+    ring_v: cute.Tensor
+    ring_kg: cute.Tensor
+    ring_length: cute.Tensor
+
+
+class FoldKernelOperands(NamedTuple):
+    """KdaFold's operands (``kda.kernels.fold``): the pool, its ring, the gate weights, the
+    slots to fold and the pending entries each commits (a dummy when none)."""
+
+    state: cute.Tensor  # [S, H, 128, 128] fp32
+    ring_v: cute.Tensor  # [S, R, H, 128] fp32
+    ring_kg: cute.Tensor  # [S, R, H, 256] bf16
+    ring_length: cute.Tensor  # [S, H, 2] int32
+    a_log: cute.Tensor  # [H] fp32
+    dt_bias: cute.Tensor  # [H*128] fp32
+    slots: cute.Tensor  # [n] int32; <= 0: padding
+    accepted: cute.Tensor  # [n] int32
+    lower_bound: Float32
+
+
 MIN_RING, MAX_RING = 2, 16
 
 

@@ -42,7 +42,7 @@ from .validate import (
     step_slots,
 )
 
-__all__ = ["decode", "recover", "replay_decode", "materialize", "apply_record"]
+__all__ = ["decode", "recover", "replay_decode", "materialize", "apply_record", "copy_state"]
 
 
 def _fma(a, b, c):
@@ -417,3 +417,18 @@ def materialize(state, ring: Ring, a_log, dt_bias, *, lower_bound, slots=None, a
             raise ValueError("accepted must be >= 0")
         counts[:, 0] += torch.minimum(accepted.long(), counts[:, 1])
     _fold(state, ring, s, counts[:, 0], a_log, dt_bias, lower_bound)
+
+
+def copy_state(state, conv_state, src, dst, *, ring: Ring | None = None, live=None):
+    """Copy slot ``src[p]`` into slot ``dst[p]`` for every pair whose slots are both > 0:
+    ``state[dst] = state[src]``, ``conv_state[dst] = conv_state[src]`` and, with ``ring``,
+    the ring's entries and counters (``ring.v``, ``ring.kg``, ``ring.length``) likewise,
+    bit for bit. Checks: ``kda.state.check_copy`` (``live``: the current step's slots, no
+    destination among them; no destination twice; none that is also a source)."""
+    from .state import check_copy, live_pairs
+
+    check_copy(state, conv_state, src, dst, ring, live)
+    s, d = live_pairs(src, dst)
+    pools = (state, conv_state) + (tuple(ring) if ring is not None else ())
+    for pool in pools:
+        pool.index_copy_(0, d, pool.index_select(0, s))

@@ -56,6 +56,8 @@ WIDE_T1 = f"{KGPU}::test_decode_matches_reference[s2-H12B64T5-df-b1-r0-wide]"
 STREAM_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-stream]"
 SPLIT_ROW = f"{KGPU}::test_steps_in_a_row[split2]"
 REPLAY = "tests/test_kda_replay_gpu.py"
+STATE = "tests/test_engine_state.py"
+SGPU = "tests/test_engine_state_gpu.py"
 SCALE = "0.08838834764831845"  # 128 ** -0.5
 # KdaWide's (and KdaSplit's) PDL wait: the first line of read_inputs after its docstring.
 # KdaReplay's suffix chain: each ring entry's warp sum, then its decay into the product.
@@ -130,6 +132,17 @@ MUTANTS: list[Mutant] = [
       "if not 1 <= self.tokens <= 9:", "tests/test_launch_refusals.py"),
     M("step-bytes-decode-pages", "launch/report.py", '{"decode": 2,', '{"decode": 1,',
       "tests/test_launch_gpu.py::test_step_bytes"),
+    # --- CPU: state management (kda.state, kda.reference.copy_state, engine.state) ----------
+    M("ref-copy-ring-skipped", "kda/reference.py",
+      "    pools = (state, conv_state) + (tuple(ring) if ring is not None else ())",
+      "    pools = (state, conv_state)", STATE, select="copies_whole_slots or prefix_cache"),
+    M("copy-overlap-check-dropped", "kda/state.py", "both = seen.intersection(s)",
+      "both = set()", STATE, select="refuses"),
+    M("blob-layout-check-dropped", "engine/state.py", "        if got != mine:",
+      "        if False:", STATE, select="round_trip"),
+    M("handoff-not-transposed", "engine/state.py",
+      "source = source if state_v_first else source.transpose(-1, -2)", "source = source",
+      STATE, select="handoff"),
     # --- CPU: each PDL kernel's wait removed (the PTX order check) ----------------------------
     M("pdl-wait-wide", "kda/kernels/wide.py", WIDE_WAIT, WIDE_NO_WAIT, PDL_PTX,
       select="wide or split"),
@@ -208,6 +221,20 @@ MUTANTS: list[Mutant] = [
       "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
       "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
       REPLAY, gpu=True, select="replay_matches_reference"),
+    # --- GPU: the state kernels (KdaCopy, KdaFold) -------------------------------------------
+    M("gpu-copy-counters-skipped", "kda/kernels/copy.py",
+      "op.ring_length[Int64(dst), tid] = op.ring_length[Int64(src), tid]",
+      "op.ring_length[Int64(dst), tid] = op.ring_length[Int64(dst), tid]", SGPU, gpu=True,
+      select="copy_kernel_is_the_reference"),
+    M("gpu-copy-tail-past-the-page", "kda/kernels/copy.py", "            if v < vectors:",
+      "            if v <= vectors:", SGPU, gpu=True, select="copy_kernel_is_the_reference"),
+    M("gpu-fold-fast-exp", "kda/kernels/fold.py", "a = dev.exp_f32_exact(op.a_log[head])",
+      "a = dev.exp_f32(op.a_log[head])", SGPU, gpu=True,
+      select="fold_kernel_is_the_reference"),
+    M("gpu-fold-accepted-ignored", "kda/kernels/fold.py",
+      "                if accepted < pending:\n                    pending = accepted\n",
+      "                if accepted < pending:\n                    pending = pending\n", SGPU,
+      gpu=True, select="fold_kernel_is_the_reference and aTrue"),
     # --- GPU: each PDL wait removed, against an early-releasing predecessor ------------------
     M("gpu-pdl-wait-wide", "kda/kernels/wide.py", WIDE_WAIT, WIDE_NO_WAIT, KGPU,
       gpu=True, select="early_releasing and (wide or split2)"),

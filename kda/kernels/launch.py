@@ -16,6 +16,7 @@ import torch
 
 from .. import dispatch
 from ..operands import DecodeOperands, RecoverOperands, Ring
+from ..state import check_copy, check_fold
 from ..validate import (
     capturing,
     check_decode,
@@ -29,6 +30,8 @@ from ..validate import (
 # Operands the kernels move with 16-byte vector loads / stores (checked, assumed aligned).
 STEP_ALIGNED = ("x", "f_a", "f_b", "state", "gate", "output")
 RECOVER_ALIGNED = ("state", "v_records", "kg_records")
+COPY_ALIGNED = ("state", "conv_state", "ring_v", "ring_kg")
+FOLD_ALIGNED = ("state", "ring_v", "ring_kg")
 
 _CACHE: dict = {}
 _DUMMIES: dict = {}
@@ -247,3 +250,62 @@ def launch_recover(op: RecoverOperands, *, pdl, validate=None) -> None:
         return KdaRecover(shape.heads, shape.tokens, arch=arch, pdl=bool(pdl))
 
     _run(("recover", shape.heads, shape.tokens, bool(pdl), arch), build, operands, device, arch)
+
+
+def _page_words(pool):
+    """A pool ``[S, ...]`` as the ``[S, words]`` int32 view of its pages."""
+    return pool.view(pool.shape[0], -1).view(torch.int32)
+
+
+def launch_copy(state, conv_state, src, dst, ring, live) -> None:
+    """``kimi::kda_copy_state``: KdaCopy, one launch for every pair and pool."""
+    from ..operands import CopyKernelOperands
+
+    pairs = check_copy(state, conv_state, src, dst, ring, live, check_values=not capturing(state))
+    device = _on_cuda(state, "kda.copy_state")
+    if pairs == 0:
+        return
+    dummy = _dummy(device, torch.int32).view(1, -1)
+    rings = (ring.v, ring.kg, ring.length) if ring is not None else (None,) * 3
+    tensors = dict(src=src, dst=dst, state=_page_words(state), conv_state=_page_words(conv_state))
+    for name, pool in zip(("ring_v", "ring_kg", "ring_length"), rings, strict=True):
+        tensors[name] = _page_words(pool) if pool is not None else dummy
+    _check_aligned(tensors, COPY_ALIGNED)
+    present = ("state", "conv_state") + (("ring_v", "ring_kg") if ring is not None else ())
+    words = tuple(tensors[n].shape[1] if n in present else 0 for n in COPY_ALIGNED)
+    counters = tensors["ring_length"].shape[1] if ring is not None else 0
+    arch = _arch(device)
+    operands = _cute_operands(CopyKernelOperands, tensors, {}, COPY_ALIGNED)
+
+    def build():
+        from .copy import KdaCopy
+
+        return KdaCopy(words, counters, arch=arch)
+
+    _run(("copy", words, counters, arch), build, operands, device, arch)
+
+
+def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound) -> None:
+    """``kimi::kda_fold``: KdaFold, one CTA per (head, listed slot)."""
+    from ..operands import FoldKernelOperands
+
+    args = (state, ring, a_log, dt_bias, slots, accepted, lower_bound)
+    size = check_fold(*args, check_values=not capturing(state))
+    device = _on_cuda(state, "kda.fold")
+    if slots.numel() == 0:
+        return
+    has_accepted = accepted is not None
+    tensors = dict(state=state, ring_v=ring.v, ring_kg=ring.kg, ring_length=ring.length)
+    tensors.update(a_log=a_log, dt_bias=dt_bias, slots=slots)
+    tensors["accepted"] = accepted if has_accepted else _dummy(device, torch.int32)
+    _check_aligned(tensors, FOLD_ALIGNED)
+    arch, heads = _arch(device), state.shape[1]
+    scalars = dict(lower_bound=lower_bound)
+    operands = _cute_operands(FoldKernelOperands, tensors, scalars, FOLD_ALIGNED)
+
+    def build():
+        from .fold import KdaFold
+
+        return KdaFold(heads, size, has_accepted, arch=arch)
+
+    _run(("fold", heads, size, has_accepted, arch), build, operands, device, arch)
