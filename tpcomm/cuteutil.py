@@ -44,6 +44,7 @@ __all__ = [
     "arm_exchanges",
     "wait_exchange",
     "to_cute",
+    "compile_cached",
     "fake_tensor",
     "fake_like_runtime",
 ]
@@ -305,11 +306,29 @@ def wait_exchange(bar):
 # --- host side ------------------------------------------------------------------------
 
 
-def to_cute(t, align=16):
-    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned."""
+def to_cute(t, align=16, leading_dim=None):
+    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned (None: its
+    element size); ``leading_dim``: its stride-1 dimension (None: the one its strides show)."""
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+    align = t.element_size() if align is None else align
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim)
+
+
+_COMPILED: dict = {}  # (key, arch) -> the compiled function
+
+
+def compile_cached(key, build, *, arch=None):
+    """The compiled function of ``key`` (hashable: kernel family, configuration, dtypes,
+    static shapes) for ``arch`` (``"sm_90a"``; None: the current device's): ``build()`` ->
+    ``(kernel object, compile arguments)``, run and ``cute.compile``d on the first call only.
+    A ``ValueError`` of ``build`` caches nothing."""
+    compiled = _COMPILED.get((key, arch))
+    if compiled is None:
+        kernel, args = build()
+        options = None if arch is None else f"--gpu-arch {arch}"
+        compiled = _COMPILED[key, arch] = cute.compile(kernel, *args, options=options)
+    return compiled
 
 
 def fake_tensor(dtype, shape, align=16):
