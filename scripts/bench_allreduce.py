@@ -195,7 +195,7 @@ class Bench:
 
     def ours(self, tokens, nb, x):
         from tpcomm.oproj.api import OprojAllReduce
-        from tpcomm.oproj.producer import compiled_producer
+        from tpcomm.oproj.kernels.producer import compiled_producer
 
         a = self.args
         names = ("ours: producer + consumer", "ours: consumer alone",

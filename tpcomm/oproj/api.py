@@ -135,7 +135,7 @@ class OprojAllReduce:
     def functions(self):
         """(publisher, consumer) compiled for this all-reduce's per-rank launches."""
         if self._fns is None:
-            from tpcomm.oproj.consumer import compiled
+            from tpcomm.oproj.kernels.consumer import compiled
 
             consumer = compiled(
                 self.tp, self.hid, self.nb, self.has_delta, self.groups, self.xmoe_reps,
@@ -286,13 +286,13 @@ class OprojAllReduce:
 
     # the compiled launches, one key each: ``ranks`` = TP launches every rank at once
     def _publisher(self, pdl=False, ranks=1):
-        from tpcomm.oproj.producer import compiled_publisher
+        from tpcomm.oproj.kernels.producer import compiled_publisher
 
         return compiled_publisher(self.tp, self.hid, self.multicast_base != 0, self.fence, pdl,
                                   twoshot=self.twoshot, ranks=ranks)  # fmt: skip
 
     def _producer(self, d_local, pdl=False, ranks=1):
-        from tpcomm.oproj.producer import compiled_producer
+        from tpcomm.oproj.kernels.producer import compiled_producer
 
         return compiled_producer(self.tp, self.hid, d_local, self.multicast_base != 0,
                                  self.fence, pdl, twoshot=self.twoshot, ranks=ranks)  # fmt: skip
@@ -375,7 +375,7 @@ class OprojAllReduce:
 
     def fused_function(self, d_local, tiles=None, pdl=False, launches=None):
         """The compiled ``OprojFused`` for this all-reduce (plans first: may refuse)."""
-        from tpcomm.oproj.fused import compiled_fused
+        from tpcomm.oproj.kernels.fused import compiled_fused
 
         plan = self.fused_plan(tiles, launches=launches)
         return compiled_fused(
@@ -570,7 +570,7 @@ class OprojAllReduce:
             self._check_all(prefixes, blocks, norm, query, out_norm, outputs, xmoes)
         import cuda.bindings.driver as cuda
 
-        from tpcomm.oproj.consumer import compiled
+        from tpcomm.oproj.kernels.consumer import compiled
 
         consumer = compiled(self.tp, self.hid, self.nb, self.has_delta, self.groups,
                             self.xmoe_reps, pdl, fence=self.fence, ranks=self.tp)  # fmt: skip

@@ -25,7 +25,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from tpcomm.cuteutil import launch, smem_tensor
-from tpcomm.oproj.consumer import OprojConsumerKernel, fake_arguments
+from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
+from tpcomm.oproj.kernels.producer import OprojProducer, fake_producer_arguments
 from tpcomm.oproj.plan import (
     GROUP_THREADS,
     SLICE,
@@ -35,7 +36,6 @@ from tpcomm.oproj.plan import (
     tile_count,
     tile_index,
 )
-from tpcomm.oproj.producer import OprojProducer, fake_producer_arguments
 
 
 class OprojFused:
