@@ -209,8 +209,7 @@ MUTANTS: list[Mutant] = [
       "        column", "        column", ONE, gpu=True, select="early_releasing and publisher"),
     # --- GPU: the consumer --------------------------------------------------------------------
     M("gpu-consumer-eps-swapped", "tpcomm/oproj/kernels/consumer.py",
-      "a_hints, a_error, tokens, eps, out_eps,\n                  step, budget_ns",
-      "a_hints, a_error, tokens, out_eps, eps,\n                  step, budget_ns",
+      "eps, out_eps = op.eps, op.out_eps", "eps, out_eps = op.out_eps, op.eps",
       f"{CGPU}::test_consumer_matches_reference[c1-tp2]", gpu=True),
     M("gpu-consumer-out-eps-zero", "tpcomm/oproj/kernels/consumer.py",
       "quad / Float32(self.hid) + out_eps * den * den)",
@@ -222,7 +221,7 @@ MUTANTS: list[Mutant] = [
     M("gpu-consumer-rearm-skipped", "tpcomm/oproj/kernels/consumer.py",
       "            protocol.rearm(slot0 + (first + i) * slot_bytes)", "            pass",
       f"{CGPU}::test_consumer_matches_reference[c0-tp2]", gpu=True),
-    M("gpu-consumer-wrong-parity", "tpcomm/oproj/kernels/consumer.py", "parity = Int64(step & 1)",
+    M("gpu-consumer-wrong-parity", "tpcomm/oproj/kernels/consumer.py", "parity = Int64(op.step & 1)",
       "parity = Int64(0)", f"{CGPU}::test_consumer_matches_reference[c0-tp2]", gpu=True),
     M("gpu-publish-canonicalisation-removed", "tpcomm/protocol.py",
       "clean = [canonicalize(w) for w in words]", "clean = list(words)",

@@ -18,6 +18,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from tpcomm.cuteutil import unpack_bf16x2
 from tpcomm.mailbox import CANONICAL_NAN_WORD, SENTINEL
 
 SENTINEL_I32 = SENTINEL - (1 << 32)  # -1 as a signed word
@@ -206,6 +207,20 @@ def poll_groups(
         if failed != 0:
             raise_error(error_address, failed << first)
     return failed
+
+
+def add_in_rank_order(acc, raw, count: int, start: int):
+    """Traced: the rank-order fp32 sum of ``count`` polled groups (``raw``: their bf16x2
+    words) into the 8 values ``acc``, each added after the one before; ``start``: the first
+    group's place in the sum (0: its values start it, no ``+0.0``)."""
+    for i in range(count):
+        for j in range(4):
+            x, y = unpack_bf16x2(raw[i * 4 + j])
+            if start + i == 0:
+                acc[2 * j], acc[2 * j + 1] = x, y
+            else:
+                acc[2 * j] = acc[2 * j] + x
+                acc[2 * j + 1] = acc[2 * j + 1] + y
 
 
 @dsl_user_op

@@ -27,15 +27,13 @@ dynamic ``(?, ?, ?)`` keeps ``reps`` (the waiter read reps rows). The fake argum
 ``to_cute``'s layouts all the same (``fake_like_runtime``).
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.cuteutil import fake_like_runtime, launch, smem_tensor
+from tpcomm.cuteutil import compile_cached, fake_like_runtime, launch, smem_tensor
 from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
 
 WAITER_GPU_CTAS = 8  # spinning waiter CTAs per GPU, over every rank it hosts
@@ -126,12 +124,13 @@ def fake_arguments(hid: int, reps: int):
     )
 
 
-@functools.cache
 def compiled(hid, reps, ctas=None, ranks=1, arch=None):
     """One compile per configuration and arch; rows are dynamic (1..``MAX_ROWS``)."""
-    kernel = HintWaiter(hid, reps, ctas=ctas, ranks=ranks)
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_arguments(hid, reps), options=options)
+
+    def build():
+        return HintWaiter(hid, reps, ctas=ctas, ranks=ranks), fake_arguments(hid, reps)
+
+    return compile_cached(("hint_waiter", hid, reps, ctas, ranks), build, arch=arch)
 
 
 def launch_values(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None):

@@ -17,16 +17,15 @@ reading ``attn_out``; consumer CTAs run the AttnRes pre-phase first, then wait, 
 ``blocks``, ``norm``, ``query``, ``out_norm`` must not be written by the kernel just before.
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from tpcomm.cuteutil import launch, smem_tensor
+from tpcomm.cuteutil import compile_cached, launch, smem_tensor
 from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
 from tpcomm.oproj.kernels.producer import OprojProducer, fake_producer_arguments
+from tpcomm.oproj.operands import ConsumerAddresses, ConsumerOperands, ProducerOperands
 from tpcomm.oproj.plan import (
     GROUP_THREADS,
     SLICE,
@@ -60,45 +59,18 @@ class OprojFused:
         self.launch_bound = min_blocks_per_sm(groups)
 
     @cute.jit
-    def __call__(
-        self,
-        attn_out: cute.Tensor,
-        w_o: cute.Tensor,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        mailbox: cute.Tensor,
-        prefix: cute.Tensor,
-        blocks: cute.Tensor,
-        norm: cute.Tensor,
-        query: cute.Tensor,
-        out_norm: cute.Tensor,
-        output: cute.Tensor,
-        xmoe: cute.Tensor,
-        hints: cute.Tensor,
-        eps: Float32,
-        out_eps: Float32,
-        error: cute.Tensor,
-        step: Int32,
-        budget_ns: Int64,
-        recv: cute.Tensor,
-        gather_peers: cute.Tensor,
-        rank: Int32,
-        stream: cuda.CUstream,
-    ):
-        consumer_args = self.consumer.kernel_args(
-            mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints, eps,
-            out_eps, error, step, budget_ns, recv, gather_peers, rank,
-        )  # fmt: skip
+    def __call__(self, producer: ProducerOperands, op: ConsumerOperands, stream: cuda.CUstream):
+        attn_out, w_o, peers, multicast_base = producer
         call = self.kernel(
             Int64(attn_out.iterator.toint()),
             Int64(w_o.iterator.toint()),
             peers,
             multicast_base,
-            *consumer_args,
+            self.consumer.addresses(op),
         )
         launch(
             call,
-            (self.ctas, self.rows + prefix.shape[0], 1),
+            (self.ctas, self.rows + op.prefix.shape[0], 1),
             (self.threads, 1, 1),
             stream,
             cluster=(self.ctas, 1, 1),
@@ -131,40 +103,33 @@ class OprojFused:
 
     @cute.kernel
     def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
-               a_mailbox: Int64, a_prefix: Int64, a_blocks: Int64, a_norm: Int64,
-               a_query: Int64, a_out_norm: Int64, a_output: Int64, a_xmoe: Int64,
-               a_hints: Int64, a_error: Int64, tokens: Int32, eps: Float32,
-               out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
-               gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
+               op: ConsumerAddresses):  # fmt: skip
         thread, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
         smem = self.consumer.allocate()
-        red = smem_tensor(cutlass.memory.SmemAllocator(), Float32,
-                          (self.groups * WARPS, 32, 4))  # fmt: skip
+        red_shape = (self.groups * WARPS, 32, 4)
+        red = smem_tensor(cutlass.memory.SmemAllocator(), Float32, red_shape)
         if row < self.rows:
-            self.produce(red, thread, cta, row, a_attn, a_w, peers, multicast_base, tokens,
-                         rank, step)  # fmt: skip
+            projection = (a_attn, a_w, peers, multicast_base, op.tokens, op.rank, op.step)
+            self.produce(red, thread, cta, row, *projection)
         else:
-            self.consumer.body(smem, thread, cta, row - self.rows, a_mailbox, a_prefix,
-                               a_blocks, a_norm, a_query, a_out_norm, a_output, a_xmoe,
-                               a_hints, a_error, tokens, eps, out_eps, step, budget_ns,
-                               a_recv, gather_peers, rank)  # fmt: skip
+            self.consumer.body(smem, thread, cta, row - self.rows, op)
 
 
 def fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps=0, twoshot=False):
     """Compile-only arguments of ``OprojFused.__call__`` (tokens dynamic)."""
-    return fake_producer_arguments(tp, hid, d_local)[:4] + fake_arguments(
-        tp, hid, nb, xmoe_reps, twoshot
-    )
+    producer = ProducerOperands(*fake_producer_arguments(tp, hid, d_local)[:4])
+    return (producer, *fake_arguments(tp, hid, nb, xmoe_reps, twoshot))
 
 
-@functools.cache
 def compiled_fused(tp, hid, nb, d_local, tiles=1, has_delta=True, groups=4, xmoe_reps=0,
                    multicast=False, fence=False, pdl=False, twoshot=False, arch=None):  # fmt: skip
     """One compile per configuration and arch; tokens are dynamic (1..8)."""
-    kernel = OprojFused(tp, hid, nb, d_local, tiles=tiles, has_delta=has_delta, groups=groups,
-                        xmoe_reps=xmoe_reps, multicast=multicast, fence=fence, pdl=pdl,
-                        twoshot=twoshot)  # fmt: skip
-    args = fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps, twoshot)
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *args, options=options)
+    config = dict(tiles=tiles, has_delta=has_delta, groups=groups, xmoe_reps=xmoe_reps,
+                  multicast=multicast, fence=fence, pdl=pdl, twoshot=twoshot)  # fmt: skip
+
+    def build():
+        kernel = OprojFused(tp, hid, nb, d_local, **config)
+        return kernel, fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps, twoshot)
+
+    return compile_cached(("oproj_fused", tp, hid, nb, d_local, *config.values()), build, arch=arch)

@@ -18,8 +18,6 @@ CTA's work for any 128 threads (the fused kernel runs several per CTA).
 rank's size past rank 0's.
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -27,6 +25,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
 from tpcomm import protocol
 from tpcomm.cuteutil import (
+    compile_cached,
     fake_tensor,
     launch,
     ld_global_nc_b32x4,
@@ -270,21 +269,27 @@ def fake_producer_arguments(tp: int, hid: int, d_local: int):
     )
 
 
-@functools.cache
-def compiled_publisher(tp, hid, multicast=False, fence=False, pdl=False, arch=None, *,
-                       twoshot=False, ranks=1):  # fmt: skip
+def compiled_publisher(
+    tp, hid, multicast=False, fence=False, pdl=False, arch=None, *, twoshot=False, ranks=1
+):
     """One compile per configuration and arch; tokens are dynamic."""
-    kernel = PartialPublisher(tp, hid, multicast=multicast, fence=fence, pdl=pdl,
-                              twoshot=twoshot, ranks=ranks)  # fmt: skip
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_publisher_arguments(tp, hid), options=options)
+    config = dict(multicast=multicast, fence=fence, pdl=pdl, twoshot=twoshot, ranks=ranks)
+
+    def build():
+        return PartialPublisher(tp, hid, **config), fake_publisher_arguments(tp, hid)
+
+    return compile_cached(("oproj_publisher", tp, hid, *config.values()), build, arch=arch)
 
 
-@functools.cache
-def compiled_producer(tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *,
-                      twoshot=False, ranks=1):  # fmt: skip
+def compiled_producer(
+    tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *, twoshot=False, ranks=1
+):
     """One compile per configuration and arch; tokens are dynamic (1..8)."""
-    kernel = OprojProducer(tp, hid, d_local, multicast=multicast, fence=fence, pdl=pdl,
-                           twoshot=twoshot, ranks=ranks)  # fmt: skip
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_producer_arguments(tp, hid, d_local), options=options)
+    config = dict(multicast=multicast, fence=fence, pdl=pdl, twoshot=twoshot, ranks=ranks)
+
+    def build():
+        kernel = OprojProducer(tp, hid, d_local, **config)
+        return kernel, fake_producer_arguments(tp, hid, d_local)
+
+    key = ("oproj_producer", tp, hid, d_local, *config.values())
+    return compile_cached(key, build, arch=arch)

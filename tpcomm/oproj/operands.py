@@ -1,0 +1,73 @@
+"""The o-projection kernels' operands, defined once.
+
+``ConsumerOperands``: ``OprojConsumerKernel.__call__``'s (CuTe values, built by
+``tpcomm.oproj.launcher``; the fused kernel's consumer part). ``ProducerOperands``: the
+fused kernel's producer part. ``ConsumerAddresses``: the consumer kernel's one argument
+(tensors as ``Int64`` addresses, ``tokens`` from ``prefix``; the DSL passes a NamedTuple's
+fields as the kernel's parameters, in this order). Importing this module needs no CuTe DSL.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+
+class ProducerOperands(NamedTuple):
+    """A rank's projection: ``attn_out`` [tokens, D_local], ``w_o`` [HID, D_local], the
+    peer table and the multicast address it publishes through."""
+
+    attn_out: cute.Tensor
+    w_o: cute.Tensor
+    peers: cute.Tensor
+    multicast_base: Int64
+
+
+class ConsumerOperands(NamedTuple):
+    """A rank's consumer step: mailbox (twoshot: the gather row), the AttnRes and norm
+    tensors, ``xmoe`` copies, hint and error words, scalars, the receive view (or signal
+    words) and the twoshot gather peers."""
+
+    mailbox: cute.Tensor
+    prefix: cute.Tensor
+    blocks: cute.Tensor
+    norm: cute.Tensor
+    query: cute.Tensor
+    out_norm: cute.Tensor
+    output: cute.Tensor
+    xmoe: cute.Tensor
+    hints: cute.Tensor
+    eps: Float32
+    out_eps: Float32
+    error: cute.Tensor
+    step: Int32
+    budget_ns: Int64
+    recv: cute.Tensor
+    gather_peers: cute.Tensor
+    rank: Int32
+
+
+class ConsumerAddresses(NamedTuple):
+    """``ConsumerOperands`` as the consumer kernel's parameters (``a_``: an address)."""
+
+    a_mailbox: Int64
+    a_prefix: Int64
+    a_blocks: Int64
+    a_norm: Int64
+    a_query: Int64
+    a_out_norm: Int64
+    a_output: Int64
+    a_xmoe: Int64
+    a_hints: Int64
+    a_error: Int64
+    tokens: Int32
+    eps: Float32
+    out_eps: Float32
+    step: Int32
+    budget_ns: Int64
+    a_recv: Int64
+    gather_peers: cute.Tensor
+    rank: Int32
