@@ -1,10 +1,12 @@
 """What a serving engine embeds: ``DecodeLayer``, one TP rank's KDA layer and o-projection
 all-reduce stepped as registered torch ops (``kimi::kda_*`` from ``kda.custom_ops``,
 ``kimi::oproj_*`` from ``tpcomm.oproj.custom_ops``), graph-capturable and traceable by
-``torch.compile`` without graph breaks. The one package that imports both ``kda`` and
-``tpcomm.oproj``; ``launch/`` steps its ranks through it.
+``torch.compile`` without graph breaks; ``AllRanksStep``, every rank of one GPU stepped
+from one process (one producer and one consumer launch for all). The one package that
+imports both ``kda`` and ``tpcomm.oproj``; ``launch/`` steps its ranks through it.
 """
 
+from .all_ranks import AllRanksStep
 from .layer import DecodeLayer, all_reduces
 
-__all__ = ["DecodeLayer", "all_reduces"]
+__all__ = ["AllRanksStep", "DecodeLayer", "all_reduces"]

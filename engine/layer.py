@@ -43,7 +43,7 @@ from kda import reference as kref
 from kda import synthetic as kt
 from kda.operands import MAX_RING, MIN_RING, make_ring
 from kda.validate import HEAD_DIM
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 _WEIGHTS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
 KDA_STATES = ("per-step", "replay")
@@ -62,8 +62,10 @@ class DecodeLayer:
 
     ``comms``: rows -> ``OprojAllReduce`` (shared by the ranks of this process, read at
     each call, so buckets may be added later). ``kernel`` / ``gate_mode`` / ``pdl``:
-    ``kda.decode``'s; ``sms``: the SMs the dispatcher may plan with (default the GPU's;
-    on loopback a rank's share). ``lower_bound``, ``scale``, ``eps``: the KDA step's.
+    ``kda.decode``'s; ``sms``: the SMs the dispatcher may plan with (default the GPU's,
+    shared by ``sharing`` ranks: loopback's per-step dispatcher plans with a rank's share;
+    replay's takes the whole GPU's, as ``kda.replay_decode`` does). ``lower_bound``,
+    ``scale``, ``eps``: the KDA step's.
     ``kda_state``: ``"per-step"`` or ``"replay"`` (module docstring); ``ring_size``: the
     replay ring's entries R (2..16, at least the verify steps' tokens), which the layer
     allocates as ``self.ring`` (None in per-step mode). Replay mode takes the replay
@@ -75,7 +77,7 @@ class DecodeLayer:
                  kernel: str = "auto", gate_mode: int = 3, pdl: bool = True,
                  sms: int | None = None, lower_bound: float = kt.LOWER_BOUND,
                  scale: float = kt.SCALE, eps: float = kt.EPS, kda_state: str = "per-step",
-                 ring_size: int = DEFAULT_RING):  # fmt: skip
+                 ring_size: int = DEFAULT_RING, sharing: int = 1):  # fmt: skip
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
         check_kda_state(kda_state, ring_size)
@@ -84,12 +86,15 @@ class DecodeLayer:
                              f"dispatcher chooses); got {kernel!r}")  # fmt: skip
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int; got {rank!r}")
+        if isinstance(sharing, bool) or not isinstance(sharing, int) or sharing < 1:
+            raise ValueError(f"sharing must be a positive int; got {sharing!r}")
         heads = shard.state.shape[1]
         if not isinstance(w_o, torch.Tensor) or w_o.dim() != 2 or w_o.shape[1] != heads * HEAD_DIM:
             raise ValueError(f"w_o must be [HID, {heads * HEAD_DIM}] (the rank's heads' columns)")
         self.shard, self.w_o, self.comms, self.rank = shard, w_o, comms, rank
         self.norm, self.query, self.out_norm = norm, query, out_norm
         self.kernel, self.gate_mode, self.pdl, self.sms = kernel, gate_mode, bool(pdl), sms
+        self.sharing = sharing
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
         self.heads = heads
         self.kda_state = kda_state
@@ -122,6 +127,8 @@ class DecodeLayer:
             if sms is None:
                 device = self.shard.state.device
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
+                if not self.replay:  # the ranks sharing the GPU split it
+                    sms = max(1, sms // self.sharing)
             if self.replay:
                 choice = dispatch.choose_replay(requests, self.heads, tokens, self.ring.size,
                                                 sms=sms)  # fmt: skip

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import DecodeLayer
+from engine import AllRanksStep, DecodeLayer
 from kda import synthetic as kt
 from kda.operands import Ring
 from kda.validate import GATE_RANK, HEAD_DIM
@@ -136,8 +136,8 @@ class Runner:
         shards = [model.shard(r) for r in self.ranks]
         self.layers = [s.kda.to(self.device) for s in shards]
         self.w_o = [s.w_o.to(self.device) for s in shards]
-        # every rank on this GPU: the consumers of all ranks (and with "both" the
-        # producers) as one launch each (tpcomm.oproj.api consume_all / produce_all)
+        # every rank on this GPU: the producers and consumers of all ranks as one launch
+        # each (engine.AllRanksStep: tpcomm.oproj.all_ranks produce_all / consume_all)
         whole = not self.multiprocess and backend.single_device and cfg.tp > 1
         whole = whole and not backend.domain.split  # a split domain: per rank, puts between
         mode = oproj_launch
@@ -164,9 +164,11 @@ class Runner:
             DecodeLayer(L, w, self.comms, rank=r, norm=self.norm, query=self.query,
                         out_norm=self.out_norm, kernel=kernel, gate_mode=gate_mode,
                         pdl=self.pdl, lower_bound=kt.LOWER_BOUND, scale=kt.SCALE, eps=kt.EPS,
-                        kda_state=cfg.kda_state, ring_size=cfg.ring)
+                        kda_state=cfg.kda_state, ring_size=cfg.ring, sharing=len(self.ranks))
             for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
         ]  # fmt: skip
+        # "both": every rank's o-projection as one producer and one consumer launch
+        self.all_ranks = AllRanksStep(self.decode_layers, self.w_os) if mode == "both" else None
         self.moe = MoeWaiters(xmoe, self.device, self.ranks, every_rank=mode == "both")
 
     # --- buffers ---------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class Runner:
         Collective on nvshmem: every process builds the same ones in the same order."""
         if rows in self.comms:
             return self.comms[rows]
-        from tpcomm.oproj.api import OprojAllReduce, choose
+        from tpcomm.oproj.allreduce import OprojAllReduce, choose
 
         cfg = self.cfg
         if cfg.groups is not None:
@@ -229,24 +231,12 @@ class Runner:
 
     # --- launches --------------------------------------------------------------------------
     def kda_choice(self, bk: Bucket):
-        """The bucket's KDA kernel (``kda.dispatch.choose``), chosen once. Every rank this
-        process hosts shares the GPU (loopback: all TP ranks), so the dispatcher sees a
-        rank's share of the SMs: KdaSplit spreading one rank's few items over the whole
-        GPU would only crowd out the other ranks. Replay: ``kda.dispatch.choose_replay`` with
-        the whole GPU's SMs, what ``kda.replay_decode``'s ``kernel="auto"`` launches."""
+        """The bucket's KDA kernel, as the ranks' ``DecodeLayer.choice`` has it (every rank
+        this process hosts shares the GPU: the per-step dispatcher sees a rank's share of
+        the SMs, so KdaSplit does not crowd out the other ranks; replay, the whole GPU's),
+        kept on the bucket."""
         if bk.kda_choice is None:
-            from kda import dispatch
-
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            if bk.replay:
-                bk.kda_choice = dispatch.choose_replay(
-                    self.cfg.requests, self.cfg.heads_per_rank, bk.tokens, self.cfg.ring, sms=sms
-                )
-                return bk.kda_choice
-            bk.kda_choice = dispatch.choose(
-                self.cfg.requests, self.cfg.heads_per_rank, bk.tokens,
-                sms=max(1, sms // len(self.local)), kernel=self.kernel,
-            )  # fmt: skip
+            bk.kda_choice = self.decode_layers[0].choice(self.cfg.requests, bk.tokens)
         return bk.kda_choice
 
     def _kda(self, bk: Bucket, r: int) -> None:
@@ -278,11 +268,10 @@ class Runner:
             self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity, x)
 
     def _produce_all(self, bk: Bucket, parity: int) -> None:
-        bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)
+        self.all_ranks.produce(bk.attn, parity)
 
     def _consume_all(self, bk: Bucket, parity: int) -> None:
-        bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
-                            bk.output, parity, xmoes=bk.xmoe, pdl=self.pdl)  # fmt: skip
+        self.all_ranks.consume(bk.prefix, bk.blocks, bk.output, parity, bk.xmoe)
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for

@@ -194,8 +194,8 @@ class Bench:
         self.symm_variants(tokens, nb, x)
 
     def ours(self, tokens, nb, x):
-        from tpcomm.oproj.api import OprojAllReduce
-        from tpcomm.oproj.kernels.producer import compiled_producer
+        from tpcomm.oproj import launcher
+        from tpcomm.oproj.allreduce import OprojAllReduce
 
         a = self.args
         names = ("ours: producer + consumer", "ours: consumer alone",
@@ -210,8 +210,7 @@ class Bench:
             return
         # compile before anyone polls (a peer's compile must not eat the poll budget)
         comm.functions()
-        compiled_producer(comm.tp, comm.hid, self.d_local, comm.multicast_base != 0,
-                          comm.fence, twoshot=comm.twoshot)  # fmt: skip
+        launcher.producer(comm, self.d_local)
         prefix = x["prefix"].clone()
         self._prefix0 = x["prefix"]
         output = torch.empty_like(prefix)

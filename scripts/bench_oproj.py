@@ -44,7 +44,8 @@ import torch
 from oproj_rows import graph_us, torch_epilogue  # the rows sweep's (this folder)
 
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 COPY_TBPS = 4.16
 BUDGET = 5_000_000  # ns: a rank that cannot be resident errors quickly instead of 50 ms
@@ -146,20 +147,20 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         comm = OprojAllReduce(backend, tokens, hid, nb, eps=EPS, out_eps=EPS, budget_ns=BUDGET)
 
         def all_ranks(i):
-            comm.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
+            AllRanks(comm).run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i)  # fmt: skip
 
         row["publish_consume_all_us"] = graph_us(all_ranks, iters, repeats)
 
         def produce_all(i):
-            comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
+            AllRanks(comm).run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i, w_os=w_all)  # fmt: skip
 
         row["produce_consume_all_us"] = graph_us(produce_all, iters, repeats)
         row["errors_all"] = int(comm.errors.abs().sum())
 
         def fused_all(i):
-            comm.run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
+            AllRanks(comm).run_ranks(attns, prefixes, a["blocks"], a["norm"], a["query"],
                            a["out_norm"], outs, i, w_os=w_all, mode="fused")  # fmt: skip
 
         try:
@@ -196,7 +197,9 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     def consume_all(i):
         refill_all(i)
-        one.consume_all(prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outs, i)
+        AllRanks(one).consume_all(
+            prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outs, i
+        )
 
     t_copy = graph_us(refill_all, iters, repeats)
     row["consumer_all_1l_us"] = graph_us(consume_all, iters, repeats) - t_copy
@@ -204,9 +207,19 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
     for key, w in (("publish_consume_all_1l_us", None), ("produce_consume_all_1l_us", w_all)):
 
         def one_launch(i, w=w):
-            one.run_ranks(a["partials"] if w is None else attns, prefixes, a["blocks"],
-                          a["norm"], a["query"], a["out_norm"], outs, i, w_os=w,
-                          mode="one-launch", pdl=True)  # fmt: skip
+            AllRanks(one).run_ranks(
+                a["partials"] if w is None else attns,
+                prefixes,
+                a["blocks"],
+                a["norm"],
+                a["query"],
+                a["out_norm"],
+                outs,
+                i,
+                w_os=w,
+                mode="one-launch",
+                pdl=True,
+            )
 
         row[key] = graph_us(one_launch, iters, repeats)
     row["errors_1l"] = int(one.errors.abs().sum())

@@ -15,7 +15,7 @@ from engine import DecodeLayer, all_reduces
 from kda import synthetic as kt
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import custom_ops as oproj_ops
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 B, T, H, HID, NB = 2, 2, 2, 1024, 2
 N, D = B * T, H * 128

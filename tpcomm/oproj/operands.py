@@ -1,5 +1,7 @@
 """The o-projection kernels' operands, defined once.
 
+``ConsumeTensors``: a consumer step's torch tensors, as the ``kimi::oproj_consume`` and
+``kimi::oproj_produce_consume`` schemas and ``tpcomm.oproj.launcher`` take them.
 ``ConsumerOperands``: ``OprojConsumerKernel.__call__``'s (CuTe values, built by
 ``tpcomm.oproj.launcher``; the fused kernel's consumer part). ``ProducerOperands``: the
 fused kernel's producer part. ``ConsumerAddresses``: the consumer kernel's one argument
@@ -13,7 +15,31 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import cutlass.cute as cute
+    import torch
     from cutlass import Float32, Int32, Int64
+
+
+class ConsumeTensors(NamedTuple):
+    """A rank's consumer tensors: ``prefix`` [tokens, HID] (updated in place), ``blocks``
+    [tokens, nb, HID] or None, ``norm``, ``query``, ``out_norm`` [HID], ``output``
+    [tokens, HID] (written), ``xmoe`` [reps, tokens, HID] or None."""
+
+    prefix: torch.Tensor
+    blocks: torch.Tensor | None
+    norm: torch.Tensor
+    query: torch.Tensor
+    out_norm: torch.Tensor
+    output: torch.Tensor
+    xmoe: torch.Tensor | None = None
+
+
+# how the op schemas spell a ``ConsumeTensors`` field (the rest: ``Tensor``)
+SCHEMA_TYPES = {
+    "prefix": "Tensor(a!)",
+    "blocks": "Tensor?",
+    "output": "Tensor(b!)",
+    "xmoe": "Tensor?",
+}
 
 
 class ProducerOperands(NamedTuple):

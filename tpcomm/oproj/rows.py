@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from tpcomm.checks import is_int
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 from tpcomm.oproj.plan import (
     GROUP_THREADS,
     MAX_GROUPS,
@@ -82,7 +83,7 @@ class RowChunks:
 
     def run_ranks(self, inputs, prefixes, blocks, norm, query, out_norm, outputs, step, *,
                   w_os=None, ranks=None, publishers=None):  # fmt: skip
-        """``OprojAllReduce.run_ranks`` (per-rank mode) chunk by chunk: ``inputs`` [TP,
+        """``AllRanks.run_ranks`` (per-rank mode) chunk by chunk: ``inputs`` [TP,
         rows, HID] partials (or [TP, rows, D_local] ``attn_out`` with ``w_os``),
         ``prefixes``/``outputs`` [TP, rows, HID], ``blocks`` [rows, nb, HID] or None. Every
         refusal comes before the first chunk's launches."""
@@ -112,10 +113,10 @@ class RowChunks:
             args = (prefixes[:, a:b], None if blocks is None else blocks[a:b], norm, query,
                     out_norm, outputs[:, a:b], step)  # fmt: skip
             if w_os is None:  # run_ranks enqueues every publisher before any consumer
-                comm.run_ranks(inputs[:, a:b], *args, ranks=ranks, publishers=publishers)
+                AllRanks(comm).run_ranks(inputs[:, a:b], *args, ranks=ranks, publishers=publishers)
                 continue
             _produce(comm, inputs[:, a:b], w_os, step, publishers)
-            comm.run_ranks(None, *args, ranks=ranks, publishers=())
+            AllRanks(comm).run_ranks(None, *args, ranks=ranks, publishers=())
 
     def error_masks(self) -> list[int]:
         """Per hosted rank, the OR of its error words over the chunks (0: none)."""
