@@ -30,8 +30,11 @@ class AllRanksStep:
         self.w_os = torch.stack([layer.w_o for layer in layers]) if w_os is None else w_os
         lead = self.layers[0]
         self.norm, self.query, self.out_norm, self.pdl = (
-            lead.norm, lead.query, lead.out_norm, lead.pdl
-        )  # fmt: skip
+            lead.norm,
+            lead.query,
+            lead.out_norm,
+            lead.pdl,
+        )
 
     def ranks(self, rows: int) -> AllRanks:
         """The one-launch driver of the ``rows`` bucket's all-reduce."""
@@ -48,8 +51,23 @@ class AllRanksStep:
         ranks = self.ranks(prefix.shape[1])
         ranks.consume_all(prefix, *shared, output, parity, xmoes=xmoe, pdl=self.pdl)
 
-    def step(self, x, f_a, beta, gate, slots, prefix, blocks, parity: int, *, accepted=None,
-             records=None, committed=None, output=None, attn=None):  # fmt: skip
+    def step(
+        self,
+        x,
+        f_a,
+        beta,
+        gate,
+        slots,
+        prefix,
+        blocks,
+        parity: int,
+        *,
+        accepted=None,
+        records=None,
+        committed=None,
+        output=None,
+        attn=None,
+    ):
         """``DecodeLayer.step`` of every rank: per-rank inputs stacked ``[TP, ...]`` (``x``,
         ``beta``, ``gate``, ``prefix``; ``records`` a pair of such), shared ones as one
         rank takes them; KDA rank by rank, then ``produce`` and ``consume``. Returns
@@ -59,8 +77,9 @@ class AllRanksStep:
             attn = x.new_empty((len(self.layers), x.shape[1], width))
         for r, layer in enumerate(self.layers):
             mine = None if records is None else (records[0][r], records[1][r])
-            layer.attend(x[r], f_a, beta[r], gate[r], slots, accepted=accepted, records=mine,
-                         out=attn[r])  # fmt: skip
+            layer.attend(
+                x[r], f_a, beta[r], gate[r], slots, accepted=accepted, records=mine, out=attn[r]
+            )
             if committed is not None:
                 if records is None:
                     raise ValueError("committed needs records (a recorded verify step)")

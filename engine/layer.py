@@ -72,18 +72,35 @@ class DecodeLayer:
     dispatcher's kernel choice, so ``kernel`` must be ``"auto"`` there.
     """
 
-    def __init__(self, shard, w_o: torch.Tensor, comms: Mapping[int, OprojAllReduce], *,
-                 rank: int, norm: torch.Tensor, query: torch.Tensor, out_norm: torch.Tensor,
-                 kernel: str = "auto", gate_mode: int = 3, pdl: bool = True,
-                 sms: int | None = None, lower_bound: float = kt.LOWER_BOUND,
-                 scale: float = kt.SCALE, eps: float = kt.EPS, kda_state: str = "per-step",
-                 ring_size: int = DEFAULT_RING, sharing: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        shard,
+        w_o: torch.Tensor,
+        comms: Mapping[int, OprojAllReduce],
+        *,
+        rank: int,
+        norm: torch.Tensor,
+        query: torch.Tensor,
+        out_norm: torch.Tensor,
+        kernel: str = "auto",
+        gate_mode: int = 3,
+        pdl: bool = True,
+        sms: int | None = None,
+        lower_bound: float = kt.LOWER_BOUND,
+        scale: float = kt.SCALE,
+        eps: float = kt.EPS,
+        kda_state: str = "per-step",
+        ring_size: int = DEFAULT_RING,
+        sharing: int = 1,
+    ):
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
         check_kda_state(kda_state, ring_size)
         if kda_state == "replay" and kernel != "auto":
-            raise ValueError(f"kernel must be 'auto' with kda_state='replay' (the replay "
-                             f"dispatcher chooses); got {kernel!r}")  # fmt: skip
+            raise ValueError(
+                f"kernel must be 'auto' with kda_state='replay' (the replay "
+                f"dispatcher chooses); got {kernel!r}"
+            )
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int; got {rank!r}")
         if isinstance(sharing, bool) or not isinstance(sharing, int) or sharing < 1:
@@ -110,8 +127,10 @@ class DecodeLayer:
     def comm(self, rows: int) -> OprojAllReduce:
         """The all-reduce of the ``rows`` bucket; ValueError when there is none."""
         if rows not in self.comms:
-            raise ValueError(f"no o-projection all-reduce for {rows} rows; buckets "
-                             f"{sorted(self.comms)} (pad the batch to one)")  # fmt: skip
+            raise ValueError(
+                f"no o-projection all-reduce for {rows} rows; buckets "
+                f"{sorted(self.comms)} (pad the batch to one)"
+            )
         return self.comms[rows]
 
     @property
@@ -130,16 +149,17 @@ class DecodeLayer:
                 if not self.replay:  # the ranks sharing the GPU split it
                     sms = max(1, sms // self.sharing)
             if self.replay:
-                choice = dispatch.choose_replay(requests, self.heads, tokens, self.ring.size,
-                                                sms=sms)  # fmt: skip
+                choice = dispatch.choose_replay(
+                    requests, self.heads, tokens, self.ring.size, sms=sms
+                )
             else:
-                choice = dispatch.choose(requests, self.heads, tokens, sms=sms,
-                                         kernel=self.kernel)  # fmt: skip
+                choice = dispatch.choose(requests, self.heads, tokens, sms=sms, kernel=self.kernel)
             self._choices[key] = choice
         return self._choices[key]
 
-    def attend(self, x, f_a, beta, gate, slots, *, accepted=None, records=None, out=None,
-               choice=None):  # fmt: skip
+    def attend(
+        self, x, f_a, beta, gate, slots, *, accepted=None, records=None, out=None, choice=None
+    ):
         """``kda.decode`` on this rank's heads: [B*T, D_local] bf16 (into ``out`` if given).
         ``choice`` overrides ``self.choice`` (a ``kda.dispatch.Choice``). Replay mode:
         ``kda.replay_decode`` with ``self.ring`` (its dispatcher's choice; ``records`` and
@@ -147,38 +167,88 @@ class DecodeLayer:
         L = self.shard
         if self.replay:
             if records is not None:
-                raise ValueError("records: replay mode keeps a verify step's entries pending "
-                                 "in the ring (no records, no recover)")  # fmt: skip
+                raise ValueError(
+                    "records: replay mode keeps a verify step's entries pending "
+                    "in the ring (no records, no recover)"
+                )
             if choice is not None:
                 raise ValueError("choice: replay mode takes the replay dispatcher's kernel")
             return kda.replay_decode(
-                x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias,
-                slots, L.state, gate, L.norm_weight, L.f_b, lower_bound=self.lower_bound,
-                scale=self.scale, eps=self.eps, accepted=accepted,
-                conv_dim_first=L.conv_dim_first, ring=self.ring, kernel="auto",
-                gate_mode=self.gate_mode, pdl=self.pdl, out=out,
-            )  # fmt: skip
+                x,
+                L.conv_weight,
+                L.conv_bias,
+                L.conv_state,
+                f_a,
+                beta,
+                L.a_log,
+                L.dt_bias,
+                slots,
+                L.state,
+                gate,
+                L.norm_weight,
+                L.f_b,
+                lower_bound=self.lower_bound,
+                scale=self.scale,
+                eps=self.eps,
+                accepted=accepted,
+                conv_dim_first=L.conv_dim_first,
+                ring=self.ring,
+                kernel="auto",
+                gate_mode=self.gate_mode,
+                pdl=self.pdl,
+                out=out,
+            )
         if choice is None:
             requests = slots.shape[0]
             choice = self.choice(requests, x.shape[0] // requests)
         return kda.decode(
-            x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias, slots,
-            L.state, gate, L.norm_weight, L.f_b, lower_bound=self.lower_bound,
-            scale=self.scale, eps=self.eps, accepted=accepted,
-            conv_dim_first=L.conv_dim_first, records=records, kernel=choice.kernel,
+            x,
+            L.conv_weight,
+            L.conv_bias,
+            L.conv_state,
+            f_a,
+            beta,
+            L.a_log,
+            L.dt_bias,
+            slots,
+            L.state,
+            gate,
+            L.norm_weight,
+            L.f_b,
+            lower_bound=self.lower_bound,
+            scale=self.scale,
+            eps=self.eps,
+            accepted=accepted,
+            conv_dim_first=L.conv_dim_first,
+            records=records,
+            kernel=choice.kernel,
             cluster=choice.cluster if choice.kernel == "split" else None,
-            gate_mode=self.gate_mode, pdl=self.pdl, out=out,
-        )  # fmt: skip
+            gate_mode=self.gate_mode,
+            pdl=self.pdl,
+            out=out,
+        )
 
     def recover(self, slots, records, committed, accepted) -> None:
         """Commit ``committed`` tokens of the recorded verify step that read ``accepted``
         (per-step mode; replay mode has no records)."""
         if self.replay:
-            raise ValueError("recover: replay mode has no records (the next step's accepted "
-                             "commits a verify step's pending ring entries)")  # fmt: skip
+            raise ValueError(
+                "recover: replay mode has no records (the next step's accepted "
+                "commits a verify step's pending ring entries)"
+            )
         L = self.shard
-        kda.recover(L.state, slots, records[0], records[1], L.a_log, L.dt_bias, committed,
-                    accepted, lower_bound=self.lower_bound, pdl=self.pdl)  # fmt: skip
+        kda.recover(
+            L.state,
+            slots,
+            records[0],
+            records[1],
+            L.a_log,
+            L.dt_bias,
+            committed,
+            accepted,
+            lower_bound=self.lower_bound,
+            pdl=self.pdl,
+        )
 
     def materialize(self, slots=None, accepted=None) -> None:
         """Replay mode: fold the rings of ``slots`` ([n] int32 / int64 pages; default every
@@ -188,11 +258,20 @@ class DecodeLayer:
         per-step mode, ``recover``). Plain torch (``kda.reference.materialize``) on the
         pool's device, reading the counters on the host: not graph-capturable, on demand."""
         if not self.replay:
-            raise ValueError("materialize: the layer keeps per-step state (kda_state="
-                             "'per-step'); there is no ring to fold")  # fmt: skip
+            raise ValueError(
+                "materialize: the layer keeps per-step state (kda_state="
+                "'per-step'); there is no ring to fold"
+            )
         L = self.shard
-        kref.materialize(L.state, self.ring, L.a_log, L.dt_bias, lower_bound=self.lower_bound,
-                         slots=slots, accepted=accepted)  # fmt: skip
+        kref.materialize(
+            L.state,
+            self.ring,
+            L.a_log,
+            L.dt_bias,
+            lower_bound=self.lower_bound,
+            slots=slots,
+            accepted=accepted,
+        )
 
     def admit(self, slots: torch.Tensor) -> None:
         """Start new requests on the state pages ``slots`` ([n] int32 / int64 on the pool's
@@ -208,13 +287,17 @@ class DecodeLayer:
         if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be an int32 / int64 tensor; got {slots!r}")
         if slots.dim() != 1 or slots.device != L.state.device:
-            raise ValueError(f"slots must be 1-D on {L.state.device}; got shape "
-                             f"{tuple(slots.shape)} on {slots.device}")  # fmt: skip
+            raise ValueError(
+                f"slots must be 1-D on {L.state.device}; got shape "
+                f"{tuple(slots.shape)} on {slots.device}"
+            )
         capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
         pages = L.state.shape[0]
         if not capturing and slots.numel() and (slots.min() < 1 or slots.max() >= pages):
-            raise ValueError(f"slots must be in 1..{pages - 1} (page 0 is the padding page); "
-                             f"got {slots.min().item()}..{slots.max().item()}")  # fmt: skip
+            raise ValueError(
+                f"slots must be in 1..{pages - 1} (page 0 is the padding page); "
+                f"got {slots.min().item()}..{slots.max().item()}"
+            )
         index = slots.long()
         L.state.index_fill_(0, index, 0.0)
         L.conv_state.index_fill_(0, index, 0.0)
@@ -230,20 +313,43 @@ class DecodeLayer:
         (and its MoE latent copies into ``xmoe``, with ready hints, when the all-reduce has
         ``xmoe_reps``)."""
         comm = self.comm(prefix.shape[0])
-        comm.consume(prefix, blocks, self.norm, self.query, self.out_norm, output, parity,
-                     xmoe=xmoe, rank=self.rank)  # fmt: skip
+        comm.consume(
+            prefix,
+            blocks,
+            self.norm,
+            self.query,
+            self.out_norm,
+            output,
+            parity,
+            xmoe=xmoe,
+            rank=self.rank,
+        )
 
     # --- the step --------------------------------------------------------------------
-    def step(self, x, f_a, beta, gate, slots, prefix, blocks, parity: int, *, accepted=None,
-             records=None, committed=None, output=None, attn=None):  # fmt: skip
+    def step(
+        self,
+        x,
+        f_a,
+        beta,
+        gate,
+        slots,
+        prefix,
+        blocks,
+        parity: int,
+        *,
+        accepted=None,
+        records=None,
+        committed=None,
+        output=None,
+        attn=None,
+    ):
         """One decode (T = 1) or verify step of this rank: KDA -> (recover) -> producer ->
         consumer; returns ``output`` [B*T, HID] bf16 (allocated when None) and updates
         ``prefix`` in place. ``records`` (v_records, kg_records): a recorded verify step;
         with ``committed`` (tokens the sampler accepted) it is committed right away.
         ``parity``: the mailbox parity, alternating 0, 1 from step to step. Replay mode:
         ``records`` and ``committed`` are refused (``attend``)."""
-        attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records,
-                           out=attn)  # fmt: skip
+        attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records, out=attn)
         if committed is not None:
             if records is None:
                 raise ValueError("committed needs records (a recorded verify step)")

@@ -105,8 +105,7 @@ def ld_global_f32x4(address: Int64):
 def st_global_f32x4(address: Int64, values):
     """Weak 16-byte global store of four fp32."""
     cute.arch.inline_ptx(
-        "st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-        read_only_args=[address, *values],
+        "st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[address, *values]
     )
 
 

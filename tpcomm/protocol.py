@@ -241,9 +241,14 @@ def load_acquire_sys(address, *, loc=None, ip=None):
 
 
 @cute.jit
-def wait_signals(signals: Int64, remote: Int32, count: cutlass.Constexpr[int],
-                 budget_ns: Int64, error_address: Int64,
-                 first: cutlass.Constexpr[int] = 0) -> Int32:  # fmt: skip
+def wait_signals(
+    signals: Int64,
+    remote: Int32,
+    count: cutlass.Constexpr[int],
+    budget_ns: Int64,
+    error_address: Int64,
+    first: cutlass.Constexpr[int] = 0,
+) -> Int32:
     """Acquire, sys scope: bounded spin until the signal word (8 bytes, set to 1 by a
     put-with-signal) of every rank ``first + g`` with bit g of ``remote`` is non-zero.
 

@@ -83,8 +83,16 @@ def compiled(arch=None):
     return compile_cached("stamp", lambda: (StampKernel(), fake_arguments()), arch=arch)
 
 
-def stamp(trace: torch.Tensor, cursor: torch.Tensor, slot: int, *, first: int = 0,
-          count: int = 1, advance: bool = False, stream=None) -> None:  # fmt: skip
+def stamp(
+    trace: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    *,
+    first: int = 0,
+    count: int = 1,
+    advance: bool = False,
+    stream=None,
+) -> None:
     """Enqueue one stamp on ``stream`` (default: the current stream; graph-capturable):
     ``trace[first:first + count, cursor, slot] = %globaltimer``, then with ``advance``
     ``cursor[first:first + count] += 1``. ``trace`` int64 ``[lanes, rows, slots]`` and

@@ -27,9 +27,24 @@ class AllRanks:
     def __init__(self, comm):
         self.comm = comm
 
-    def run_ranks(self, inputs, prefixes, blocks, norm, query, out_norm, outputs, step, *,
-                  xmoes=None, w_os=None, ranks=None, publishers=None, mode="per-rank",
-                  pdl=False):  # fmt: skip
+    def run_ranks(
+        self,
+        inputs,
+        prefixes,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        outputs,
+        step,
+        *,
+        xmoes=None,
+        w_os=None,
+        ranks=None,
+        publishers=None,
+        mode="per-rank",
+        pdl=False,
+    ):
         """Loopback: one step of every rank, bitwise the same in every ``mode``; ``inputs``
         [TP, tokens, HID] partials, or with ``w_os`` [TP, HID, D_local] the ranks' attn_out.
         ``mode``: ``"per-rank"`` (publish or produce, then consume, on each rank's stream;
@@ -94,8 +109,9 @@ class AllRanks:
             with torch.cuda.stream(streams[r]):
                 if fused:
                     *t, x = tensors(r)
-                    comm.produce_consume(inputs[r], w_os[r], *t, step, xmoe=x, pdl=pdl,
-                                         checked=True, **on)  # fmt: skip
+                    comm.produce_consume(
+                        inputs[r], w_os[r], *t, step, xmoe=x, pdl=pdl, checked=True, **on
+                    )
                 elif r in publishers and w_os is not None:
                     comm.produce(inputs[r], w_os[r], step, **on)
                 elif r in publishers:
@@ -144,8 +160,20 @@ class AllRanks:
         fn = launcher.publisher(comm, pdl, ranks=comm.tp)
         launcher.launch_partial(comm, fn, (partials[0],), 0, step)
 
-    def consume_all(self, prefixes, blocks, norm, query, out_norm, outputs, step, *,
-                    xmoes=None, pdl=False, checked=False):  # fmt: skip
+    def consume_all(
+        self,
+        prefixes,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        outputs,
+        step,
+        *,
+        xmoes=None,
+        pdl=False,
+        checked=False,
+    ):
         """Every rank's consumer in one launch on the current stream (grid z = rank):
         ``prefixes``/``outputs`` [TP, tokens, HID], ``xmoes`` [TP, reps, tokens, HID], all
         contiguous; every rank's partials published before (or by the PDL primary)."""

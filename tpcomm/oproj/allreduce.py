@@ -51,9 +51,24 @@ class OprojAllReduce:
     rank) that do not fit the symmetric memory are refused before allocation.
     """
 
-    def __init__(self, backend, tokens, hid, nb, *, has_delta=True, groups=None,
-                 xmoe_reps=0, eps=1e-6, out_eps=1e-6, budget_ns=DEFAULT_BUDGET_NS,
-                 fence=None, twoshot=None, one_launch=False, producer=None):  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        tokens,
+        hid,
+        nb,
+        *,
+        has_delta=True,
+        groups=None,
+        xmoe_reps=0,
+        eps=1e-6,
+        out_eps=1e-6,
+        budget_ns=DEFAULT_BUDGET_NS,
+        fence=None,
+        twoshot=None,
+        one_launch=False,
+        producer=None,
+    ):
         split = backend.domain.split  # other domains by put-with-signal: per rank, one-shot
         if split and (twoshot or one_launch):
             raise ValueError("domain_size < TP needs twoshot=False, one_launch=False")
@@ -63,13 +78,20 @@ class OprojAllReduce:
             twoshot = False
         # the plan of the path this all-reduce runs (its groups, bytes and reason): the
         # measured twoshot crossover applies to per-rank launches across GPUs
-        plan = choose(backend.world, tokens, hid, one_launch=bool(one_launch),
-                      twoshot=None if twoshot is None else bool(twoshot))  # fmt: skip
+        plan = choose(
+            backend.world,
+            tokens,
+            hid,
+            one_launch=bool(one_launch),
+            twoshot=None if twoshot is None else bool(twoshot),
+        )
         twoshot = plan.twoshot
         producer = plan.producer if producer is None else producer
         if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
-            raise ValueError(f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
-                             f"got {producer!r} for {tokens} rows")  # fmt: skip
+            raise ValueError(
+                f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
+                f"got {producer!r} for {tokens} rows"
+            )
         groups = plan.groups if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not is_int(budget_ns) or budget_ns <= 0:
@@ -77,9 +99,12 @@ class OprojAllReduce:
         check_real("eps", eps, low=0.0)
         check_real("out_eps", out_eps, low=0.0)
         self.bytes = buffer_bytes(backend.world, tokens, hid, twoshot)
-        backend.check_fits(self.bytes, f"o-projection buffers for {tokens} rows "
-                           f"({'twoshot' if twoshot else 'one-shot'}, TP {backend.world}, "
-                           f"HID {hid})")  # fmt: skip
+        backend.check_fits(
+            self.bytes,
+            f"o-projection buffers for {tokens} rows "
+            f"({'twoshot' if twoshot else 'one-shot'}, TP {backend.world}, "
+            f"HID {hid})",
+        )
         if not one_launch:  # per-rank consumers spin side by side (loopback: on one GPU)
             backend.check_coresident(
                 (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
@@ -140,8 +165,19 @@ class OprojAllReduce:
         return self.hint_words[self.backend.ranks[0] if rank is None else rank, :1]
 
     # --- validation (``tpcomm.oproj.checks``) -------------------------------------------
-    def check(self, prefix, blocks, norm, query, out_norm, output, xmoe=None, validate=None,
-              *, launch=True):  # fmt: skip
+    def check(
+        self,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        output,
+        xmoe=None,
+        validate=None,
+        *,
+        launch=True,
+    ):
         """ValueError naming the argument unless the consumer can take these tensors
         (``validate="full"``: also refuse non-finite inputs; ``launch``: and the mailbox is
         on a GPU; the fake ops check shapes only)."""
@@ -181,8 +217,22 @@ class OprojAllReduce:
         with _on(stream):
             torch.ops.kimi.oproj_produce(self.handle, rank, step, attn_out, w_o)
 
-    def consume(self, prefix, blocks, norm, query, out_norm, output, step, *, xmoe=None,
-                rank=None, stream=None, checked=False, validate=None):  # fmt: skip
+    def consume(
+        self,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        output,
+        step,
+        *,
+        xmoe=None,
+        rank=None,
+        stream=None,
+        checked=False,
+        validate=None,
+    ):
         """Rank ``rank``'s consumer: ``prefix`` is updated in place to ``prefix_new``
         (``validate``: ``check``'s; ``checked``: the caller ran ``check``)."""
         rank, step = checks.hosted_rank(self, rank), checks.check_step(step)
@@ -205,9 +255,26 @@ class OprojAllReduce:
         """The compiled ``OprojFused`` for this all-reduce (plans first: may refuse)."""
         return launcher.fused(self, d_local, tiles, pdl, launches)
 
-    def produce_consume(self, attn_out, w_o, prefix, blocks, norm, query, out_norm, output,
-                        step, *, xmoe=None, rank=None, stream=None, tiles=None, pdl=False,
-                        launches=None, checked=False):  # fmt: skip
+    def produce_consume(
+        self,
+        attn_out,
+        w_o,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        output,
+        step,
+        *,
+        xmoe=None,
+        rank=None,
+        stream=None,
+        tiles=None,
+        pdl=False,
+        launches=None,
+        checked=False,
+    ):
         """Rank ``rank``'s ``produce`` + ``consume`` in one launch (``OprojFused``): its
         ``bf16(attn_out @ w_o^T)`` into every rank's mailbox, then the all-reduce, AttnRes
         and norm; ``prefix`` updated in place. Bitwise what ``produce`` then ``consume``
@@ -216,8 +283,9 @@ class OprojAllReduce:
         programmatic dependent launch (waits for the previous kernel in-kernel)."""
         rank, step = checks.hosted_rank(self, rank), checks.check_step(step)
         tensors = ConsumeTensors(prefix, blocks, norm, query, out_norm, output, xmoe)
-        check_is_tensor(attn_out=attn_out, w_o=w_o, **tensors._asdict(),
-                        optional=("blocks", "xmoe"))  # fmt: skip
+        check_is_tensor(
+            attn_out=attn_out, w_o=w_o, **tensors._asdict(), optional=("blocks", "xmoe")
+        )
         flags = (tiles, bool(pdl), launches, bool(checked))
         with _on(stream):
             torch.ops.kimi.oproj_produce_consume(

@@ -66,8 +66,16 @@ class HintWaiter:
         self.hid, self.reps, self.ctas, self.ranks = hid, reps, ctas, ranks
 
     @cute.jit
-    def __call__(self, xmoe: cute.Tensor, dest: cute.Tensor, hints: cute.Tensor, rows: Int32,
-                 quota: Int32, budget_ns: Int64, stream: cuda.CUstream):  # fmt: skip
+    def __call__(
+        self,
+        xmoe: cute.Tensor,
+        dest: cute.Tensor,
+        hints: cute.Tensor,
+        rows: Int32,
+        quota: Int32,
+        budget_ns: Int64,
+        stream: cuda.CUstream,
+    ):
         call = self.kernel(
             Int64(xmoe.iterator.toint()),
             Int64(dest.iterator.toint()),
@@ -79,8 +87,15 @@ class HintWaiter:
         launch(call, (self.ctas, 1, self.ranks), (THREADS, 1, 1), stream)
 
     @cute.kernel
-    def kernel(self, a_xmoe: Int64, a_dest: Int64, a_hints: Int64, rows: Int32, quota: Int32,
-               budget_ns: Int64):  # fmt: skip
+    def kernel(
+        self,
+        a_xmoe: Int64,
+        a_dest: Int64,
+        a_hints: Int64,
+        rows: Int32,
+        quota: Int32,
+        budget_ns: Int64,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, r = cute.arch.block_idx()
         per_rank = Int64(rows) * (self.reps * self.hid * 2)  # bytes of one rank's copies
@@ -105,8 +120,14 @@ class HintWaiter:
             if old == self.ctas - 1:  # every CTA read: the quota back off, the count cleared
                 if flag[0] != 0:
                     count = cute.make_ptr(Int32, a_hints, cute.AddressSpace.gmem, assumed_align=4)
-                    cute.arch.red(count.llvm_ptr, Int32(0) - quota, op="add", dtype="s32",
-                                  sem="relaxed", scope="gpu")  # fmt: skip
+                    cute.arch.red(
+                        count.llvm_ptr,
+                        Int32(0) - quota,
+                        op="add",
+                        dtype="s32",
+                        sem="relaxed",
+                        scope="gpu",
+                    )
                 cute.arch.atomic_exch(done.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
 
 
@@ -182,5 +203,12 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     )
     fn = compiled(comm.hid, comm.xmoe_reps, ctas, ranks)
     stream = torch.cuda.current_stream(comm.device)
-    fn(to_cute(x), to_cute(d), to_cute(hint_row, 4), Int32(rows), Int32(quota), Int64(budget),
-       cuda.CUstream(stream.cuda_stream))  # fmt: skip
+    fn(
+        to_cute(x),
+        to_cute(d),
+        to_cute(hint_row, 4),
+        Int32(rows),
+        Int32(quota),
+        Int64(budget),
+        cuda.CUstream(stream.cuda_stream),
+    )

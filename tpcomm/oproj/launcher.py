@@ -74,10 +74,16 @@ def fused_plan(comm, tiles=None, limits=None, launches=None):
             limits = DeviceLimits.of(comm.device)
         shared = comm.backend.world if comm.backend.single_device else 1
         plan = plan_fused(
-            comm.tp, comm.tokens, comm.hid, comm.nb, comm.groups, limits,
-            launches=shared if launches is None else launches, tiles=tiles,
+            comm.tp,
+            comm.tokens,
+            comm.hid,
+            comm.nb,
+            comm.groups,
+            limits,
+            launches=shared if launches is None else launches,
+            tiles=tiles,
             xmoe_reps=comm.xmoe_reps,
-        )  # fmt: skip
+        )
         if launches is None:  # the backend's own rule too (loopback: world launches)
             comm.backend.check_coresident(plan.ctas, plan.threads, plan.launch_bound)
         comm.fused_plans[key] = plan
@@ -90,9 +96,19 @@ def fused(comm, d_local, tiles=None, pdl=False, launches=None):
 
     plan = fused_plan(comm, tiles, launches=launches)
     return compiled_fused(
-        comm.tp, comm.hid, comm.nb, d_local, plan.tiles, comm.has_delta, comm.groups,
-        comm.xmoe_reps, comm.multicast_base != 0, comm.fence, bool(pdl), comm.twoshot,
-    )  # fmt: skip
+        comm.tp,
+        comm.hid,
+        comm.nb,
+        d_local,
+        plan.tiles,
+        comm.has_delta,
+        comm.groups,
+        comm.xmoe_reps,
+        comm.multicast_base != 0,
+        comm.fence,
+        bool(pdl),
+        comm.twoshot,
+    )
 
 
 # --- operands ---------------------------------------------------------------------------

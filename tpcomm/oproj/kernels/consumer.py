@@ -62,6 +62,7 @@ from tpcomm.oproj.plan import (
     pow2_at_least,
 )
 
+Const = cutlass.Constexpr[int]  # a compile-time int parameter
 # rows of the per-thread prefetch area (16 bytes per thread and row)
 ROW_NORM, ROW_QUERY, ROW_OUT_NORM, ROW_PREFIX, ROW_BLOCK = 0, 1, 2, 3, 4
 
@@ -103,9 +104,22 @@ class OprojConsumerKernel:
     """Compile-time configuration: TP, HID, nb, has_delta, groups, xmoe reps, PDL,
     twoshot (and its sys fence before the gather publish)."""
 
-    def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
-                 twoshot=False, fence=False, early_wait=False, ranks=1,
-                 domain=None):  # fmt: skip
+    def __init__(
+        self,
+        tp,
+        hid,
+        nb,
+        *,
+        has_delta=True,
+        groups=4,
+        xmoe_reps=0,
+        pdl=False,
+        twoshot=False,
+        fence=False,
+        early_wait=False,
+        ranks=1,
+        domain=None,
+    ):
         check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
         check_ranks(tp, ranks, twoshot)
         self.domain = tp if domain is None else check_domain(tp, domain, twoshot, ranks)
@@ -181,8 +195,9 @@ class OprojConsumerKernel:
         return [n[j] * q[j] for j in range(8)]
 
     @cute.jit
-    def prefetch(self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query,
-                 a_out_norm):  # fmt: skip
+    def prefetch(
+        self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query, a_out_norm
+    ):
         """cp.async of this thread's rows; the prefix row waits for the PDL wait when
         ``wait_before_poll`` (``prefetch_prefix`` then)."""
         if cutlass.const_expr(self.nb > 0):
@@ -203,7 +218,7 @@ class OprojConsumerKernel:
         cp_async_16(saddr(pf, (ROW_PREFIX, tid, 0)), a_prefix + token * hid_bytes + col_bytes)
 
     @cute.jit
-    def exchange(self, values, k: cutlass.Constexpr[int], warp_sums, ex, total, bar, tid, cta):
+    def exchange(self, values, k: Const, warp_sums, ex, total, bar, tid, cta):
         """Cluster-wide sums of ``k`` per-thread values of the lead group, into ``total``
         (identical bits in every CTA). Ends with a lead-group barrier."""
         lane, warp = tid % 32, tid // 32
@@ -226,8 +241,9 @@ class OprojConsumerKernel:
         cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
 
     @cute.jit
-    def poll(self, acc, raw, slot0, slot_bytes, budget_ns, a_error,
-             first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], sig=None):  # fmt: skip
+    def poll(
+        self, acc, raw, slot0, slot_bytes, budget_ns, a_error, first: Const, count: Const, sig=None
+    ):
         """Rank-order fp32 sum of ranks first..first+count-1 into ``acc`` (from the first
         rank's value); returns the missing-rank mask (0: all published). ``sig``: (signal
         words of this parity, rank) with a domain split."""
@@ -252,8 +268,7 @@ class OprojConsumerKernel:
         return failed
 
     @cute.jit
-    def wait_remote(self, sig, first: cutlass.Constexpr[int], n: cutlass.Constexpr[int],
-                    budget_ns, a_error):  # fmt: skip
+    def wait_remote(self, sig, first: Const, n: Const, budget_ns, a_error):
         """Bounded wait on the signals of ranks first.. first+n-1 outside this domain."""
         signals, rank = sig
         mine = rank // self.domain
@@ -264,8 +279,7 @@ class OprojConsumerKernel:
         return protocol.wait_signals(signals + first * 8, remote, n, budget_ns, a_error, first)
 
     @cute.jit
-    def rearm(self, slot0, slot_bytes, first: cutlass.Constexpr[int],
-              count: cutlass.Constexpr[int]):  # fmt: skip
+    def rearm(self, slot0, slot_bytes, first: Const, count: Const):
         for i in cutlass.range_constexpr(count):
             protocol.rearm(slot0 + (first + i) * slot_bytes)
 
@@ -295,10 +309,11 @@ class OprojConsumerKernel:
                     cute.arch.barrier_arrive(barrier_id=2, number_of_threads=self.threads)
 
     @cute.jit
-    def reduce_shard(self, a_recv, gather_peers, rank, parity, token, tokens, column,
-                     budget_ns, a_error, flag):  # fmt: skip
+    def reduce_shard(self, op, parity, token, tokens, column, flag):
         """Twoshot, threads owning this rank's columns: rank-order sum of the receive
         slots, one bf16 rounding, published into every rank's gather row; re-arm."""
+        a_recv, gather_peers, rank = op.a_recv, op.gather_peers, op.rank
+        budget_ns, a_error = op.budget_ns, op.a_error
         width: cutlass.Constexpr = self.hid // self.tp
         if column // width == rank:
             recv_bytes = tokens * (width * 2)
@@ -319,9 +334,12 @@ class OprojConsumerKernel:
                 flag[0] = Int32(1)
 
     @cute.jit
-    def lead(self, smem, cta, token, tid, slot0, slot_bytes, col_bytes, a_prefix, a_output,
-             a_xmoe, a_hints, a_error, tokens, eps, out_eps, budget_ns, a_recv,
-             gather_peers, rank, parity, sig=None):  # fmt: skip
+    def lead(self, smem, op, cta, token, tokens, tid, slot0, slot_bytes, col_bytes, parity, sig):
+        """The lead group: AttnRes, its slots' sum plus the other groups', the residual,
+        the norm and the results (``op``: the kernel's ``ConsumerAddresses``; ``token`` and
+        ``tokens`` as Int64)."""
+        a_prefix, a_error, budget_ns = op.a_prefix, op.a_error, op.budget_ns
+        eps, out_eps = op.eps, op.out_eps
         bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag = smem
         lane = tid % 32
         # 1. AttnRes over the block snapshots: independent of the mailbox
@@ -368,8 +386,7 @@ class OprojConsumerKernel:
         # mailbox slots, then the other groups' sums in group order
         if cutlass.const_expr(self.twoshot):
             column = cta * SLICE + tid * 8
-            self.reduce_shard(a_recv, gather_peers, rank, parity, token, tokens, column,
-                              budget_ns, a_error, flag)  # fmt: skip
+            self.reduce_shard(op, parity, token, tokens, column, flag)
         acc = cute.make_rmem_tensor(8, Float32)
         raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
         first, count = group_ranks(self.slots, self.groups, 0)
@@ -438,15 +455,15 @@ class OprojConsumerKernel:
             row_bytes = token * hid_bytes + col_bytes
             protocol.store16(a_prefix + row_bytes, words)
             out = [pack_bf16x2(final[2 * j], final[2 * j + 1]) for j in range(4)]
-            protocol.store16(a_output + row_bytes, out)
+            protocol.store16(op.a_output + row_bytes, out)
             if cutlass.const_expr(self.xmoe_reps > 0):
                 for r in cutlass.range_constexpr(self.xmoe_reps):
-                    addr = a_xmoe + r * tokens * hid_bytes + row_bytes
+                    addr = op.a_xmoe + r * tokens * hid_bytes + row_bytes
                     protocol.store16_relaxed_gpu(addr, out)
                 cute.arch.fence_acq_rel_gpu()  # the copies before this warp's hint
                 cute.arch.sync_warp()
                 if lane == 0:
-                    protocol.release_increment(a_hints)
+                    protocol.release_increment(op.a_hints)
 
     @cute.kernel
     def kernel(self, op: ConsumerAddresses):
@@ -474,7 +491,6 @@ class OprojConsumerKernel:
         """One CTA of token ``token``'s cluster (CTA ``cta`` of it), ``smem`` from
         ``allocate``: what ``kernel`` runs, and the fused kernel's consumer CTAs."""
         a_prefix, a_error, budget_ns, rank = op.a_prefix, op.a_error, op.budget_ns, op.rank
-        eps, out_eps = op.eps, op.out_eps
         group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
         bars, pf, flag = smem[0], smem[1], smem[9]
         arm_exchanges(bars, (4 * self.ctas * max(1, self.kpre), 4 * self.ctas * self.kpost))
@@ -500,27 +516,7 @@ class OprojConsumerKernel:
             sig = (op.a_recv + parity * (self.tp * 8), rank)
         if group == 0:
             self.lead(
-                smem,
-                cta,
-                token64,
-                tid,
-                slot0,
-                slot_bytes,
-                col_bytes,
-                a_prefix,
-                op.a_output,
-                op.a_xmoe,
-                op.a_hints,
-                a_error,
-                tokens64,
-                eps,
-                out_eps,
-                budget_ns,
-                op.a_recv,
-                op.gather_peers,
-                rank,
-                parity,
-                sig,
+                smem, op, cta, token64, tokens64, tid, slot0, slot_bytes, col_bytes, parity, sig
             )
         else:
             self.helper(group, smem[2], flag, slot0, slot_bytes, budget_ns, a_error, tid, sig)
@@ -557,18 +553,18 @@ def fake_arguments(tp: int, hid: int, nb: int, xmoe_reps: int = 0, twoshot: bool
     return operands, cute.runtime.make_fake_stream()
 
 
-def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch=None, *,
-             twoshot=False, fence=False, ranks=1, domain=None):  # fmt: skip
-    """One compile per configuration and arch; tokens are dynamic. ``ranks`` = TP: one
-    launch for every rank of a one-GPU backend (rank r's mailbox, prefix, output, xmoe,
-    error and hint rows at r times their size past the first rank's). ``domain`` < TP:
-    the signal-wait configuration (``recv`` carries the signal words)."""
-    config = dict(has_delta=has_delta, groups=groups, xmoe_reps=xmoe_reps, pdl=pdl,
-                  twoshot=twoshot, fence=fence, ranks=ranks, domain=domain)  # fmt: skip
+def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch=None, **kw):
+    """One compile per configuration and arch; tokens are dynamic. ``kw``: the kernel's
+    ``twoshot``, ``fence``, ``ranks`` (TP: one launch for every rank of a one-GPU backend,
+    rank r's mailbox, prefix, output, xmoe, error and hint rows at r times their size past
+    the first rank's) and ``domain`` (< TP: the signal-wait configuration, ``recv``
+    carrying the signal words)."""
+    config = dict(has_delta=has_delta, groups=groups, xmoe_reps=xmoe_reps, pdl=pdl, **kw)
+    twoshot = kw.get("twoshot", False)
 
     def build():
         kernel = OprojConsumerKernel(tp, hid, nb, **config)
         return kernel, fake_arguments(tp, hid, nb, xmoe_reps, twoshot)
 
-    key = ("oproj_consumer", tp, hid, nb, *config.values())
+    key = ("oproj_consumer", tp, hid, nb, *sorted(config.items()))
     return compile_cached(key, build, arch=arch)

@@ -41,16 +41,39 @@ class OprojFused:
     """Compile-time configuration: TP, HID, nb, D (local width), T (``tiles``),
     has_delta, groups, xmoe reps, multicast, fence, PDL, twoshot; tokens dynamic."""
 
-    def __init__(self, tp, hid, nb, d_local, *, tiles=1, has_delta=True, groups=4,
-                 xmoe_reps=0, multicast=False, fence=False, pdl=False,
-                 twoshot=False):  # fmt: skip
+    def __init__(
+        self,
+        tp,
+        hid,
+        nb,
+        d_local,
+        *,
+        tiles=1,
+        has_delta=True,
+        groups=4,
+        xmoe_reps=0,
+        multicast=False,
+        fence=False,
+        pdl=False,
+        twoshot=False,
+    ):
         if not isinstance(tiles, int) or tiles < 1:
             raise ValueError(f"tiles must be a positive int; got {tiles!r}")
-        self.producer = OprojProducer(tp, hid, d_local, multicast=multicast, fence=fence,
-                                      twoshot=twoshot)  # fmt: skip
-        self.consumer = OprojConsumerKernel(tp, hid, nb, has_delta=has_delta, groups=groups,
-                                            xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot,
-                                            fence=fence, early_wait=True)  # fmt: skip
+        self.producer = OprojProducer(
+            tp, hid, d_local, multicast=multicast, fence=fence, twoshot=twoshot
+        )
+        self.consumer = OprojConsumerKernel(
+            tp,
+            hid,
+            nb,
+            has_delta=has_delta,
+            groups=groups,
+            xmoe_reps=xmoe_reps,
+            pdl=pdl,
+            twoshot=twoshot,
+            fence=fence,
+            early_wait=True,
+        )
         self.tp, self.hid, self.nb, self.d = tp, hid, nb, d_local
         self.groups, self.tiles, self.pdl = groups, tiles, bool(pdl)
         self.ctas = hid // SLICE
@@ -80,9 +103,20 @@ class OprojFused:
         )
 
     @cute.jit
-    def produce(self, red, thread, cta, row, a_attn: Int64, a_w: Int64,
-                peers: cute.Tensor, multicast_base: Int64, tokens: Int32, rank: Int32,
-                step: Int32):  # fmt: skip
+    def produce(
+        self,
+        red,
+        thread,
+        cta,
+        row,
+        a_attn: Int64,
+        a_w: Int64,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        tokens: Int32,
+        rank: Int32,
+        step: Int32,
+    ):
         """A producer CTA: group g runs its T tiles (``OprojProducer.tile``)."""
         group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
         if cutlass.const_expr(self.pdl):
@@ -94,16 +128,32 @@ class OprojFused:
                     index = tile_index(row, cta, g, t, self.ctas, self.groups, self.tiles)
                     if index < tile_count(self.hid):  # uniform in the group: barrier-safe
                         self.producer.tile(
-                            a_attn, a_w, peers, multicast_base, tokens, rank, step, index,
-                            tid, red, g * WARPS, 1 + g, False,
-                        )  # fmt: skip
+                            a_attn,
+                            a_w,
+                            peers,
+                            multicast_base,
+                            tokens,
+                            rank,
+                            step,
+                            index,
+                            tid,
+                            red,
+                            g * WARPS,
+                            1 + g,
+                            False,
+                        )
                         if cutlass.const_expr(self.tiles > 1):  # the next tile reuses red
-                            cute.arch.barrier(barrier_id=1 + g,
-                                              number_of_threads=GROUP_THREADS)  # fmt: skip
+                            cute.arch.barrier(barrier_id=1 + g, number_of_threads=GROUP_THREADS)
 
     @cute.kernel
-    def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
-               op: ConsumerAddresses):  # fmt: skip
+    def kernel(
+        self,
+        a_attn: Int64,
+        a_w: Int64,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        op: ConsumerAddresses,
+    ):
         thread, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
         smem = self.consumer.allocate()
@@ -122,11 +172,32 @@ def fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps=0, twoshot=False):
     return (producer, *fake_arguments(tp, hid, nb, xmoe_reps, twoshot))
 
 
-def compiled_fused(tp, hid, nb, d_local, tiles=1, has_delta=True, groups=4, xmoe_reps=0,
-                   multicast=False, fence=False, pdl=False, twoshot=False, arch=None):  # fmt: skip
+def compiled_fused(
+    tp,
+    hid,
+    nb,
+    d_local,
+    tiles=1,
+    has_delta=True,
+    groups=4,
+    xmoe_reps=0,
+    multicast=False,
+    fence=False,
+    pdl=False,
+    twoshot=False,
+    arch=None,
+):
     """One compile per configuration and arch; tokens are dynamic (1..8)."""
-    config = dict(tiles=tiles, has_delta=has_delta, groups=groups, xmoe_reps=xmoe_reps,
-                  multicast=multicast, fence=fence, pdl=pdl, twoshot=twoshot)  # fmt: skip
+    config = dict(
+        tiles=tiles,
+        has_delta=has_delta,
+        groups=groups,
+        xmoe_reps=xmoe_reps,
+        multicast=multicast,
+        fence=fence,
+        pdl=pdl,
+        twoshot=twoshot,
+    )
 
     def build():
         kernel = OprojFused(tp, hid, nb, d_local, **config)

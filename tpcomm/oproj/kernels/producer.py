@@ -48,8 +48,7 @@ def twoshot_offset(tp, hid, step, rank, tokens, token, column):
 class PartialPublisher:
     """Compile-time configuration: TP, HID, multicast, sys fence, PDL, twoshot."""
 
-    def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False,
-                 ranks=1):  # fmt: skip
+    def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False, ranks=1):
         check_producer(tp, hid, twoshot=twoshot, ranks=ranks)
         self.ranks = ranks
         self.tp, self.hid = tp, hid
@@ -67,19 +66,21 @@ class PartialPublisher:
         stream: cuda.CUstream,
     ):
         call = self.kernel(
-            Int64(partial.iterator.toint()),
-            peers,
-            multicast_base,
-            partial.shape[0],
-            rank,
-            step,
+            Int64(partial.iterator.toint()), peers, multicast_base, partial.shape[0], rank, step
         )
         grid = (self.hid // SLICE, partial.shape[0], self.ranks)
         launch(call, grid, (THREADS, 1, 1), stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, a_partial: Int64, peers: cute.Tensor, multicast_base: Int64,
-               tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+    def kernel(
+        self,
+        a_partial: Int64,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        tokens: Int32,
+        rank: Int32,
+        step: Int32,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         cta, token, r = cute.arch.block_idx()
         if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s partial
@@ -110,8 +111,9 @@ class PartialPublisher:
 class OprojProducer:
     """Compile-time configuration: TP, HID, D (local width), multicast, fence, PDL."""
 
-    def __init__(self, tp, hid, d_local, *, multicast=False, fence=False, pdl=False,
-                 twoshot=False, ranks=1):  # fmt: skip
+    def __init__(
+        self, tp, hid, d_local, *, multicast=False, fence=False, pdl=False, twoshot=False, ranks=1
+    ):
         check_producer(tp, hid, d_local, twoshot=twoshot, ranks=ranks)
         self.ranks = ranks
         self.tp, self.hid, self.d = tp, hid, d_local
@@ -154,8 +156,16 @@ class OprojProducer:
         return a_attn, a_w, rank
 
     @cute.kernel
-    def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
-               tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+    def kernel(
+        self,
+        a_attn: Int64,
+        a_w: Int64,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        tokens: Int32,
+        rank: Int32,
+        step: Int32,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         a_attn, a_w, rank = self.rank_operands(a_attn, a_w, tokens, rank)
@@ -163,13 +173,27 @@ class OprojProducer:
         red = smem_tensor(smem, Float32, (WARPS, 32, 4))
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        self.tile(a_attn, a_w, peers, multicast_base, tokens, rank, step, cta, tid, red,
-                  0, None, self.pdl)  # fmt: skip
+        self.tile(
+            a_attn, a_w, peers, multicast_base, tokens, rank, step, cta, tid, red, 0, None, self.pdl
+        )
 
     @cute.jit
-    def tile(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
-             tokens: Int32, rank: Int32, step: Int32, index, tid, red, warp0,
-             barrier_id, wait: cutlass.Constexpr[bool]):  # fmt: skip
+    def tile(
+        self,
+        a_attn: Int64,
+        a_w: Int64,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        tokens: Int32,
+        rank: Int32,
+        step: Int32,
+        index,
+        tid,
+        red,
+        warp0,
+        barrier_id,
+        wait: cutlass.Constexpr[bool],
+    ):
         """One 16-feature tile ``index`` (features ``16 index ..``) by the 128 threads
         ``tid`` = 0..127 of four warps: GEMM, warp-order sum through ``red[warp0 ..
         warp0 + 3]``, publish. ``barrier_id`` None: the CTA barrier, else a 128-thread
@@ -208,8 +232,18 @@ class OprojProducer:
         self.publish_tile(peers, multicast_base, tokens, rank, step, index, tid, red, warp0)
 
     @cute.jit
-    def publish_tile(self, peers: cute.Tensor, multicast_base: Int64, tokens: Int32,
-                     rank: Int32, step: Int32, index, tid, red, warp0):  # fmt: skip
+    def publish_tile(
+        self,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        tokens: Int32,
+        rank: Int32,
+        step: Int32,
+        index,
+        tid,
+        red,
+        warp0,
+    ):
         """Tile ``index``'s four warp fragments ``red[warp0 .. warp0 + 3]`` (written and
         made visible by the caller's barrier) summed in warp order, rounded to bf16 and
         published by the 128 threads ``tid``."""
