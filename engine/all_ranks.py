@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.layer import DecodeLayer
+from engine.layer import DecodeLayer, step_options
 from tpcomm.oproj.all_ranks import AllRanks
 
 
@@ -51,39 +51,20 @@ class AllRanksStep:
         ranks = self.ranks(prefix.shape[1])
         ranks.consume_all(prefix, *shared, output, parity, xmoes=xmoe, pdl=self.pdl)
 
-    def step(
-        self,
-        x,
-        f_a,
-        beta,
-        gate,
-        slots,
-        prefix,
-        blocks,
-        parity: int,
-        *,
-        accepted=None,
-        records=None,
-        committed=None,
-        output=None,
-        attn=None,
-    ):
-        """``DecodeLayer.step`` of every rank: per-rank inputs stacked ``[TP, ...]`` (``x``,
-        ``beta``, ``gate``, ``prefix``; ``records`` a pair of such), shared ones as one
-        rank takes them; KDA rank by rank, then ``produce`` and ``consume``. Returns
-        ``output`` [TP, rows, HID] (allocated when None)."""
+    def step(self, x, f_a, beta, gate, slots, prefix, blocks, parity: int, **options):
+        """``DecodeLayer.step`` of every rank (the same ``options``): per-rank inputs and
+        buffers stacked ``[TP, ...]`` (``x``, ``beta``, ``gate``, ``prefix``, ``output``,
+        ``attn``; ``records`` a pair of such), shared ones as one rank takes them; KDA rank
+        by rank, then ``produce`` and ``consume``. Returns ``output`` [TP, rows, HID]."""
+        output, kda_options = step_options(options)
+        attn, records = kda_options.pop("out"), kda_options.pop("records")
         if attn is None:
-            width = self.w_os.shape[-1]
-            attn = x.new_empty((len(self.layers), x.shape[1], width))
+            attn = x.new_empty((len(self.layers), x.shape[1], self.w_os.shape[-1]))
         for r, layer in enumerate(self.layers):
             mine = None if records is None else (records[0][r], records[1][r])
-            layer.attend(
-                x[r], f_a, beta[r], gate[r], slots, accepted=accepted, records=mine, out=attn[r]
+            layer.kda_stage(
+                x[r], f_a, beta[r], gate[r], slots, records=mine, out=attn[r], **kda_options
             )
-            if committed is not None:
-                if records is None:
-                    raise ValueError("committed needs records (a recorded verify step)")
-                layer.recover(slots, mine, committed, accepted)
         self.produce(attn, parity)
         if output is None:
             output = torch.empty_like(prefix)

@@ -164,7 +164,6 @@ class DecodeLayer:
         ``choice`` overrides ``self.choice`` (a ``kda.dispatch.Choice``). Replay mode:
         ``kda.replay_decode`` with ``self.ring`` (its dispatcher's choice; ``records`` and
         ``choice`` are refused)."""
-        L = self.shard
         if self.replay:
             if records is not None:
                 raise ValueError(
@@ -173,60 +172,26 @@ class DecodeLayer:
                 )
             if choice is not None:
                 raise ValueError("choice: replay mode takes the replay dispatcher's kernel")
-            return kda.replay_decode(
-                x,
-                L.conv_weight,
-                L.conv_bias,
-                L.conv_state,
-                f_a,
-                beta,
-                L.a_log,
-                L.dt_bias,
-                slots,
-                L.state,
-                gate,
-                L.norm_weight,
-                L.f_b,
-                lower_bound=self.lower_bound,
-                scale=self.scale,
-                eps=self.eps,
-                accepted=accepted,
-                conv_dim_first=L.conv_dim_first,
-                ring=self.ring,
-                kernel="auto",
-                gate_mode=self.gate_mode,
-                pdl=self.pdl,
-                out=out,
-            )
+            args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)
+            return kda.replay_decode(*args, **kw, ring=self.ring, kernel="auto")
         if choice is None:
             requests = slots.shape[0]
             choice = self.choice(requests, x.shape[0] // requests)
-        return kda.decode(
-            x,
-            L.conv_weight,
-            L.conv_bias,
-            L.conv_state,
-            f_a,
-            beta,
-            L.a_log,
-            L.dt_bias,
-            slots,
-            L.state,
-            gate,
-            L.norm_weight,
-            L.f_b,
-            lower_bound=self.lower_bound,
-            scale=self.scale,
-            eps=self.eps,
-            accepted=accepted,
-            conv_dim_first=L.conv_dim_first,
-            records=records,
-            kernel=choice.kernel,
-            cluster=choice.cluster if choice.kernel == "split" else None,
-            gate_mode=self.gate_mode,
-            pdl=self.pdl,
-            out=out,
-        )
+        cluster = choice.cluster if choice.kernel == "split" else None
+        kernel = dict(records=records, kernel=choice.kernel, cluster=cluster)
+        args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)
+        return kda.decode(*args, **kw, **kernel)
+
+    def _operands(self, x, f_a, beta, gate, slots, accepted, out):
+        """``kda.decode``'s (and ``kda.replay_decode``'s) arguments on this rank's shard
+        but the kernel's, as ``(args, kwargs)``."""
+        L = self.shard
+        head = (x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias)
+        tail = (slots, L.state, gate, L.norm_weight, L.f_b)
+        scalars = dict(lower_bound=self.lower_bound, scale=self.scale, eps=self.eps)
+        launch = dict(gate_mode=self.gate_mode, pdl=self.pdl, out=out)
+        step = dict(accepted=accepted, conv_dim_first=L.conv_dim_first)
+        return (*head, *tail), scalars | launch | step
 
     def recover(self, slots, records, committed, accepted) -> None:
         """Commit ``committed`` tokens of the recorded verify step that read ``accepted``
@@ -326,6 +291,16 @@ class DecodeLayer:
         )
 
     # --- the step --------------------------------------------------------------------
+    def kda_stage(self, x, f_a, beta, gate, slots, *, accepted, records, committed, out):
+        """``attend``, then with ``committed`` the recorded verify step's ``recover``;
+        returns attn [B*T, D_local]."""
+        attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records, out=out)
+        if committed is not None:
+            if records is None:
+                raise ValueError("committed needs records (a recorded verify step)")
+            self.recover(slots, records, committed, accepted)
+        return attn
+
     def step(
         self,
         x,
@@ -349,16 +324,25 @@ class DecodeLayer:
         with ``committed`` (tokens the sampler accepted) it is committed right away.
         ``parity``: the mailbox parity, alternating 0, 1 from step to step. Replay mode:
         ``records`` and ``committed`` are refused (``attend``)."""
-        attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records, out=attn)
-        if committed is not None:
-            if records is None:
-                raise ValueError("committed needs records (a recorded verify step)")
-            self.recover(slots, records, committed, accepted)
+        kda_options = dict(accepted=accepted, records=records, committed=committed, out=attn)
+        attn = self.kda_stage(x, f_a, beta, gate, slots, **kda_options)
         self.produce(attn, parity)
         if output is None:
             output = torch.empty_like(prefix)
         self.consume(prefix, blocks, output, parity)
         return output
+
+
+def step_options(options):
+    """``DecodeLayer.step``'s keywords as (output, ``kda_stage``'s keywords); TypeError on
+    others."""
+    names = ("accepted", "records", "committed", "output", "attn")
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"step() got unexpected keyword arguments {sorted(unknown)}")
+    got = {name: options.get(name) for name in names}
+    output, attn = got.pop("output"), got.pop("attn")
+    return output, dict(got, out=attn)
 
 
 def check_kda_state(kda_state, ring_size) -> None:

@@ -3,16 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import step_kind
-
-if TYPE_CHECKING:
-    from launch.runner import Runner
 
 
 def shard_inputs(step: kt.Step, tp: int):
@@ -28,9 +23,10 @@ def shard_inputs(step: kt.Step, tp: int):
 
 class Bucket:
     """The captured buffers of one (tokens, record) step shape; graphs per parity. Per-rank
-    buffers have one row per rank hosted here (``runner.ranks``)."""
+    buffers have one row per rank hosted here (``runner``: the ``launch.runner.Runner``,
+    its ``ranks``)."""
 
-    def __init__(self, runner: Runner, tokens: int, record: bool):
+    def __init__(self, runner, tokens: int, record: bool):
         cfg, dev = runner.cfg, runner.device
         B, T, n = cfg.requests, tokens, len(runner.ranks)
         H = cfg.heads_per_rank

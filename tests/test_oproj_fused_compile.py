@@ -35,9 +35,9 @@ def test_fused_cached_compile():
     require_dsl()
     from tpcomm.oproj.kernels.fused import compiled_fused
 
-    a = compiled_fused(16, 7168, 8, 768, 1, True, 4, 0, False, False, True, False, "sm_90a")
-    assert a is compiled_fused(16, 7168, 8, 768, 1, True, 4, 0, False, False, True, False,
-                               "sm_90a")  # fmt: skip
+    config = dict(tiles=1, has_delta=True, groups=4, xmoe_reps=0, multicast=False, fence=False)
+    a = compiled_fused(16, 7168, 8, 768, "sm_90a", pdl=True, twoshot=False, **config)
+    assert a is compiled_fused(16, 7168, 8, 768, "sm_90a", pdl=True, twoshot=False, **config)
 
 
 def _ptx(tmp_path, tp, hid, nb, d_local, **kw):

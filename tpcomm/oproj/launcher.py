@@ -95,20 +95,10 @@ def fused(comm, d_local, tiles=None, pdl=False, launches=None):
     from tpcomm.oproj.kernels.fused import compiled_fused
 
     plan = fused_plan(comm, tiles, launches=launches)
-    return compiled_fused(
-        comm.tp,
-        comm.hid,
-        comm.nb,
-        d_local,
-        plan.tiles,
-        comm.has_delta,
-        comm.groups,
-        comm.xmoe_reps,
-        comm.multicast_base != 0,
-        comm.fence,
-        bool(pdl),
-        comm.twoshot,
-    )
+    config = dict(tiles=plan.tiles, has_delta=comm.has_delta, groups=comm.groups, pdl=bool(pdl))
+    paths = dict(multicast=comm.multicast_base != 0, fence=comm.fence, twoshot=comm.twoshot)
+    shape = (comm.tp, comm.hid, comm.nb, d_local)
+    return compiled_fused(*shape, xmoe_reps=comm.xmoe_reps, **config, **paths)
 
 
 # --- operands ---------------------------------------------------------------------------

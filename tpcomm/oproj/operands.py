@@ -4,7 +4,8 @@
 ``kimi::oproj_produce_consume`` schemas and ``tpcomm.oproj.launcher`` take them.
 ``ConsumerOperands``: ``OprojConsumerKernel.__call__``'s (CuTe values, built by
 ``tpcomm.oproj.launcher``; the fused kernel's consumer part). ``ProducerOperands``: the
-fused kernel's producer part. ``ConsumerAddresses``: the consumer kernel's one argument
+fused kernel's producer part; ``ProjectionAddresses``: the producer kernel's one
+argument. ``ConsumerAddresses``: the consumer kernel's one argument
 (tensors as ``Int64`` addresses, ``tokens`` from ``prefix``; the DSL passes a NamedTuple's
 fields as the kernel's parameters, in this order). Importing this module needs no CuTe DSL.
 """
@@ -50,6 +51,20 @@ class ProducerOperands(NamedTuple):
     w_o: cute.Tensor
     peers: cute.Tensor
     multicast_base: Int64
+
+
+class ProjectionAddresses(NamedTuple):
+    """The producer kernel's parameters (the fused kernel's producer CTAs take the same):
+    ``attn_out`` and ``w_o`` as addresses, the peer table, the multicast address, tokens,
+    rank and step."""
+
+    a_attn: Int64
+    a_w: Int64
+    peers: cute.Tensor
+    multicast_base: Int64
+    tokens: Int32
+    rank: Int32
+    step: Int32
 
 
 class ConsumerOperands(NamedTuple):

@@ -20,12 +20,16 @@ reading ``attn_out``; consumer CTAs run the AttnRes pre-phase first, then wait, 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int64
 
 from tpcomm.cuteutil import compile_cached, launch, smem_tensor
 from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
 from tpcomm.oproj.kernels.producer import OprojProducer, fake_producer_arguments
-from tpcomm.oproj.operands import ConsumerAddresses, ConsumerOperands, ProducerOperands
+from tpcomm.oproj.operands import (
+    ConsumerOperands,
+    ProducerOperands,
+    ProjectionAddresses,
+)
 from tpcomm.oproj.plan import (
     GROUP_THREADS,
     SLICE,
@@ -103,20 +107,7 @@ class OprojFused:
         )
 
     @cute.jit
-    def produce(
-        self,
-        red,
-        thread,
-        cta,
-        row,
-        a_attn: Int64,
-        a_w: Int64,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        tokens: Int32,
-        rank: Int32,
-        step: Int32,
-    ):
+    def produce(self, red, thread, cta, row, p: ProjectionAddresses):
         """A producer CTA: group g runs its T tiles (``OprojProducer.tile``)."""
         group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
         if cutlass.const_expr(self.pdl):
@@ -127,41 +118,23 @@ class OprojFused:
                 for t in cutlass.range(self.tiles, unroll=1):
                     index = tile_index(row, cta, g, t, self.ctas, self.groups, self.tiles)
                     if index < tile_count(self.hid):  # uniform in the group: barrier-safe
-                        self.producer.tile(
-                            a_attn,
-                            a_w,
-                            peers,
-                            multicast_base,
-                            tokens,
-                            rank,
-                            step,
-                            index,
-                            tid,
-                            red,
-                            g * WARPS,
-                            1 + g,
-                            False,
-                        )
+                        self.producer.tile(p, index, tid, red, g * WARPS, 1 + g, False)
                         if cutlass.const_expr(self.tiles > 1):  # the next tile reuses red
                             cute.arch.barrier(barrier_id=1 + g, number_of_threads=GROUP_THREADS)
 
     @cute.kernel
-    def kernel(
-        self,
-        a_attn: Int64,
-        a_w: Int64,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        op: ConsumerAddresses,
-    ):
+    def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64, op):
+        """Producer CTAs (rows ``< P``), then consumer clusters (``op``: the consumer's
+        ``ConsumerAddresses``)."""
         thread, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
         smem = self.consumer.allocate()
         red_shape = (self.groups * WARPS, 32, 4)
         red = smem_tensor(cutlass.memory.SmemAllocator(), Float32, red_shape)
         if row < self.rows:
-            projection = (a_attn, a_w, peers, multicast_base, op.tokens, op.rank, op.step)
-            self.produce(red, thread, cta, row, *projection)
+            fields = (op.tokens, op.rank, op.step)
+            p = ProjectionAddresses(a_attn, a_w, peers, multicast_base, *fields)
+            self.produce(red, thread, cta, row, p)
         else:
             self.consumer.body(smem, thread, cta, row - self.rows, op)
 
@@ -172,35 +145,14 @@ def fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps=0, twoshot=False):
     return (producer, *fake_arguments(tp, hid, nb, xmoe_reps, twoshot))
 
 
-def compiled_fused(
-    tp,
-    hid,
-    nb,
-    d_local,
-    tiles=1,
-    has_delta=True,
-    groups=4,
-    xmoe_reps=0,
-    multicast=False,
-    fence=False,
-    pdl=False,
-    twoshot=False,
-    arch=None,
-):
-    """One compile per configuration and arch; tokens are dynamic (1..8)."""
-    config = dict(
-        tiles=tiles,
-        has_delta=has_delta,
-        groups=groups,
-        xmoe_reps=xmoe_reps,
-        multicast=multicast,
-        fence=fence,
-        pdl=pdl,
-        twoshot=twoshot,
-    )
+def compiled_fused(tp, hid, nb, d_local, arch=None, **config):
+    """One compile per configuration (``config``: ``OprojFused``'s keywords) and arch;
+    tokens are dynamic (1..8)."""
+    xmoe_reps, twoshot = config.get("xmoe_reps", 0), config.get("twoshot", False)
 
     def build():
         kernel = OprojFused(tp, hid, nb, d_local, **config)
         return kernel, fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps, twoshot)
 
-    return compile_cached(("oproj_fused", tp, hid, nb, d_local, *config.values()), build, arch=arch)
+    key = ("oproj_fused", tp, hid, nb, d_local, *sorted(config.items()))
+    return compile_cached(key, build, arch=arch)
