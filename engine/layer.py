@@ -43,7 +43,7 @@ from kda import layer as kl
 from kda import reference as kref
 from kda.operands import MAX_RING, MIN_RING, make_ring
 from kda.validate import HEAD_DIM
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 _WEIGHTS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
 KDA_STATES = ("per-step", "replay")
@@ -62,34 +62,56 @@ class DecodeLayer:
 
     ``comms``: rows -> ``OprojAllReduce`` (shared by the ranks of this process, read at
     each call, so buckets may be added later). ``kernel`` / ``gate_mode`` / ``pdl``:
-    ``kda.decode``'s; ``sms``: the SMs the dispatcher may plan with (default the GPU's;
-    on loopback a rank's share). ``lower_bound``, ``scale``, ``eps``: the KDA step's.
+    ``kda.decode``'s; ``sms``: the SMs the dispatcher may plan with (default the GPU's,
+    shared by ``sharing`` ranks: loopback's per-step dispatcher plans with a rank's share;
+    replay's takes the whole GPU's, as ``kda.replay_decode`` does). ``lower_bound``,
+    ``scale``, ``eps``: the KDA step's.
     ``kda_state``: ``"per-step"`` or ``"replay"`` (module docstring); ``ring_size``: the
     replay ring's entries R (2..16, at least the verify steps' tokens), which the layer
     allocates as ``self.ring`` (None in per-step mode). Replay mode takes the replay
     dispatcher's kernel choice, so ``kernel`` must be ``"auto"`` there.
     """
 
-    def __init__(self, shard, w_o: torch.Tensor, comms: Mapping[int, OprojAllReduce], *,
-                 rank: int, norm: torch.Tensor, query: torch.Tensor, out_norm: torch.Tensor,
-                 kernel: str = "auto", gate_mode: int = 3, pdl: bool = True,
-                 sms: int | None = None, lower_bound: float = kl.LOWER_BOUND,
-                 scale: float = kl.SCALE, eps: float = kl.EPS, kda_state: str = "per-step",
-                 ring_size: int = DEFAULT_RING):  # fmt: skip
+    def __init__(
+        self,
+        shard,
+        w_o: torch.Tensor,
+        comms: Mapping[int, OprojAllReduce],
+        *,
+        rank: int,
+        norm: torch.Tensor,
+        query: torch.Tensor,
+        out_norm: torch.Tensor,
+        kernel: str = "auto",
+        gate_mode: int = 3,
+        pdl: bool = True,
+        sms: int | None = None,
+        lower_bound: float = kl.LOWER_BOUND,
+        scale: float = kl.SCALE,
+        eps: float = kl.EPS,
+        kda_state: str = "per-step",
+        ring_size: int = DEFAULT_RING,
+        sharing: int = 1,
+    ):
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
         check_kda_state(kda_state, ring_size)
         if kda_state == "replay" and kernel != "auto":
-            raise ValueError(f"kernel must be 'auto' with kda_state='replay' (the replay "
-                             f"dispatcher chooses); got {kernel!r}")  # fmt: skip
+            raise ValueError(
+                f"kernel must be 'auto' with kda_state='replay' (the replay "
+                f"dispatcher chooses); got {kernel!r}"
+            )
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int; got {rank!r}")
+        if isinstance(sharing, bool) or not isinstance(sharing, int) or sharing < 1:
+            raise ValueError(f"sharing must be a positive int; got {sharing!r}")
         heads = shard.state.shape[1]
         if not isinstance(w_o, torch.Tensor) or w_o.dim() != 2 or w_o.shape[1] != heads * HEAD_DIM:
             raise ValueError(f"w_o must be [HID, {heads * HEAD_DIM}] (the rank's heads' columns)")
         self.shard, self.w_o, self.comms, self.rank = shard, w_o, comms, rank
         self.norm, self.query, self.out_norm = norm, query, out_norm
         self.kernel, self.gate_mode, self.pdl, self.sms = kernel, gate_mode, bool(pdl), sms
+        self.sharing = sharing
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
         self.heads = heads
         self.kda_state = kda_state
@@ -105,8 +127,10 @@ class DecodeLayer:
     def comm(self, rows: int) -> OprojAllReduce:
         """The all-reduce of the ``rows`` bucket; ValueError when there is none."""
         if rows not in self.comms:
-            raise ValueError(f"no o-projection all-reduce for {rows} rows; buckets "
-                             f"{sorted(self.comms)} (pad the batch to one)")  # fmt: skip
+            raise ValueError(
+                f"no o-projection all-reduce for {rows} rows; buckets "
+                f"{sorted(self.comms)} (pad the batch to one)"
+            )
         return self.comms[rows]
 
     @property
@@ -122,56 +146,74 @@ class DecodeLayer:
             if sms is None:
                 device = self.shard.state.device
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
+                if not self.replay:  # the ranks sharing the GPU split it
+                    sms = max(1, sms // self.sharing)
             if self.replay:
-                choice = dispatch.choose_replay(requests, self.heads, tokens, self.ring.size,
-                                                sms=sms)  # fmt: skip
+                choice = dispatch.choose_replay(
+                    requests, self.heads, tokens, self.ring.size, sms=sms
+                )
             else:
-                choice = dispatch.choose(requests, self.heads, tokens, sms=sms,
-                                         kernel=self.kernel)  # fmt: skip
+                choice = dispatch.choose(requests, self.heads, tokens, sms=sms, kernel=self.kernel)
             self._choices[key] = choice
         return self._choices[key]
 
-    def attend(self, x, f_a, beta, gate, slots, *, accepted=None, records=None, out=None,
-               choice=None):  # fmt: skip
+    def attend(
+        self, x, f_a, beta, gate, slots, *, accepted=None, records=None, out=None, choice=None
+    ):
         """``kda.decode`` on this rank's heads: [B*T, D_local] bf16 (into ``out`` if given).
         ``choice`` overrides ``self.choice`` (a ``kda.dispatch.Choice``). Replay mode:
         ``kda.replay_decode`` with ``self.ring`` (its dispatcher's choice; ``records`` and
         ``choice`` are refused)."""
-        L = self.shard
         if self.replay:
             if records is not None:
-                raise ValueError("records: replay mode keeps a verify step's entries pending "
-                                 "in the ring (no records, no recover)")  # fmt: skip
+                raise ValueError(
+                    "records: replay mode keeps a verify step's entries pending "
+                    "in the ring (no records, no recover)"
+                )
             if choice is not None:
                 raise ValueError("choice: replay mode takes the replay dispatcher's kernel")
-            return kda.replay_decode(
-                x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias,
-                slots, L.state, gate, L.norm_weight, L.f_b, lower_bound=self.lower_bound,
-                scale=self.scale, eps=self.eps, accepted=accepted,
-                conv_dim_first=L.conv_dim_first, ring=self.ring, kernel="auto",
-                gate_mode=self.gate_mode, pdl=self.pdl, out=out,
-            )  # fmt: skip
+            args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)
+            return kda.replay_decode(*args, **kw, ring=self.ring, kernel="auto")
         if choice is None:
             requests = slots.shape[0]
             choice = self.choice(requests, x.shape[0] // requests)
-        return kda.decode(
-            x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias, slots,
-            L.state, gate, L.norm_weight, L.f_b, lower_bound=self.lower_bound,
-            scale=self.scale, eps=self.eps, accepted=accepted,
-            conv_dim_first=L.conv_dim_first, records=records, kernel=choice.kernel,
-            cluster=choice.cluster if choice.kernel == "split" else None,
-            gate_mode=self.gate_mode, pdl=self.pdl, out=out,
-        )  # fmt: skip
+        cluster = choice.cluster if choice.kernel == "split" else None
+        kernel = dict(records=records, kernel=choice.kernel, cluster=cluster)
+        args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)
+        return kda.decode(*args, **kw, **kernel)
+
+    def _operands(self, x, f_a, beta, gate, slots, accepted, out):
+        """``kda.decode``'s (and ``kda.replay_decode``'s) arguments on this rank's shard
+        but the kernel's, as ``(args, kwargs)``."""
+        L = self.shard
+        head = (x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias)
+        tail = (slots, L.state, gate, L.norm_weight, L.f_b)
+        scalars = dict(lower_bound=self.lower_bound, scale=self.scale, eps=self.eps)
+        launch = dict(gate_mode=self.gate_mode, pdl=self.pdl, out=out)
+        step = dict(accepted=accepted, conv_dim_first=L.conv_dim_first)
+        return (*head, *tail), scalars | launch | step
 
     def recover(self, slots, records, committed, accepted) -> None:
         """Commit ``committed`` tokens of the recorded verify step that read ``accepted``
         (per-step mode; replay mode has no records)."""
         if self.replay:
-            raise ValueError("recover: replay mode has no records (the next step's accepted "
-                             "commits a verify step's pending ring entries)")  # fmt: skip
+            raise ValueError(
+                "recover: replay mode has no records (the next step's accepted "
+                "commits a verify step's pending ring entries)"
+            )
         L = self.shard
-        kda.recover(L.state, slots, records[0], records[1], L.a_log, L.dt_bias, committed,
-                    accepted, lower_bound=self.lower_bound, pdl=self.pdl)  # fmt: skip
+        kda.recover(
+            L.state,
+            slots,
+            records[0],
+            records[1],
+            L.a_log,
+            L.dt_bias,
+            committed,
+            accepted,
+            lower_bound=self.lower_bound,
+            pdl=self.pdl,
+        )
 
     def materialize(self, slots=None, accepted=None) -> None:
         """Replay mode: fold the rings of ``slots`` ([n] int32 / int64 pages; default every
@@ -181,11 +223,20 @@ class DecodeLayer:
         per-step mode, ``recover``). Plain torch (``kda.reference.materialize``) on the
         pool's device, reading the counters on the host: not graph-capturable, on demand."""
         if not self.replay:
-            raise ValueError("materialize: the layer keeps per-step state (kda_state="
-                             "'per-step'); there is no ring to fold")  # fmt: skip
+            raise ValueError(
+                "materialize: the layer keeps per-step state (kda_state="
+                "'per-step'); there is no ring to fold"
+            )
         L = self.shard
-        kref.materialize(L.state, self.ring, L.a_log, L.dt_bias, lower_bound=self.lower_bound,
-                         slots=slots, accepted=accepted)  # fmt: skip
+        kref.materialize(
+            L.state,
+            self.ring,
+            L.a_log,
+            L.dt_bias,
+            lower_bound=self.lower_bound,
+            slots=slots,
+            accepted=accepted,
+        )
 
     def admit(self, slots: torch.Tensor) -> None:
         """Start new requests on the state pages ``slots`` ([n] int32 / int64 on the pool's
@@ -201,13 +252,17 @@ class DecodeLayer:
         if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"slots must be an int32 / int64 tensor; got {slots!r}")
         if slots.dim() != 1 or slots.device != L.state.device:
-            raise ValueError(f"slots must be 1-D on {L.state.device}; got shape "
-                             f"{tuple(slots.shape)} on {slots.device}")  # fmt: skip
+            raise ValueError(
+                f"slots must be 1-D on {L.state.device}; got shape "
+                f"{tuple(slots.shape)} on {slots.device}"
+            )
         capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
         pages = L.state.shape[0]
         if not capturing and slots.numel() and (slots.min() < 1 or slots.max() >= pages):
-            raise ValueError(f"slots must be in 1..{pages - 1} (page 0 is the padding page); "
-                             f"got {slots.min().item()}..{slots.max().item()}")  # fmt: skip
+            raise ValueError(
+                f"slots must be in 1..{pages - 1} (page 0 is the padding page); "
+                f"got {slots.min().item()}..{slots.max().item()}"
+            )
         index = slots.long()
         L.state.index_fill_(0, index, 0.0)
         L.conv_state.index_fill_(0, index, 0.0)
@@ -223,24 +278,54 @@ class DecodeLayer:
         (and its MoE latent copies into ``xmoe``, with ready hints, when the all-reduce has
         ``xmoe_reps``)."""
         comm = self.comm(prefix.shape[0])
-        comm.consume(prefix, blocks, self.norm, self.query, self.out_norm, output, parity,
-                     xmoe=xmoe, rank=self.rank)  # fmt: skip
+        comm.consume(
+            prefix,
+            blocks,
+            self.norm,
+            self.query,
+            self.out_norm,
+            output,
+            parity,
+            xmoe=xmoe,
+            rank=self.rank,
+        )
 
     # --- the step --------------------------------------------------------------------
-    def step(self, x, f_a, beta, gate, slots, prefix, blocks, parity: int, *, accepted=None,
-             records=None, committed=None, output=None, attn=None):  # fmt: skip
+    def kda_stage(self, x, f_a, beta, gate, slots, *, accepted, records, committed, out):
+        """``attend``, then with ``committed`` the recorded verify step's ``recover``;
+        returns attn [B*T, D_local]."""
+        attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records, out=out)
+        if committed is not None:
+            if records is None:
+                raise ValueError("committed needs records (a recorded verify step)")
+            self.recover(slots, records, committed, accepted)
+        return attn
+
+    def step(
+        self,
+        x,
+        f_a,
+        beta,
+        gate,
+        slots,
+        prefix,
+        blocks,
+        parity: int,
+        *,
+        accepted=None,
+        records=None,
+        committed=None,
+        output=None,
+        attn=None,
+    ):
         """One decode (T = 1) or verify step of this rank: KDA -> (recover) -> producer ->
         consumer; returns ``output`` [B*T, HID] bf16 (allocated when None) and updates
         ``prefix`` in place. ``records`` (v_records, kg_records): a recorded verify step;
         with ``committed`` (tokens the sampler accepted) it is committed right away.
         ``parity``: the mailbox parity, alternating 0, 1 from step to step. Replay mode:
         ``records`` and ``committed`` are refused (``attend``)."""
-        attn = self.attend(x, f_a, beta, gate, slots, accepted=accepted, records=records,
-                           out=attn)  # fmt: skip
-        if committed is not None:
-            if records is None:
-                raise ValueError("committed needs records (a recorded verify step)")
-            self.recover(slots, records, committed, accepted)
+        kda_options = dict(accepted=accepted, records=records, committed=committed, out=attn)
+        attn = self.kda_stage(x, f_a, beta, gate, slots, **kda_options)
         self.produce(attn, parity)
         if output is None:
             output = torch.empty_like(prefix)
@@ -273,6 +358,18 @@ class DecodeLayer:
         from .state import import_state
 
         return import_state(self, slots, blob, stream=stream, live=live)
+
+
+def step_options(options):
+    """``DecodeLayer.step``'s keywords as (output, ``kda_stage``'s keywords); TypeError on
+    others."""
+    names = ("accepted", "records", "committed", "output", "attn")
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"step() got unexpected keyword arguments {sorted(unknown)}")
+    got = {name: options.get(name) for name in names}
+    output, attn = got.pop("output"), got.pop("attn")
+    return output, dict(got, out=attn)
 
 
 def check_kda_state(kda_state, ring_size) -> None:

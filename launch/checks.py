@@ -120,8 +120,10 @@ def replay_output_check(got, want, o32, live):
     big = w.abs() >= rms * 2.0**-10
     near = torch.where(big, err <= bf16_ulp(w) + w.abs() * 2.0**-7, err <= rms * 2.0**-17)
     far = int((~near).sum())
-    detail = (f"{int((~same).sum())} of {same.numel()} head rows not bitwise ({off} away "
-              f"from o's midpoints), {far} elements beyond 1 ulp + o's ulp")  # fmt: skip
+    detail = (
+        f"{int((~same).sum())} of {same.numel()} head rows not bitwise ({off} away "
+        f"from o's midpoints), {far} elements beyond 1 ulp + o's ulp"
+    )
     return off == 0 and far == 0, int((~same).sum()), detail
 
 
@@ -229,8 +231,7 @@ def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, 
     check("conv pages == unsharded (bitwise)", torch.equal(conv, unsharded.kda.conv_state), i)
     if cfg.replay:
         ok, ratio, detail = ring_check(ring, unsharded.ring)
-        check("ring vs unsharded (counters, k, raw gate bitwise; v_new 1e-5 of max)", ok, i,
-              detail)  # fmt: skip
+        check("ring vs unsharded (counters, k, raw gate bitwise; v_new 1e-5 of max)", ok, i, detail)
         worst["ring"] = max(worst["ring"], ratio)
         ok, _, ulps, detail = ulp_check(attn, ref["per_step_attn"], row=HEAD_DIM, o_flip=True)
         check("kda outputs vs per-step reference (1 ulp + o's flip)", ok, i, detail)
@@ -250,8 +251,11 @@ def check_step(runner, unsharded, bk, plan, step, prefix, blocks, before_state, 
     check("partials vs reference projection (1 ulp)", not bad, i, "; ".join(bad[:2]))
     want_out, want_prefix = model.consume(partials, prefix, blocks, groups=bk.comm.groups)
     got_prefix, got_out = bk.prefix[0].cpu(), bk.output[0].cpu()  # rank 0: row 0 here
-    check("prefix == TP reference math (bitwise)",
-          torch.equal(got_prefix.view(torch.int16), want_prefix.view(torch.int16)), i)  # fmt: skip
+    check(
+        "prefix == TP reference math (bitwise)",
+        torch.equal(got_prefix.view(torch.int16), want_prefix.view(torch.int16)),
+        i,
+    )
     final, bound = model.allowance(want_prefix, blocks)  # cancelling terms (bound.py)
     allow = oproj_bound.within(got_out, final, bound)
     ok, _, ulps, detail = ulp_check(got_out, want_out, allow=allow)

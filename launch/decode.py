@@ -164,15 +164,19 @@ def parse_args(argv=None):
     # fmt: on
     args = p.parse_args(argv)
     if args.kda_state == "replay" and args.kernel != "auto":
-        p.error(f"--kernel {args.kernel} is the per-step path's; --kda-state replay takes the "
-                "replay dispatcher's kernel (--kernel auto)")  # fmt: skip
+        p.error(
+            f"--kernel {args.kernel} is the per-step path's; --kda-state replay takes the "
+            "replay dispatcher's kernel (--kernel auto)"
+        )
     why = check_json_path(args.json)
     if why is not None:
         p.error(why)
     pdl = getattr(args, "pdl", None)  # None: not given
     if args.trace and pdl:
-        p.error("--trace runs without PDL (a stamp between PDL kernels breaks their "
-                "overlap): drop --pdl")  # fmt: skip
+        p.error(
+            "--trace runs without PDL (a stamp between PDL kernels breaks their "
+            "overlap): drop --pdl"
+        )
     args.pdl = not args.trace if pdl is None else pdl
     return args
 

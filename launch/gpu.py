@@ -93,18 +93,32 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
     if grids:
         exact_gate_weights(model.kda)  # before the shards and the unsharded copy share it
     try:
-        runner = Runner(cfg, model, backend, kernel=args.kernel, gate_mode=args.gate_mode,
-                        pdl=args.pdl, procs=procs,
-                        oproj_launch=getattr(args, "oproj_launch", None),
-                        xmoe=getattr(args, "xmoe", 0))  # fmt: skip
+        runner = Runner(
+            cfg,
+            model,
+            backend,
+            kernel=args.kernel,
+            gate_mode=args.gate_mode,
+            pdl=args.pdl,
+            procs=procs,
+            oproj_launch=getattr(args, "oproj_launch", None),
+            xmoe=getattr(args, "xmoe", 0),
+        )
     except ValueError as e:
         return rep.refuse(str(e), procs.root)
     unsharded = Unsharded(model) if args.check_every and procs.root else None
     schedule = Schedule(cfg)
     check, kinds = rep.Checks(), {}
     latency: list[tuple[str, float]] = []  # (kind, us) per step, this process's ranks
-    worst = {"kda_ulp": 0.0, "kda_exact": 1.0, "state": 0.0, "output_ulp": 0.0,
-             "partial_ulp": 0.0, "prefix": 0.0, "output": 0.0}  # fmt: skip
+    worst = {
+        "kda_ulp": 0.0,
+        "kda_exact": 1.0,
+        "state": 0.0,
+        "output_ulp": 0.0,
+        "partial_ulp": 0.0,
+        "prefix": 0.0,
+        "output": 0.0,
+    }
     if cfg.replay:  # vs the per-step reference; the ring's v_new; materialised pages
         worst.update(per_step_ulp=0.0, ring=0.0, materialized=0.0, ring_folds=0)
     for _ in range(cfg.steps):
@@ -165,8 +179,9 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
         if staged is not None:
             check("stage pass == eager (bitwise)", procs.all_true(_same(staged, eager)), plan.index)
         if checked:
-            check_step(runner, unsharded, bk, plan, step, prefix, blocks,
-                       before_state, check, worst)  # fmt: skip
+            check_step(
+                runner, unsharded, bk, plan, step, prefix, blocks, before_state, check, worst
+            )
 
     if cfg.replay and args.check_every and procs.all_true(not check.failures):
         check_materialized(runner, unsharded, schedule, check, worst, plan.index)
@@ -191,8 +206,9 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
     runner.sync_all()  # nothing in flight on any GPU before the backend is torn down
     if not procs.root:
         return 0 if ok else 1
-    report = rep.gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check,
-                            worst, ok, steady)  # fmt: skip
+    report = rep.gpu_report(
+        args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok, steady
+    )
     printer = rep.print_gpu
     if timeline is not None:
         report["timeline"] = timeline
@@ -215,10 +231,15 @@ def check_materialized(runner, unsharded, schedule, check, worst, step) -> None:
     if unsharded is None:
         return
     per_step = unsharded.per_step
-    ok, ratio = materialized_check(state, slots.long(), per_step.kda.state,
-                                   per_step.request_pages(schedule.accepted))  # fmt: skip
-    check("materialized state vs per-step reference (1e-5 of page max)", ok, step,
-          f"worst {ratio:.2e}")  # fmt: skip
+    ok, ratio = materialized_check(
+        state, slots.long(), per_step.kda.state, per_step.request_pages(schedule.accepted)
+    )
+    check(
+        "materialized state vs per-step reference (1e-5 of page max)",
+        ok,
+        step,
+        f"worst {ratio:.2e}",
+    )
     worst["materialized"] = ratio
     worst["ring_folds"] = unsharded.folds
 

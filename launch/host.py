@@ -23,15 +23,7 @@ import torch
 from kda.operands import Ring
 from launch import report as rep
 from launch.checks import inject, materialized_check, replay_output_check
-from launch.layer import (
-    Config,
-    Model,
-    Schedule,
-    Unsharded,
-    conv_cat,
-    host_bytes,
-    materialize,
-)
+from launch.layer import Config, Model, Schedule, Unsharded, conv_cat, host_bytes, materialize
 from launch.liveness import Liveness
 from launch.procs import env_rank, job_processes
 from tpcomm import host
@@ -49,8 +41,10 @@ def host_memory_bytes() -> int:
 def refusal(args, world) -> str | None:
     """Why this job cannot run (decided alike on every rank, before the process group)."""
     if getattr(args, "trace", 0):
-        return ("--trace stamps the GPU kernels (globaltimer); the host backend runs none: "
-                "use --backend loopback or nvshmem")  # fmt: skip
+        return (
+            "--trace stamps the GPU kernels (globaltimer); the host backend runs none: "
+            "use --backend loopback or nvshmem"
+        )
     if args.tp is not None and args.tp != world:
         return (
             f"--tp {args.tp} is for the loopback backend; the host backend runs one rank per "
@@ -87,9 +81,14 @@ def main(args) -> int:
     if info.world > 1:
         store = host.store_client(args.timeout)
         if store is not None:
-            live = Liveness(info.rank, info.world, args.timeout, store,
-                            host.store_client(args.timeout),
-                            store_on_rank0=host.store_on_rank0())  # fmt: skip
+            live = Liveness(
+                info.rank,
+                info.world,
+                args.timeout,
+                store,
+                host.store_client(args.timeout),
+                store_on_rank0=host.store_on_rank0(),
+            )
     try:
         return run(args, info, backend, live)
     except Exception as e:
@@ -120,13 +119,21 @@ def check_materialized(state, unsharded, model, accepted, check, worst, step) ->
     ring = Ring(*(t.clone() for t in unsharded.ring))
     materialize(u, ring, model, accepted)
     pages = model.slot_table()[:, 0].long()
-    check("materialized pages == unsharded materialized (bitwise)",
-          torch.equal(state[pages], u.state[pages]), step)  # fmt: skip
+    check(
+        "materialized pages == unsharded materialized (bitwise)",
+        torch.equal(state[pages], u.state[pages]),
+        step,
+    )
     per_step = unsharded.per_step
-    ok, ratio = materialized_check(state, pages, per_step.kda.state,
-                                   per_step.request_pages(accepted))  # fmt: skip
-    check("materialized state vs per-step reference (1e-5 of page max)", ok, step,
-          f"worst {ratio:.2e}")  # fmt: skip
+    ok, ratio = materialized_check(
+        state, pages, per_step.kda.state, per_step.request_pages(accepted)
+    )
+    check(
+        "materialized state vs per-step reference (1e-5 of page max)",
+        ok,
+        step,
+        f"worst {ratio:.2e}",
+    )
     worst["materialized"] = max(worst["materialized"], ratio)
     worst["ring_folds"] = unsharded.folds
 
@@ -198,10 +205,16 @@ def run(args, info, symm, live=None) -> int:
             same = all(torch.equal(a, b) for a, b in zip(ring_all, unsharded.ring, strict=True))
             check("ring entries and counters == unsharded (bitwise)", same, i)
             rows_live = (step.slots.view(cfg.requests, -1)[:, 0] > 0).repeat_interleave(plan.tokens)
-            ok, rows, detail = replay_output_check(attn_cat, ref["per_step_attn"], ref["o32"],
-                                                   rows_live)  # fmt: skip
-            check("kda outputs vs per-step reference (bitwise off o's bf16 midpoints, "
-                  "else 1 ulp + o's)", ok, i, detail)  # fmt: skip
+            ok, rows, detail = replay_output_check(
+                attn_cat, ref["per_step_attn"], ref["o32"], rows_live
+            )
+            check(
+                "kda outputs vs per-step reference (bitwise off o's bf16 midpoints, "
+                "else 1 ulp + o's)",
+                ok,
+                i,
+                detail,
+            )
             worst["per_step_rows"] += rows
         del attn_all, state_all, conv_all, attn_cat, state_cat
         tp_same = torch.equal(output, ref["tp_out"]) and torch.equal(prefix_new, ref["tp_prefix"])
@@ -215,8 +228,15 @@ def run(args, info, symm, live=None) -> int:
         materialize(me.kda, me.ring, model, schedule.accepted)
         state_all = host.gather(me.kda.state)
         if unsharded is not None:
-            check_materialized(torch.cat(list(state_all), dim=1), unsharded, model,
-                               schedule.accepted, check, worst, plan.index)  # fmt: skip
+            check_materialized(
+                torch.cat(list(state_all), dim=1),
+                unsharded,
+                model,
+                schedule.accepted,
+                check,
+                worst,
+                plan.index,
+            )
 
     # Latency: per step, the slowest rank; peak memory of every rank.
     arrive("end")
@@ -228,8 +248,9 @@ def run(args, info, symm, live=None) -> int:
     rss = host.gather(torch.tensor([rep.peak_rss_bytes()], dtype=torch.int64))
     if root:
         rss = [int(v) for v in rss[:, 0]]
-        report = rep.host_report(cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss,
-                                 symm.domain.size)  # fmt: skip
+        report = rep.host_report(
+            cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss, symm.domain.size
+        )
         if rep.finish(report, check.failures, args.json, rep.print_host) and ok:
             return 1  # the report could not be written
     return 0 if ok else 1

@@ -98,12 +98,20 @@ class Config:
     def from_args(cls, args, tp: int) -> Config:
         """The configuration of ``launch/decode.py``'s options with ``tp`` ranks."""
         return cls(
-            tp=tp, heads=args.heads, hidden=args.hidden, requests=args.requests,
-            tokens=args.tokens, blocks=args.blocks, steps=args.steps, seed=args.seed,
-            groups=args.groups, conv_dim_first=args.conv_layout == "dim-first",
-            padding=args.padding, kda_state=getattr(args, "kda_state", KDA_STATES[0]),
+            tp=tp,
+            heads=args.heads,
+            hidden=args.hidden,
+            requests=args.requests,
+            tokens=args.tokens,
+            blocks=args.blocks,
+            steps=args.steps,
+            seed=args.seed,
+            groups=args.groups,
+            conv_dim_first=args.conv_layout == "dim-first",
+            padding=args.padding,
+            kda_state=getattr(args, "kda_state", KDA_STATES[0]),
             ring=getattr(args, "ring", DEFAULT_RING),
-        )  # fmt: skip
+        )
 
     @property
     def heads_per_rank(self) -> int:
@@ -222,18 +230,26 @@ class Model:
         pages, window, D = cfg.pages, max(cfg.tokens + 2, 4), count * HEAD_DIM
         out = None
         for i in range(count):
-            h = kt.make_layer(1, pages, window=window, conv_dim_first=cfg.conv_dim_first,
-                              seed=derive(cfg.seed, 101, first + i))  # fmt: skip
+            h = kt.make_layer(
+                1,
+                pages,
+                window=window,
+                conv_dim_first=cfg.conv_dim_first,
+                seed=derive(cfg.seed, 101, first + i),
+            )
             if out is None:
                 conv = (pages, 3 * D, window) if cfg.conv_dim_first else (pages, window, 3 * D)
                 out = kl.Layer(
                     conv_weight=h.conv_weight.new_empty(3, 4, D),
-                    conv_bias=h.conv_bias.new_empty(3 * D), a_log=h.a_log.new_empty(count),
-                    dt_bias=h.dt_bias.new_empty(D), norm_weight=self.norm_weight,
+                    conv_bias=h.conv_bias.new_empty(3 * D),
+                    a_log=h.a_log.new_empty(count),
+                    dt_bias=h.dt_bias.new_empty(D),
+                    norm_weight=self.norm_weight,
                     f_b=h.f_b.new_empty(D, h.f_b.shape[1]),
                     state=h.state.new_empty(pages, count, HEAD_DIM, HEAD_DIM),
-                    conv_state=h.conv_state.new_empty(conv), conv_dim_first=cfg.conv_dim_first,
-                )  # fmt: skip
+                    conv_state=h.conv_state.new_empty(conv),
+                    conv_dim_first=cfg.conv_dim_first,
+                )
             cols = slice(i * HEAD_DIM, (i + 1) * HEAD_DIM)
             out.conv_weight[:, :, cols] = h.conv_weight
             out.conv_bias.view(3, D)[:, cols] = h.conv_bias.view(3, HEAD_DIM)
@@ -267,9 +283,16 @@ class Model:
     def consume(self, partials, prefix, blocks, groups=None):
         """The consumer reference with this layer's AttnRes gammas."""
         return oref.consume(
-            partials, prefix, blocks, self.norm, self.query, self.out_norm, eps=EPS,
-            out_eps=OUT_EPS, groups=self.cfg.groups if groups is None else groups,
-        )  # fmt: skip
+            partials,
+            prefix,
+            blocks,
+            self.norm,
+            self.query,
+            self.out_norm,
+            eps=EPS,
+            out_eps=OUT_EPS,
+            groups=self.cfg.groups if groups is None else groups,
+        )
 
     def epilogue(self, prefix_new, blocks):
         """``epilogue_f64`` of ``prefix_new`` with this layer's gammas and eps."""
@@ -277,8 +300,9 @@ class Model:
 
     def allowance(self, prefix_new, blocks):
         """``tpcomm.oproj.bound.allowance`` of ``prefix_new`` with this layer's gammas."""
-        return oproj_bound.allowance(prefix_new, blocks, self.norm, self.query, self.out_norm,
-                                     eps=EPS, out_eps=OUT_EPS)  # fmt: skip
+        return oproj_bound.allowance(
+            prefix_new, blocks, self.norm, self.query, self.out_norm, eps=EPS, out_eps=OUT_EPS
+        )
 
     def rank_heads(self, rank: int) -> tuple[int, int]:
         per = self.cfg.heads_per_rank
@@ -312,8 +336,16 @@ class Model:
         T = plan.tokens
         table = self.slot_table()[:, :T]
         seed = derive(cfg.seed, plan.index)
-        step = kt.make_step(cfg.requests, T, cfg.heads, pages=cfg.pages, slot_table=table,
-                            accepted=plan.accepted, padding=plan.padding, seed=seed)  # fmt: skip
+        step = kt.make_step(
+            cfg.requests,
+            T,
+            cfg.heads,
+            pages=cfg.pages,
+            slot_table=table,
+            accepted=plan.accepted,
+            padding=plan.padding,
+            seed=seed,
+        )
         g = torch.Generator().manual_seed((seed + 17) % SEED_MOD)
         n = cfg.requests * T
         prefix = torch.randn(n, cfg.hidden, generator=g).to(torch.bfloat16)
@@ -353,8 +385,17 @@ def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step) -> torch.Tensor:
     v_rec = torch.zeros(B, H, T, HEAD_DIM)
     kg_rec = torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16)
     out = kt.run_reference(layer, step, records=(v_rec, kg_rec))
-    kref.recover(layer.state, step.slots, v_rec, kg_rec, layer.a_log, layer.dt_bias,
-                 plan.committed, plan.accepted, lower_bound=kl.LOWER_BOUND)  # fmt: skip
+    kref.recover(
+        layer.state,
+        step.slots,
+        v_rec,
+        kg_rec,
+        layer.a_log,
+        layer.dt_bias,
+        plan.committed,
+        plan.accepted,
+        lower_bound=kl.LOWER_BOUND,
+    )
     return out
 
 
@@ -362,11 +403,27 @@ def run_replay(layer: kl.Layer, ring: Ring, step: kl.Step, o_out=None) -> torch.
     """One replay step (``kda.reference.replay_decode``) on ``layer``'s checkpoint pool and
     ``ring``; ``o_out`` ([N, D] fp32, optional) receives the fp32 ``o``."""
     return kref.replay_decode(
-        step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
-        layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
-        accepted=step.accepted, conv_dim_first=layer.conv_dim_first, ring=ring, o_out=o_out,
-    )  # fmt: skip
+        step.x,
+        layer.conv_weight,
+        layer.conv_bias,
+        layer.conv_state,
+        step.f_a,
+        step.beta,
+        layer.a_log,
+        layer.dt_bias,
+        step.slots,
+        layer.state,
+        step.gate,
+        layer.norm_weight,
+        layer.f_b,
+        lower_bound=kl.LOWER_BOUND,
+        scale=kl.SCALE,
+        eps=kl.EPS,
+        accepted=step.accepted,
+        conv_dim_first=layer.conv_dim_first,
+        ring=ring,
+        o_out=o_out,
+    )
 
 
 def ring_folds(ring: Ring, step: kl.Step) -> int:
@@ -386,8 +443,15 @@ def materialize(layer: kl.Layer, ring: Ring, model: Model, accepted: torch.Tenso
     page, committing ``accepted`` (the schedule's, after the last step) pending entries."""
     device = layer.state.device
     slots = model.slot_table()[:, 0].contiguous().to(device)
-    kref.materialize(layer.state, ring, layer.a_log, layer.dt_bias, lower_bound=kl.LOWER_BOUND,
-                     slots=slots, accepted=accepted.to(device))  # fmt: skip
+    kref.materialize(
+        layer.state,
+        ring,
+        layer.a_log,
+        layer.dt_bias,
+        lower_bound=kl.LOWER_BOUND,
+        slots=slots,
+        accepted=accepted.to(device),
+    )
 
 
 class PerStep:
@@ -450,9 +514,17 @@ class Unsharded:
         _, u_prefix = m.consume(whole, prefix, blocks, groups=1)
         epi = functools.partial(m.epilogue, blocks=blocks)
         prefix_ratio, out_ratio = oproj_bound_ratios(partials, tp_prefix, tp_out, u_prefix, epi)
-        return dict(attn=attn, partials=partials, tp_out=tp_out, tp_prefix=tp_prefix,
-                    u_prefix=u_prefix, prefix_ratio=prefix_ratio, out_ratio=out_ratio,
-                    per_step_attn=per_step_attn, o32=o32)  # fmt: skip
+        return dict(
+            attn=attn,
+            partials=partials,
+            tp_out=tp_out,
+            tp_prefix=tp_prefix,
+            u_prefix=u_prefix,
+            prefix_ratio=prefix_ratio,
+            out_ratio=out_ratio,
+            per_step_attn=per_step_attn,
+            o32=o32,
+        )
 
 
 def epilogue_f64(prefix_new, blocks, norm, query, out_norm, *, eps=EPS, out_eps=OUT_EPS):

@@ -88,14 +88,17 @@ class MoeWaiters:
                     bad = (bits != want).any(dim=-1)
                     if bool(bad.any()):
                         poisoned = int(((bits == poison).all(dim=-1) & bad).sum())
-                        problems.append(f"rank {r} copy {rep}: {what} != output in "
-                                        f"{int(bad.sum())}/{bad.numel()} rows "
-                                        f"({poisoned} still poison)")  # fmt: skip
+                        problems.append(
+                            f"rank {r} copy {rep}: {what} != output in "
+                            f"{int(bad.sum())}/{bad.numel()} rows "
+                            f"({poisoned} still poison)"
+                        )
         words = bk.comm.hint_words[list(self.ranks), :3]
         if int(words.abs().sum()) != 0:
             quota = hint_quota(bk.output.shape[-1], bk.rows)
-            problems.append(f"hint words [counter, done, timed out] per rank {words.tolist()} "
-                            f"(quota {quota})")  # fmt: skip
+            problems.append(
+                f"hint words [counter, done, timed out] per rank {words.tolist()} (quota {quota})"
+            )
         return "; ".join(problems)
 
     def poison(self, bk) -> None:

@@ -81,8 +81,9 @@ class Procs:
 
 
 @contextlib.contextmanager
-def nvshmem_job(launcher: str, multicast: bool = False, timeout_s: float = 300.0,
-                domain_size: int | None = None):  # fmt: skip
+def nvshmem_job(
+    launcher: str, multicast: bool = False, timeout_s: float = 300.0, domain_size: int | None = None
+):
     """One rank in this process: the gloo group (checks, the uid broadcast; ``timeout_s``)
     first, then the nvshmem PE on the process's GPU; yields (backend, Procs). On exit the
     backend's teardown frees and finalizes nvshmem, then the group is destroyed."""
@@ -93,8 +94,7 @@ def nvshmem_job(launcher: str, multicast: bool = False, timeout_s: float = 300.0
     info = host.init_distributed(timeout_s=timeout_s)
     try:
         device = info.local_rank % torch.cuda.device_count()
-        backend = make_backend("nvshmem", device=device, launcher=launcher,
-                               domain_size=domain_size)  # fmt: skip
+        backend = make_backend("nvshmem", device=device, launcher=launcher, domain_size=domain_size)
         try:
             if (backend.rank, backend.world) != (info.rank, info.world):
                 raise RuntimeError(

@@ -182,8 +182,9 @@ def slowest_per_step(per_process):
     return latency
 
 
-def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok,
-               steady=None):  # fmt: skip
+def gpu_report(
+    args, cfg, runner, launcher, kinds, per_process, stages, check, worst, ok, steady=None
+):
     """The GPU job's report (process 0): ``per_process`` latencies, ``stages`` breakdowns,
     ``steady``: every process's (kind, [us per back-to-back step]) or Nones."""
     buckets = sorted(runner.buckets.values(), key=lambda b: (b.tokens, b.record))
@@ -222,14 +223,14 @@ def gpu_report(args, cfg, runner, launcher, kinds, per_process, stages, check, w
                 "reason": c.plan.reason,
             }
             for n, c in sorted(runner.comms.items())
-        },  # fmt: skip
+        },
         "xmoe": runner.xmoe,
         "exact_gate_grids": args.gate_mode in SEED_GATE_MODES,
     }
     report = {
         "config": config(
             cfg, runner.backend.name, launcher, **extra, domain_size=runner.backend.domain.size
-        ),  # fmt: skip
+        ),
         "steps": {"total": sum(kinds.values()), **kinds},
         "latency": lat,
         "breakdown": {b.kind: breakdown[b.kind] for b in buckets if b.kind in breakdown},
@@ -256,16 +257,19 @@ def print_gpu(r):
     title = "latency (graph replay, all ranks)"
     if c["processes"] > 1:
         title = "latency (graph replay, max over ranks)"
-    print(f"{title:<40}{'median us':>11}{'p99 us':>10}{'max us':>10}{'steps':>7}"
-          f"{'floor us':>10}")  # fmt: skip
+    print(f"{title:<40}{'median us':>11}{'p99 us':>10}{'max us':>10}{'steps':>7}{'floor us':>10}")
     for name, v in r["latency"].items():
         floor = r["bytes"].get(name, {}).get("floor_us")
         f = f"{floor:>10.2f}" if floor is not None else f"{'':>10}"
-        print(f"  {name:<38}{v['median_us']:>11.2f}{v['p99_us']:>10.2f}{v['max_us']:>10.2f}"
-              f"{v['n']:>7}{f}")  # fmt: skip
+        print(
+            f"  {name:<38}{v['median_us']:>11.2f}{v['p99_us']:>10.2f}{v['max_us']:>10.2f}"
+            f"{v['n']:>7}{f}"
+        )
     for rank, v in enumerate(r.get("per_rank", [])):
-        print(f"  {'rank ' + str(rank) + ' alone':<38}{v['median_us']:>11.2f}"
-              f"{v['p99_us']:>10.2f}{v['max_us']:>10.2f}{v['n']:>7}")  # fmt: skip
+        print(
+            f"  {'rank ' + str(rank) + ' alone':<38}{v['median_us']:>11.2f}"
+            f"{v['p99_us']:>10.2f}{v['max_us']:>10.2f}{v['n']:>7}"
+        )
     where = "each stage of all ranks" if c["processes"] == 1 else "each stage, max over ranks"
     print(f"breakdown ({where} as its own graph, events, us)")
     for kind, stages in r["breakdown"].items():
@@ -273,8 +277,10 @@ def print_gpu(r):
         print(f"  {kind:<38}{cells}; sum {sum(stages.values()):.2f}")
     print("bytes per step (every request live; floor = (state + w_o) / 4.16 TB/s)")
     for kind, b in r["bytes"].items():
-        print(f"  {kind:<38}state {b['state'] / 1e6:.2f} MB, w_o {b['w_o'] / 1e6:.2f} MB, "
-              f"mailbox stores {b['mailbox_stores'] / 1e6:.2f} MB")  # fmt: skip
+        print(
+            f"  {kind:<38}state {b['state'] / 1e6:.2f} MB, w_o {b['w_o'] / 1e6:.2f} MB, "
+            f"mailbox stores {b['mailbox_stores'] / 1e6:.2f} MB"
+        )
     print_checks(r)
     w = r["worst"]
     print(
@@ -284,13 +290,16 @@ def print_gpu(r):
         f"{w['prefix']:.3f}, output vs fp64 epilogue {w['output']:.3f}"
     )
     if "per_step_ulp" in w:
-        print(f"  replay: kda vs per-step reference {w['per_step_ulp']:.2f} ulp, ring v_new "
-              f"{w['ring']:.2e} of max, materialized state {w['materialized']:.2e} of page max, "
-              f"{w['ring_folds']} ring folds in the checked steps")  # fmt: skip
+        print(
+            f"  replay: kda vs per-step reference {w['per_step_ulp']:.2f} ulp, ring v_new "
+            f"{w['ring']:.2e} of max, materialized state {w['materialized']:.2e} of page max, "
+            f"{w['ring_folds']} ring folds in the checked steps"
+        )
 
 
-def host_report(cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None,
-                domain_size=None):  # fmt: skip
+def host_report(
+    cfg, backend, info, kinds, slowest, stages, checks, worst, ok, rss=None, domain_size=None
+):
     """The host job's report (rank 0): ``slowest`` [stage, step] seconds, slowest rank;
     ``rss``: every rank's peak resident set in bytes (``peak_rss_bytes``)."""
     ms = (slowest * 1e3).tolist()
@@ -321,11 +330,15 @@ def print_host(r):
         f"output vs fp64 epilogue {w['output']:.3f}"
     )
     if "per_step_rows" in w:
-        print(f"  replay vs per-step: {w['per_step_rows']} head rows not bitwise (o near a bf16 "
-              f"midpoint), materialized state {w['materialized']:.2e} of page max, "
-              f"{w['ring_folds']} ring folds")  # fmt: skip
+        print(
+            f"  replay vs per-step: {w['per_step_rows']} head rows not bitwise (o near a bf16 "
+            f"midpoint), materialized state {w['materialized']:.2e} of page max, "
+            f"{w['ring_folds']} ring folds"
+        )
     rss = r["peak_rss_bytes"]
     if rss["per_rank"]:
-        print(f"memory   peak RSS {rss['total'] / 2**30:.2f} GiB over {len(rss['per_rank'])} "
-              f"ranks (rank 0 {rss['per_rank'][0] / 2**30:.2f} GiB, largest other "
-              f"{max(rss['per_rank'][1:], default=0) / 2**30:.2f} GiB)")  # fmt: skip
+        print(
+            f"memory   peak RSS {rss['total'] / 2**30:.2f} GiB over {len(rss['per_rank'])} "
+            f"ranks (rank 0 {rss['per_rank'][0] / 2**30:.2f} GiB, largest other "
+            f"{max(rss['per_rank'][1:], default=0) / 2**30:.2f} GiB)"
+        )

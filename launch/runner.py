@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from engine import DecodeLayer
+from engine import AllRanksStep, DecodeLayer
 from kda import layer as kl
 from kda.operands import Ring
-from kda.validate import GATE_RANK, HEAD_DIM
-from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat, step_kind
+from kda.validate import HEAD_DIM
+from launch.bucket import Bucket, shard_inputs
+from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat
 from launch.moe import MoeWaiters, check_xmoe
 from launch.procs import Procs
 from tpcomm.mailbox import MAX_ROWS
@@ -57,63 +58,24 @@ def check_rows(requests: int, tokens: int) -> None:
         )
 
 
-def shard_inputs(step: kl.Step, tp: int):
-    """A full-layer step's per-head inputs split by rank, each stacked ``[TP, ...]``: ``x``
-    [TP, N, 3 D] (rank r's q | k | v columns, as ``kl.shard_step``), ``gate`` [TP, N, D],
-    ``beta`` [TP, N, H]."""
-    N, heads = step.beta.shape
-    per = heads // tp
-    D = per * HEAD_DIM
-    x = step.x.view(N, 3, tp, D).permute(2, 0, 1, 3).reshape(tp, N, 3 * D)
-    return x, step.gate.view(N, tp, D).transpose(0, 1), step.beta.view(N, tp, per).transpose(0, 1)
-
-
-class Bucket:
-    """The captured buffers of one (tokens, record) step shape; graphs per parity. Per-rank
-    buffers have one row per rank hosted here (``runner.ranks``)."""
-
-    def __init__(self, runner: Runner, tokens: int, record: bool):
-        cfg, dev = runner.cfg, runner.device
-        B, T, n = cfg.requests, tokens, len(runner.ranks)
-        H = cfg.heads_per_rank
-        D, N = H * HEAD_DIM, B * T
-        self.tokens, self.record, self.rows = T, record, N
-        self.replay = cfg.replay
-        self.comm = runner.comm_for(N)
-        bf = dict(dtype=torch.bfloat16, device=dev)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.x = torch.zeros(n, N, 3 * D, **bf)
-        self.f_a = torch.zeros(N, GATE_RANK, **bf)
-        self.beta = torch.zeros(n, N, H, **bf)
-        self.gate = torch.zeros(n, N, D, **bf)
-        self.slots = torch.zeros((B,) if T == 1 else (B, T), **i32)
-        self.accepted = torch.ones(B, **i32) if T > 1 else None
-        self.committed = torch.ones(B, **i32) if record else None
-        self.attn = torch.zeros(n, N, D, **bf)
-        self.v_records = self.kg_records = None
-        if record:
-            self.v_records = torch.zeros(n, B, H, T, HEAD_DIM, dtype=torch.float32, device=dev)
-            self.kg_records = torch.zeros(n, B, H, T, 2 * HEAD_DIM, **bf)
-        self.prefix = torch.zeros(n, N, cfg.hidden, **bf)
-        self.output = torch.zeros(n, N, cfg.hidden, **bf)
-        self.blocks = torch.zeros(N, cfg.blocks, cfg.hidden, **bf) if cfg.blocks else None
-        self.xmoe, self.moe_in = runner.moe.buffers(n, N, cfg.hidden)  # copies, waiter reads
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.stage_us: dict[str, float] | None = None
-        self.kda_choice = None
-
-    @property
-    def kind(self) -> str:
-        return step_kind(self.tokens, self.record, self.replay)
-
-
 class Runner:
     """The TP ranks hosted by ``backend`` (all of them on loopback, one on nvshmem); steps
     as CUDA-graph replays. ``procs``: the job's processes (default: this one alone)."""
 
-    def __init__(self, cfg: Config, model: Model, backend, *, kernel="auto", gate_mode=3,
-                 pdl=True, budget_ns=None, procs: Procs | None = None,
-                 oproj_launch: str | None = None, xmoe: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        model: Model,
+        backend,
+        *,
+        kernel="auto",
+        gate_mode=3,
+        pdl=True,
+        budget_ns=None,
+        procs: Procs | None = None,
+        oproj_launch: str | None = None,
+        xmoe: int = 0,
+    ):
         check_rows(cfg.requests, cfg.tokens)
         check_xmoe(xmoe)
         self.xmoe = xmoe
@@ -136,8 +98,8 @@ class Runner:
         shards = [model.shard(r) for r in self.ranks]
         self.layers = [s.kda.to(self.device) for s in shards]
         self.w_o = [s.w_o.to(self.device) for s in shards]
-        # every rank on this GPU: the consumers of all ranks (and with "both" the
-        # producers) as one launch each (tpcomm.oproj.api consume_all / produce_all)
+        # every rank on this GPU: the producers and consumers of all ranks as one launch
+        # each (engine.AllRanksStep: tpcomm.oproj.all_ranks produce_all / consume_all)
         whole = not self.multiprocess and backend.single_device and cfg.tp > 1
         whole = whole and not backend.domain.split  # a split domain: per rank, puts between
         mode = oproj_launch
@@ -146,8 +108,9 @@ class Runner:
         if mode not in OPROJ_LAUNCHES:
             raise ValueError(f"oproj_launch must be one of {OPROJ_LAUNCHES}; got {mode!r}")
         if mode != "per-rank" and not whole:
-            raise ValueError(f"oproj_launch={mode!r} needs every rank on one GPU in this "
-                             "process (loopback)")  # fmt: skip
+            raise ValueError(
+                f"oproj_launch={mode!r} needs every rank on one GPU in this process (loopback)"
+            )
         self.oproj_launch = mode
         self.w_os = None
         if mode == "both":  # stacked [TP, HID, D_local]; the per-rank list views it
@@ -160,13 +123,15 @@ class Runner:
         self.buckets: dict = {}
         self._stream_barrier = None
         # each hosted rank's step, as an engine runs it; they share the rows buckets' comms
+        common = dict(norm=self.norm, query=self.query, out_norm=self.out_norm, pdl=self.pdl)
+        kda = dict(kernel=kernel, gate_mode=gate_mode, kda_state=cfg.kda_state, ring_size=cfg.ring)
+        ranks = zip(self.ranks, self.layers, self.w_o, strict=True)
         self.decode_layers = [
-            DecodeLayer(L, w, self.comms, rank=r, norm=self.norm, query=self.query,
-                        out_norm=self.out_norm, kernel=kernel, gate_mode=gate_mode,
-                        pdl=self.pdl, lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS,
-                        kda_state=cfg.kda_state, ring_size=cfg.ring)
-            for r, L, w in zip(self.ranks, self.layers, self.w_o, strict=True)
-        ]  # fmt: skip
+            DecodeLayer(L, w, self.comms, rank=r, sharing=len(self.ranks), **common, **kda)
+            for r, L, w in ranks
+        ]
+        # "both": every rank's o-projection as one producer and one consumer launch
+        self.all_ranks = AllRanksStep(self.decode_layers, self.w_os) if mode == "both" else None
         self.moe = MoeWaiters(xmoe, self.device, self.ranks, every_rank=mode == "both")
 
     # --- buffers ---------------------------------------------------------------------------
@@ -178,7 +143,7 @@ class Runner:
         Collective on nvshmem: every process builds the same ones in the same order."""
         if rows in self.comms:
             return self.comms[rows]
-        from tpcomm.oproj.api import OprojAllReduce, choose
+        from tpcomm.oproj.allreduce import OprojAllReduce, choose
 
         cfg = self.cfg
         if cfg.groups is not None:
@@ -191,9 +156,9 @@ class Runner:
         error = None
         for groups in options:
             try:
-                comm = OprojAllReduce(self.backend, rows, cfg.hidden, cfg.blocks, groups=groups,
-                                      eps=EPS, out_eps=OUT_EPS, twoshot=False,
-                                      xmoe_reps=self.xmoe, **self.budget, **one)  # fmt: skip
+                kw = dict(groups=groups, eps=EPS, out_eps=OUT_EPS, twoshot=False)
+                shape = (self.backend, rows, cfg.hidden, cfg.blocks)
+                comm = OprojAllReduce(*shape, **kw, xmoe_reps=self.xmoe, **self.budget, **one)
             except ValueError as e:
                 if "resident" not in str(e):
                     raise
@@ -229,37 +194,25 @@ class Runner:
 
     # --- launches --------------------------------------------------------------------------
     def kda_choice(self, bk: Bucket):
-        """The bucket's KDA kernel (``kda.dispatch.choose``), chosen once. Every rank this
-        process hosts shares the GPU (loopback: all TP ranks), so the dispatcher sees a
-        rank's share of the SMs: KdaSplit spreading one rank's few items over the whole
-        GPU would only crowd out the other ranks. Replay: ``kda.dispatch.choose_replay`` with
-        the whole GPU's SMs, what ``kda.replay_decode``'s ``kernel="auto"`` launches."""
+        """The bucket's KDA kernel, as the ranks' ``DecodeLayer.choice`` has it (every rank
+        this process hosts shares the GPU: the per-step dispatcher sees a rank's share of
+        the SMs, so KdaSplit does not crowd out the other ranks; replay, the whole GPU's),
+        kept on the bucket."""
         if bk.kda_choice is None:
-            from kda import dispatch
-
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            if bk.replay:
-                bk.kda_choice = dispatch.choose_replay(
-                    self.cfg.requests, self.cfg.heads_per_rank, bk.tokens, self.cfg.ring, sms=sms
-                )
-                return bk.kda_choice
-            bk.kda_choice = dispatch.choose(
-                self.cfg.requests, self.cfg.heads_per_rank, bk.tokens,
-                sms=max(1, sms // len(self.local)), kernel=self.kernel,
-            )  # fmt: skip
+            bk.kda_choice = self.decode_layers[0].choice(self.cfg.requests, bk.tokens)
         return bk.kda_choice
 
     def _kda(self, bk: Bucket, r: int) -> None:
         i = self.local[r]
+        inputs = (bk.x[i], bk.f_a, bk.beta[i], bk.gate[i], bk.slots)
         if bk.replay:  # the ring holds the step's entries; the replay dispatcher's kernel
-            self.decode_layers[i].attend(bk.x[i], bk.f_a, bk.beta[i], bk.gate[i], bk.slots,
-                                         accepted=bk.accepted, out=bk.attn[i])  # fmt: skip
+            self.decode_layers[i].attend(*inputs, accepted=bk.accepted, out=bk.attn[i])
             return
+        records = (bk.v_records[i], bk.kg_records[i]) if bk.record else None
+        choice = self.kda_choice(bk)
         self.decode_layers[i].attend(
-            bk.x[i], bk.f_a, bk.beta[i], bk.gate[i], bk.slots, accepted=bk.accepted,
-            records=(bk.v_records[i], bk.kg_records[i]) if bk.record else None,
-            out=bk.attn[i], choice=self.kda_choice(bk),
-        )  # fmt: skip
+            *inputs, accepted=bk.accepted, records=records, out=bk.attn[i], choice=choice
+        )
 
     def _recover(self, bk: Bucket, r: int) -> None:
         i = self.local[r]
@@ -278,11 +231,10 @@ class Runner:
             self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity, x)
 
     def _produce_all(self, bk: Bucket, parity: int) -> None:
-        bk.comm.produce_all(bk.attn, self.w_os, parity, pdl=self.pdl)
+        self.all_ranks.produce(bk.attn, parity)
 
     def _consume_all(self, bk: Bucket, parity: int) -> None:
-        bk.comm.consume_all(bk.prefix, bk.blocks, self.norm, self.query, self.out_norm,
-                            bk.output, parity, xmoes=bk.xmoe, pdl=self.pdl)  # fmt: skip
+        self.all_ranks.consume(bk.prefix, bk.blocks, bk.output, parity, bk.xmoe)
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
@@ -605,6 +557,8 @@ def _stream_barrier_fn(backend):
             return barrier
         except ImportError:
             pass
-    print("note: no on-stream barrier on this backend; replays start behind a host barrier",
-          flush=True)  # fmt: skip
+    print(
+        "note: no on-stream barrier on this backend; replays start behind a host barrier",
+        flush=True,
+    )
     return lambda stream: backend.barrier()

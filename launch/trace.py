@@ -48,8 +48,9 @@ def run(runner, bk, parity: int, steps: int):
 
     def mark(r, point):
         first, count = (0, n) if r is None else (runner.local[r], 1)
-        stamp(trace, cursor, SLOTS.index(point), first=first, count=count,
-              advance=point == "consume")  # fmt: skip
+        stamp(
+            trace, cursor, SLOTS.index(point), first=first, count=count, advance=point == "consume"
+        )
 
     mark(None, "start")  # loads the kernel outside the capture
     torch.cuda.synchronize(device)
@@ -168,19 +169,25 @@ def report(traced, kind: str, record: bool) -> dict:
 
 def print_timeline(tl: dict) -> None:
     """The summary: per rank the medians, then the skew."""
-    print(f"timeline ({tl['kind']}, {tl['steps']} traced steps back to back; medians, us; "
-          f"a stage includes one kernel boundary)")  # fmt: skip
+    print(
+        f"timeline ({tl['kind']}, {tl['steps']} traced steps back to back; medians, us; "
+        f"a stage includes one kernel boundary)"
+    )
     for r, row in enumerate(tl["summary"]["per_rank"]):
         stages = ", ".join(f"{s} {row[s + '_us']:.2f}" for s in tl["stages"])
         gap = "-" if row["gap_us"] is None else f"{row['gap_us']:.2f}"
         poll = ""
         if row["polling_us"] is not None:
             poll = f" (alone {row['consume_alone_us']:.2f}: polling ~{row['polling_us']:.2f})"
-        print(f"  rank {r:<3} step {row['step_us']:.2f}: boundary {row['launch_us']:.2f}, "
-              f"{stages}{poll}; gap before {gap}, skew {row['skew_us']:.2f}")  # fmt: skip
+        print(
+            f"  rank {r:<3} step {row['step_us']:.2f}: boundary {row['launch_us']:.2f}, "
+            f"{stages}{poll}; gap before {gap}, skew {row['skew_us']:.2f}"
+        )
     s = tl["summary"]
-    print(f"  all ranks: span {s['span_us']:.2f}, skew {s['skew_us']:.2f} (globaltimer per "
-          "GPU: skew below ~1 us is not resolved across GPUs)")  # fmt: skip
+    print(
+        f"  all ranks: span {s['span_us']:.2f}, skew {s['skew_us']:.2f} (globaltimer per "
+        "GPU: skew below ~1 us is not resolved across GPUs)"
+    )
 
 
 def _us(ns) -> float:

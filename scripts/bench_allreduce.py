@@ -194,8 +194,8 @@ class Bench:
         self.symm_variants(tokens, nb, x)
 
     def ours(self, tokens, nb, x):
-        from tpcomm.oproj.api import OprojAllReduce
-        from tpcomm.oproj.producer import compiled_producer
+        from tpcomm.oproj import launcher
+        from tpcomm.oproj.allreduce import OprojAllReduce
 
         a = self.args
         names = (
@@ -213,10 +213,7 @@ class Bench:
             return
         # compile before anyone polls (a peer's compile must not eat the poll budget)
         comm.functions()
-        multicast = comm.multicast_base != 0
-        compiled_producer(
-            comm.tp, comm.hid, self.d_local, multicast, comm.fence, twoshot=comm.twoshot
-        )
+        launcher.producer(comm, self.d_local)
         prefix = x["prefix"].clone()
         self._prefix0 = x["prefix"]
         output = torch.empty_like(prefix)

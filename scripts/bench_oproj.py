@@ -44,7 +44,8 @@ import torch
 from oproj_rows import graph_us, torch_epilogue  # the rows sweep's (this folder)
 
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 COPY_TBPS = 4.16
 BUDGET = 5_000_000  # ns: a rank that cannot be resident errors quickly instead of 50 ms
@@ -147,18 +148,18 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
         comm = OprojAllReduce(backend, tokens, hid, nb, **sizes)
 
         def all_ranks(i):
-            comm.run_ranks(a["partials"], prefixes, *epilogue, outs, i)
+            AllRanks(comm).run_ranks(a["partials"], prefixes, *epilogue, outs, i)
 
         row["publish_consume_all_us"] = graph_us(all_ranks, iters, repeats)
 
         def produce_all(i):
-            comm.run_ranks(attns, prefixes, *epilogue, outs, i, w_os=w_all)
+            AllRanks(comm).run_ranks(attns, prefixes, *epilogue, outs, i, w_os=w_all)
 
         row["produce_consume_all_us"] = graph_us(produce_all, iters, repeats)
         row["errors_all"] = int(comm.errors.abs().sum())
 
         def fused_all(i):
-            comm.run_ranks(attns, prefixes, *epilogue, outs, i, w_os=w_all, mode="fused")
+            AllRanks(comm).run_ranks(attns, prefixes, *epilogue, outs, i, w_os=w_all, mode="fused")
 
         try:
             try:
@@ -192,7 +193,7 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
     def consume_all(i):
         refill_all(i)
-        one.consume_all(prefixes, *epilogue, outs, i)
+        AllRanks(one).consume_all(prefixes, *epilogue, outs, i)
 
     t_copy = graph_us(refill_all, iters, repeats)
     row["consumer_all_1l_us"] = graph_us(consume_all, iters, repeats) - t_copy
@@ -201,7 +202,9 @@ def bench_row(tp, tokens, nb, hid, iters, repeats):
 
         def one_launch(i, w=w):
             inputs = a["partials"] if w is None else attns
-            one.run_ranks(inputs, prefixes, *epilogue, outs, i, w_os=w, mode="one-launch", pdl=True)
+            AllRanks(one).run_ranks(
+                inputs, prefixes, *epilogue, outs, i, w_os=w, mode="one-launch", pdl=True
+            )
 
         row[key] = graph_us(one_launch, iters, repeats)
     row["errors_1l"] = int(one.errors.abs().sum())

@@ -30,7 +30,8 @@ import statistics
 import torch
 
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 from tpcomm.oproj.plan import CROSSOVERS, buffer_bytes, choose
 from tpcomm.oproj.rows import RowChunks
 
@@ -140,7 +141,7 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
             comm = OprojAllReduce(backend, rows, hid, nb, one_launch=True, producer=producer, **kw)
 
             def fn(i):
-                comm.run_ranks(
+                AllRanks(comm).run_ranks(
                     a["attn"],
                     prefixes,
                     *args,
@@ -156,7 +157,7 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
             comm = RowChunks(backend, rows, hid, nb, twoshot=kind == "twoshot_chunks", **kw)
 
             def fn(i):
-                comm.run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"])
+                AllRanks(comm).run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"])
 
             errors = None
         us = graph_us(fn, iters, repeats)

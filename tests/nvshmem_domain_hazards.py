@@ -47,7 +47,7 @@ from tpcomm import mailbox as mb
 from tpcomm.backends import make_backend
 from tpcomm.oproj import bound as B
 from tpcomm.oproj import reference as R
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 NB = 3
 EPS, OUT_EPS = 1e-6, 1e-5

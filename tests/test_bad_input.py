@@ -355,7 +355,7 @@ def cpu_backend():
     ],
 )
 def test_oproj_allreduce_constructor_refuses(cpu_backend, name, kw):
-    from tpcomm.oproj.api import OprojAllReduce
+    from tpcomm.oproj.allreduce import OprojAllReduce
 
     args = dict(tokens=2, hid=1024, nb=2)
     args.update(kw)
@@ -364,7 +364,7 @@ def test_oproj_allreduce_constructor_refuses(cpu_backend, name, kw):
 
 
 def test_oproj_allreduce_methods_refuse(cpu_backend):
-    from tpcomm.oproj.api import OprojAllReduce
+    from tpcomm.oproj.allreduce import OprojAllReduce
 
     comm = OprojAllReduce(cpu_backend, 2, 1024, 2, groups=1)
     a, _ = consume_args(tp=2, n=2, hid=1024, nb=2)

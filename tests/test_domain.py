@@ -139,7 +139,7 @@ def test_signal_consumer_compiles(arch, tp, domain, groups):
     from compile_harness import require_dsl
 
     require_dsl()
-    from tpcomm.oproj.consumer import compiled
+    from tpcomm.oproj.kernels.consumer import compiled
 
     assert compiled(tp, 1024, 3, True, groups, 0, False, arch, domain=domain) is not None
 
@@ -149,7 +149,7 @@ def test_signal_wait_only_in_the_split_configuration(tmp_path):
     from compile_harness import require_dsl
 
     cute = require_dsl()
-    from tpcomm.oproj.consumer import OprojConsumerKernel, fake_arguments
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
 
     texts = {}
     for domain in (4, 2):

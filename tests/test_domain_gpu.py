@@ -21,7 +21,8 @@ from shared_gpu import poll_budget_ns
 from test_oproj_consumer_gpu import random_inputs
 
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ def run_steps(domain, tp=4, tokens=2, hid=2048, nb=3, steps=4, publishers=None, 
     seen = []
     for step in range(steps):
         outputs.view(torch.int16).fill_(0x7F81)
-        comm.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
+        AllRanks(comm).run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
                        a["out_norm"], outputs, step,
                        publishers=publishers if step == steps - 1 else None)  # fmt: skip
         torch.cuda.synchronize()

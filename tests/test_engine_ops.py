@@ -11,12 +11,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda
-from engine import DecodeLayer, all_reduces
+from engine import AllRanksStep, DecodeLayer, all_reduces
 from kda import layer as kl
 from kda import synthetic as kt
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import custom_ops as oproj_ops
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 B, T, H, HID, NB = 2, 2, 2, 1024, 2
 N, D = B * T, H * 128
@@ -267,6 +267,26 @@ def test_decode_layer_checks():
         DecodeLayer(L.shard, L.w_o[:, :128], L.comms, rank=0, norm=L.norm, query=L.query,
                     out_norm=L.out_norm)  # fmt: skip
     assert L.choice(B, T).kernel in ("wide", "stream", "split")
+
+
+def test_all_ranks_step_checks():
+    """AllRanksStep: ranks 0..TP-1 in order, ``w_o`` stacked; its launches refuse a CPU
+    mailbox; ``sharing`` splits only the GPU's own SM count."""
+    layers = _layers()
+    with pytest.raises(ValueError, match="ranks 0..TP-1"):
+        AllRanksStep(layers[::-1])
+    step = AllRanksStep(layers)
+    assert step.w_os.shape == (2, HID, D)
+    attn = torch.zeros(2, N, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA device"):  # one launch, refused before it
+        step.produce(attn, 0)
+    L = layers[0]
+    with pytest.raises(ValueError, match="sharing"):
+        DecodeLayer(L.shard, L.w_o, L.comms, rank=0, norm=L.norm, query=L.query,
+                    out_norm=L.out_norm, sharing=0)  # fmt: skip
+    shared = DecodeLayer(L.shard, L.w_o, L.comms, rank=0, norm=L.norm, query=L.query,
+                         out_norm=L.out_norm, sms=132, sharing=8)  # fmt: skip
+    assert shared.choice(B, T) == L.choice(B, T)  # an explicit sms is the rank's own
 
 
 def _replay_layer(L, **kw):

@@ -27,7 +27,7 @@ import kda.reference
 from kda import synthetic as kt
 from tpcomm import mailbox
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj import api, reference
+from tpcomm.oproj import allreduce as api, reference
 
 try:
     import cutlass  # noqa: F401

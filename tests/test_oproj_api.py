@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from tpcomm.backends.loopback import LoopbackBackend, coresident_capacity
-from tpcomm.oproj import api, plan
+from tpcomm.oproj import allreduce as api
+from tpcomm.oproj import plan
+from tpcomm.oproj.all_ranks import AllRanks
 from tpcomm.oproj.plan import group_ranks, min_blocks_per_sm, per_group
 
 
@@ -189,7 +191,7 @@ def test_step_rank_xmoe_validation():
     with pytest.raises(ValueError, match="partial"):
         comm.publish(torch.zeros(2, 1024, dtype=torch.bfloat16), 0, rank=0)
     with pytest.raises(ValueError, match="run_ranks"):
-        comm.run_ranks(None, None, None, None, None, None, None, 0)
+        AllRanks(comm).run_ranks(None, None, None, None, None, None, None, 0)
 
 
 def test_twoshot_buffers_and_validation():
@@ -226,8 +228,17 @@ def test_one_launch_validation():
         for k in ("prefixes", "outputs"):
             s[k] = kw.pop(k, s[k])
         kw.setdefault("mode", "one-launch")
-        c.run_ranks(partials, s["prefixes"], a["blocks"], a["norm"], a["query"], a["out_norm"],
-                    s["outputs"], 0, **kw)  # fmt: skip
+        AllRanks(c).run_ranks(
+            partials,
+            s["prefixes"],
+            a["blocks"],
+            a["norm"],
+            a["query"],
+            a["out_norm"],
+            s["outputs"],
+            0,
+            **kw,
+        )
 
     with pytest.raises(ValueError, match="ranks and publishers"):
         run(ranks=(0, 1))
@@ -242,7 +253,7 @@ def test_one_launch_validation():
     with pytest.raises(ValueError, match="outputs"):
         run(outputs=torch.zeros(4, 2048, 2, **bf).transpose(1, 2))
     with pytest.raises(ValueError, match="step"):
-        comm.run_ranks(partials, stacked["prefixes"], a["blocks"], a["norm"], a["query"],
+        AllRanks(comm).run_ranks(partials, stacked["prefixes"], a["blocks"], a["norm"], a["query"],
                        a["out_norm"], stacked["outputs"], -1, mode="one-launch")  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):  # valid; the CPU mailbox cannot launch
         run()
@@ -253,7 +264,9 @@ def test_one_launch_all_reduce_skips_coresidency_and_refuses_per_rank_runs():
     assert comm.one_launch
     a = consumer_args()
     with pytest.raises(ValueError, match="one_launch=True"):
-        comm.run_ranks(None, None, a["blocks"], a["norm"], a["query"], a["out_norm"], None, 0)
+        AllRanks(comm).run_ranks(
+            None, None, a["blocks"], a["norm"], a["query"], a["out_norm"], None, 0
+        )
     with pytest.raises(ValueError, match="one-shot"):
         _comm(one_launch=True, twoshot=True)
 
@@ -282,31 +295,40 @@ PRODUCE_ALL_BAD = [  # message, attn_outs, w_os, step
 ]
 
 
-@pytest.mark.parametrize("message,attn,w,step", PRODUCE_ALL_BAD,
-                         ids=[str(i) for i in range(len(PRODUCE_ALL_BAD))])  # fmt: skip
+@pytest.mark.parametrize(
+    "message,attn,w,step", PRODUCE_ALL_BAD, ids=[str(i) for i in range(len(PRODUCE_ALL_BAD))]
+)
 def test_produce_all_validates(message, attn, w, step):
     comm = _comm()
     with pytest.raises(ValueError, match=message):
-        comm.produce_all(attn, w, step)
+        AllRanks(comm).produce_all(attn, w, step)
     assert comm.armed()
 
 
 def test_publish_and_consume_all_validate():
     comm = _comm()
     with pytest.raises(ValueError, match=r"partials must be \[TP, ...\]"):
-        comm.publish_all(_bf(3, 2, 2048), 0)
+        AllRanks(comm).publish_all(_bf(3, 2, 2048), 0)
     with pytest.raises(ValueError, match="partials must be contiguous"):
-        comm.publish_all(_bf(8, 2, 2048)[::2], 0)
+        AllRanks(comm).publish_all(_bf(8, 2, 2048)[::2], 0)
     a = consumer_args()
     with pytest.raises(ValueError, match=r"prefixes must be \[TP, ...\]"):
-        comm.consume_all(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
+        AllRanks(comm).consume_all(a["prefix"], a["blocks"], a["norm"], a["query"], a["out_norm"],
                          _bf(4, 2, 2048), 0)  # fmt: skip
     with pytest.raises(ValueError, match=r"xmoes must be \[TP, ...\]"):
-        comm.consume_all(_bf(4, 2, 2048), a["blocks"], a["norm"], a["query"], a["out_norm"],
-                         _bf(4, 2, 2048), 0, xmoes=_bf(4, 2, 2, 2048))  # fmt: skip
+        AllRanks(comm).consume_all(
+            _bf(4, 2, 2048),
+            a["blocks"],
+            a["norm"],
+            a["query"],
+            a["out_norm"],
+            _bf(4, 2, 2048),
+            0,
+            xmoes=_bf(4, 2, 2, 2048),
+        )
     twoshot = _comm(twoshot=True)
     with pytest.raises(ValueError, match="one-shot only"):
-        twoshot.publish_all(_bf(4, 2, 2048), 0)
+        AllRanks(twoshot).publish_all(_bf(4, 2, 2048), 0)
     assert comm.armed()
 
 

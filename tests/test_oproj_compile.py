@@ -17,7 +17,7 @@ CONFIGS = [  # tp, hid, nb, has_delta, groups, xmoe_reps
 @pytest.mark.parametrize("tp, hid, nb, has_delta, groups, xmoe", CONFIGS)
 def test_consumer_compiles(arch, tp, hid, nb, has_delta, groups, xmoe):
     require_dsl()
-    from tpcomm.oproj.consumer import compiled
+    from tpcomm.oproj.kernels.consumer import compiled
 
     assert compiled(tp, hid, nb, has_delta, groups, xmoe, False, arch) is not None
 
@@ -25,7 +25,7 @@ def test_consumer_compiles(arch, tp, hid, nb, has_delta, groups, xmoe):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_consumer_compiles_with_pdl(arch):
     require_dsl()
-    from tpcomm.oproj.consumer import compiled
+    from tpcomm.oproj.kernels.consumer import compiled
 
     assert compiled(16, 7168, 8, True, 4, 0, True, arch) is not None
 
@@ -34,7 +34,7 @@ def test_consumer_compiles_with_pdl(arch):
 @pytest.mark.parametrize("tp, multicast", [(2, False), (16, False), (16, True)])
 def test_publisher_compiles(arch, tp, multicast):
     require_dsl()
-    from tpcomm.oproj.producer import compiled_publisher
+    from tpcomm.oproj.kernels.producer import compiled_publisher
 
     assert compiled_publisher(tp, 2048, multicast, multicast, False, arch) is not None
 
@@ -42,7 +42,7 @@ def test_publisher_compiles(arch, tp, multicast):
 def test_consumer_ptx_protocol(tmp_path):
     """The scoped accesses, DSMEM exchanges, bounded polls and launch bounds are there."""
     cute = require_dsl()
-    from tpcomm.oproj.consumer import OprojConsumerKernel, fake_arguments
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
 
     kernel = OprojConsumerKernel(8, 7168, 8, groups=2, xmoe_reps=1)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
@@ -67,7 +67,7 @@ def test_consumer_ptx_protocol(tmp_path):
 
 def test_kernel_config_validation():
     require_dsl()
-    from tpcomm.oproj.consumer import OprojConsumerKernel
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel
 
     with pytest.raises(ValueError, match="nb"):
         OprojConsumerKernel(4, 1024, 9)
@@ -85,7 +85,7 @@ def test_kernel_config_validation():
 )
 def test_producer_compiles(arch, tp, hid, d_local, multicast, pdl):
     require_dsl()
-    from tpcomm.oproj.producer import compiled_producer
+    from tpcomm.oproj.kernels.producer import compiled_producer
 
     f = compiled_producer(tp, hid, d_local, multicast, multicast, pdl, arch)
     assert f is not None
@@ -94,7 +94,7 @@ def test_producer_compiles(arch, tp, hid, d_local, multicast, pdl):
 
 def test_producer_ptx_uses_mma_and_scoped_stores(tmp_path):
     cute = require_dsl()
-    from tpcomm.oproj.producer import OprojProducer, fake_producer_arguments
+    from tpcomm.oproj.kernels.producer import OprojProducer, fake_producer_arguments
 
     kernel = OprojProducer(16, 7168, 768)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
@@ -106,7 +106,7 @@ def test_producer_ptx_uses_mma_and_scoped_stores(tmp_path):
 
 def test_producer_config_validation():
     require_dsl()
-    from tpcomm.oproj.producer import OprojProducer
+    from tpcomm.oproj.kernels.producer import OprojProducer
 
     with pytest.raises(ValueError, match="d_local"):
         OprojProducer(4, 1024, 100)
@@ -118,8 +118,8 @@ def test_producer_config_validation():
 @pytest.mark.parametrize("tp, hid, nb, groups", [(16, 2048, 8, 1), (8, 7168, 0, 2)])
 def test_twoshot_compiles(arch, tp, hid, nb, groups):
     require_dsl()
-    from tpcomm.oproj.consumer import compiled
-    from tpcomm.oproj.producer import compiled_producer, compiled_publisher
+    from tpcomm.oproj.kernels.consumer import compiled
+    from tpcomm.oproj.kernels.producer import compiled_producer, compiled_publisher
 
     assert compiled(tp, hid, nb, True, groups, 1, False, arch, twoshot=True, fence=True)
     assert compiled_publisher(tp, hid, False, True, False, arch, twoshot=True)
@@ -128,7 +128,7 @@ def test_twoshot_compiles(arch, tp, hid, nb, groups):
 
 def test_twoshot_needs_whole_groups_per_shard():
     require_dsl()
-    from tpcomm.oproj.consumer import OprojConsumerKernel
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel
 
     with pytest.raises(ValueError, match="twoshot"):
         OprojConsumerKernel(3, 1024, 1, twoshot=True)  # 1024 % 24 != 0
@@ -139,8 +139,8 @@ def test_twoshot_needs_whole_groups_per_shard():
 def test_one_launch_kernels_compile(arch, pdl):
     """Every rank in one launch (ranks = TP): consumer, publisher, producer."""
     require_dsl()
-    from tpcomm.oproj.consumer import compiled
-    from tpcomm.oproj.producer import compiled_producer, compiled_publisher
+    from tpcomm.oproj.kernels.consumer import compiled
+    from tpcomm.oproj.kernels.producer import compiled_producer, compiled_publisher
 
     assert compiled(16, 7168, 8, True, 4, 1, pdl, arch, ranks=16) is not None
     assert compiled_publisher(16, 7168, False, False, pdl, arch, ranks=16) is not None
@@ -150,8 +150,8 @@ def test_one_launch_kernels_compile(arch, pdl):
 def test_one_launch_grid_and_offsets_in_ptx(tmp_path):
     """ranks = TP reads the grid's rank index (consumer: z, producer: y); ranks = 1 not."""
     cute = require_dsl()
-    from tpcomm.oproj.consumer import OprojConsumerKernel, fake_arguments
-    from tpcomm.oproj.producer import OprojProducer, fake_producer_arguments
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
+    from tpcomm.oproj.kernels.producer import OprojProducer, fake_producer_arguments
 
     def ptx(kernel, args):
         options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
@@ -167,8 +167,8 @@ def test_one_launch_grid_and_offsets_in_ptx(tmp_path):
 
 def test_one_launch_config_validation():
     require_dsl()
-    from tpcomm.oproj.consumer import OprojConsumerKernel
-    from tpcomm.oproj.producer import OprojProducer, PartialPublisher
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel
+    from tpcomm.oproj.kernels.producer import OprojProducer, PartialPublisher
 
     with pytest.raises(ValueError, match="ranks"):
         OprojConsumerKernel(16, 7168, 8, ranks=4)

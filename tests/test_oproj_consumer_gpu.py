@@ -16,7 +16,8 @@ from shared_gpu import poll_budget_ns
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import reference as R
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 pytestmark = pytest.mark.gpu
 EPS, OUT_EPS = 1e-6, 1e-5
@@ -94,8 +95,18 @@ class _Setup:
         self.xmoes = torch.empty(tp, max(1, xmoe), tokens, hid, **bf) if xmoe else None
 
     def step(self, a, step, **kw):
-        self.comm.run_ranks(a["partials"], self.prefixes, a["blocks"], a["norm"], a["query"],
-                            a["out_norm"], self.outputs, step, xmoes=self.xmoes, **kw)  # fmt: skip
+        AllRanks(self.comm).run_ranks(
+            a["partials"],
+            self.prefixes,
+            a["blocks"],
+            a["norm"],
+            a["query"],
+            a["out_norm"],
+            self.outputs,
+            step,
+            xmoes=self.xmoes,
+            **kw,
+        )
 
     def armed(self):
         return self.comm.armed()
@@ -334,7 +345,7 @@ def test_producer_publishes_projection(tp, tokens, hid, d_local, nb):
         assert s.armed()
     # the loopback run_ranks path with the producer
     s.prefixes.copy_(a["prefix"][None].expand_as(s.prefixes))
-    s.comm.run_ranks(attn, s.prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"],
+    AllRanks(s.comm).run_ranks(attn, s.prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"],
                      s.outputs, 2, w_os=w_os)  # fmt: skip
     torch.cuda.synchronize()
     assert int(s.comm.errors.abs().sum()) == 0 and s.armed()

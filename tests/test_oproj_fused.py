@@ -6,8 +6,9 @@ import torch
 from test_oproj_api import consumer_args
 
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj import api
+from tpcomm.oproj import allreduce as api
 from tpcomm.oproj import plan as P
+from tpcomm.oproj.all_ranks import AllRanks
 from tpcomm.oproj.plan import min_blocks_per_sm, smem_bytes
 
 H200 = P.DeviceLimits(sms=132)
@@ -199,4 +200,4 @@ def test_fused_plan_on_the_api():
 def test_run_ranks_fused_needs_streams():
     comm = _comm()
     with pytest.raises(ValueError, match="run_ranks"):
-        comm.run_ranks(None, None, None, None, None, None, None, 0, mode="fused")
+        AllRanks(comm).run_ranks(None, None, None, None, None, None, None, 0, mode="fused")

@@ -19,7 +19,7 @@ CONFIGS = [  # tp, hid, nb, d_local, keyword configuration
 @pytest.mark.parametrize("tp, hid, nb, d_local, kw", CONFIGS)
 def test_fused_compiles(arch, tp, hid, nb, d_local, kw):
     require_dsl()
-    from tpcomm.oproj.fused import OprojFused, fake_fused_arguments
+    from tpcomm.oproj.kernels.fused import OprojFused, fake_fused_arguments
     from tpcomm.oproj.plan import fused_smem_bytes
 
     kernel = OprojFused(tp, hid, nb, d_local, **kw)
@@ -33,16 +33,16 @@ def test_fused_compiles(arch, tp, hid, nb, d_local, kw):
 
 def test_fused_cached_compile():
     require_dsl()
-    from tpcomm.oproj.fused import compiled_fused
+    from tpcomm.oproj.kernels.fused import compiled_fused
 
-    a = compiled_fused(16, 7168, 8, 768, 1, True, 4, 0, False, False, True, False, "sm_90a")
-    assert a is compiled_fused(16, 7168, 8, 768, 1, True, 4, 0, False, False, True, False,
-                               "sm_90a")  # fmt: skip
+    config = dict(tiles=1, has_delta=True, groups=4, xmoe_reps=0, multicast=False, fence=False)
+    a = compiled_fused(16, 7168, 8, 768, "sm_90a", pdl=True, twoshot=False, **config)
+    assert a is compiled_fused(16, 7168, 8, 768, "sm_90a", pdl=True, twoshot=False, **config)
 
 
 def _ptx(tmp_path, tp, hid, nb, d_local, **kw):
     cute = require_dsl()
-    from tpcomm.oproj.fused import OprojFused, fake_fused_arguments
+    from tpcomm.oproj.kernels.fused import OprojFused, fake_fused_arguments
 
     kernel = OprojFused(tp, hid, nb, d_local, **kw)
     args = fake_fused_arguments(tp, hid, nb, d_local, kw.get("xmoe_reps", 0))

@@ -23,7 +23,8 @@ from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import reference as R
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 pytestmark = pytest.mark.gpu
 KINDS = ("pair", "fused")
@@ -72,7 +73,7 @@ class _Setup:
             poison(self.xmoes[kind])
 
     def run(self, kind, a, step, **kw):
-        self.comm.run_ranks(
+        AllRanks(self.comm).run_ranks(
             a["attn"], self.prefixes[kind], a["blocks"], a["norm"], a["query"], a["out_norm"],
             self.outputs[kind], step, xmoes=None if self.xmoes is None else self.xmoes[kind],
             w_os=self.w_os, mode="fused" if kind == "fused" else "per-rank", **kw,
@@ -262,7 +263,7 @@ def test_fused_pdl_is_bitwise_the_same():
     a = random_inputs(tp, tokens, hid, nb, d_local, seed=11)
     for step, kind in enumerate(KINDS):  # "pair" slot holds the non-PDL fused run here
         s.start(kind, a["prefix"])
-        s.comm.run_ranks(a["attn"], s.prefixes[kind], a["blocks"], a["norm"], a["query"],
+        AllRanks(s.comm).run_ranks(a["attn"], s.prefixes[kind], a["blocks"], a["norm"], a["query"],
                          a["out_norm"], s.outputs[kind], step, xmoes=s.xmoes[kind],
                          w_os=s.w_os, mode="fused", pdl=kind == "fused")  # fmt: skip
         torch.cuda.synchronize()

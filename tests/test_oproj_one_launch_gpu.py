@@ -1,5 +1,5 @@
 """GPU tests (one H200, loopback backend): every rank in one launch
-(``OprojAllReduce.run_ranks(..., mode="one-launch")``: one publisher or producer launch and
+(``AllRanks.run_ranks(..., mode="one-launch")``: one publisher or producer launch and
 one consumer launch for all TP ranks, grid rank index = rank).
 
 Checks, over several steps (both mailbox parities, the prefix chained): prefixes, outputs,
@@ -17,7 +17,8 @@ import torch
 from test_oproj_consumer_gpu import EPS, OUT_EPS, poison, random_inputs, reference_step, ulp_check
 
 from tpcomm.backends.loopback import LoopbackBackend
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 
 pytestmark = pytest.mark.gpu
 
@@ -54,12 +55,20 @@ class _Twin:
         comm = self.comms[mode]
         tp = self.tp
         partials = self.attn if project else a["partials"]
-        comm.run_ranks(partials, self.prefixes[mode][:tp], a["blocks"], a["norm"], a["query"],
-                       a["out_norm"], self.outputs[mode][:tp], step,
-                       xmoes=self.xmoes[mode][:tp] if self.xmoe else None,
-                       w_os=self.w_os if project else None,
-                       mode="one-launch" if mode == "o" else "per-rank",
-                       pdl=pdl and mode == "o")  # fmt: skip
+        AllRanks(comm).run_ranks(
+            partials,
+            self.prefixes[mode][:tp],
+            a["blocks"],
+            a["norm"],
+            a["query"],
+            a["out_norm"],
+            self.outputs[mode][:tp],
+            step,
+            xmoes=self.xmoes[mode][:tp] if self.xmoe else None,
+            w_os=self.w_os if project else None,
+            mode="one-launch" if mode == "o" else "per-rank",
+            pdl=pdl and mode == "o",
+        )
 
     def close(self):
         self.backend.teardown()

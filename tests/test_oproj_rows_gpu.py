@@ -24,7 +24,8 @@ from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.mailbox import arm
 from tpcomm.oproj import bound as B
 from tpcomm.oproj import reference as R
-from tpcomm.oproj.api import OprojAllReduce
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
 from tpcomm.oproj.rows import RowChunks
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +81,7 @@ def test_one_shot_one_launch(rows, project):
     prefix, worst = a["prefix"], 0.0
     for step in range(2):
         poison(outputs[:TP])
-        comm.run_ranks(attn if project else a["partials"], prefixes[:TP], a["blocks"],
+        AllRanks(comm).run_ranks(attn if project else a["partials"], prefixes[:TP], a["blocks"],
                        a["norm"], a["query"], a["out_norm"], outputs[:TP], step,
                        xmoes=xmoes[:TP], w_os=w_os if project else None, mode="one-launch",
                        pdl=True)  # fmt: skip
@@ -117,8 +118,19 @@ def test_cublas_producer_at_few_rows():
     prefixes = a["prefix"][None].repeat(TP, 1, 1)
     outputs = torch.empty(TP, rows, HID, **bf)
     poison(outputs)
-    comm.run_ranks(attn, prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"], outputs,
-                   0, w_os=w_os, mode="one-launch", pdl=True)  # fmt: skip
+    AllRanks(comm).run_ranks(
+        attn,
+        prefixes,
+        a["blocks"],
+        a["norm"],
+        a["query"],
+        a["out_norm"],
+        outputs,
+        0,
+        w_os=w_os,
+        mode="one-launch",
+        pdl=True,
+    )
     torch.cuda.synchronize()
     assert int(comm.errors.abs().sum()) == 0 and comm.armed()
     partials = comm.staging()[:TP].clone()
@@ -182,7 +194,7 @@ def test_graph_replay_large_rows():
 
     def steps(i):
         for step in range(2):
-            comms[i].run_ranks(attn, prefixes[i], a["blocks"], a["norm"], a["query"],
+            AllRanks(comms[i]).run_ranks(attn, prefixes[i], a["blocks"], a["norm"], a["query"],
                                a["out_norm"], outputs[i], step, w_os=w_os, mode="one-launch",
                                pdl=True)  # fmt: skip
 
@@ -216,17 +228,17 @@ def test_dead_rank_one_launch_large_rows():
     outputs = torch.empty(TP, rows, HID, **bf)
     prefixes.copy_(a["prefix"][None].expand_as(prefixes))
     args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
-    comm.run_ranks(a["partials"], prefixes, *args, outputs, 0, mode="one-launch")  # warm
+    AllRanks(comm).run_ranks(a["partials"], prefixes, *args, outputs, 0, mode="one-launch")  # warm
     torch.cuda.synchronize()
     assert int(comm.errors.abs().sum()) == 0
     before = prefixes.clone()
     poison(outputs)
-    comm.publish_all(a["partials"], 1)
+    AllRanks(comm).publish_all(a["partials"], 1)
     torch.cuda.synchronize()
     for r in range(TP):
         arm(comm.mailbox.local(r)[1, dead])
     start = time.perf_counter()
-    comm.consume_all(prefixes, *args, outputs, 1)
+    AllRanks(comm).consume_all(prefixes, *args, outputs, 1)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     assert comm.errors[:TP, 0].tolist() == [1 << dead] * TP
@@ -236,7 +248,7 @@ def test_dead_rank_one_launch_large_rows():
     comm.reset()
     assert comm.armed()
     prefixes.copy_(a["prefix"][None].expand_as(prefixes))
-    comm.run_ranks(a["partials"], prefixes, *args, outputs, 2, mode="one-launch")
+    AllRanks(comm).run_ranks(a["partials"], prefixes, *args, outputs, 2, mode="one-launch")
     torch.cuda.synchronize()
     assert int(comm.errors.abs().sum()) == 0
     _check(prefixes, outputs, a["partials"], a, a["prefix"], comm.groups, TP)
@@ -301,7 +313,9 @@ def test_xmoe_hints_gate_every_read(rows):
     dests = torch.empty(TP, reps, rows, HID, **bf)
     prefixes.copy_(a["prefix"][None].expand_as(prefixes))
     args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
-    comm.run_ranks(a["partials"], prefixes, *args, outputs, 0, xmoes=xmoes, mode="one-launch")
+    AllRanks(comm).run_ranks(
+        a["partials"], prefixes, *args, outputs, 0, xmoes=xmoes, mode="one-launch"
+    )
     poison(dests)
     wait_hints(comm, xmoes, dests, every_rank=True)  # compiled, loaded; takes step 0's quota
     torch.cuda.synchronize()
@@ -319,8 +333,9 @@ def test_xmoe_hints_gate_every_read(rows):
         fork.record(main)
         torch.cuda._sleep(200_000_000)  # ~0.1 s: the consumer held back
         slept.record(main)
-        comm.run_ranks(a["partials"], prefixes, *args, outputs, step, xmoes=xmoes,
-                       mode="one-launch")  # fmt: skip
+        AllRanks(comm).run_ranks(
+            a["partials"], prefixes, *args, outputs, step, xmoes=xmoes, mode="one-launch"
+        )
         consumed.record(main)
         side.wait_event(fork)  # the waiter after the consumer on the host, before it on the GPU
         waited = torch.cuda.Event(enable_timing=True)

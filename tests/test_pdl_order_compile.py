@@ -102,7 +102,7 @@ def test_recover_reads_everything_after_the_wait(tmp_path):
 @pytest.mark.parametrize("twoshot", [False, True])
 def test_producer_reads_attn_out_after_the_wait(tmp_path, twoshot):
     require_dsl()
-    from tpcomm.oproj.producer import OprojProducer, fake_producer_arguments
+    from tpcomm.oproj.kernels.producer import OprojProducer, fake_producer_arguments
 
     names = ("attn", "w", "peers", "multicast_base", "tokens", "rank", "step")
     kernel = OprojProducer(8, 2048, 512, pdl=True, twoshot=twoshot)
@@ -111,7 +111,7 @@ def test_producer_reads_attn_out_after_the_wait(tmp_path, twoshot):
 
 def test_one_launch_producer_and_publisher_read_after_the_wait(tmp_path):
     require_dsl()
-    from tpcomm.oproj.producer import (
+    from tpcomm.oproj.kernels.producer import (
         OprojProducer,
         PartialPublisher,
         fake_producer_arguments,
@@ -131,7 +131,7 @@ def test_one_launch_producer_and_publisher_read_after_the_wait(tmp_path):
 
 def test_fused_reads_attn_mailbox_and_prefix_after_the_wait(tmp_path):
     require_dsl()
-    from tpcomm.oproj.fused import OprojFused, fake_fused_arguments
+    from tpcomm.oproj.kernels.fused import OprojFused, fake_fused_arguments
 
     names = ("attn", "w", "peers", "multicast_base", "mailbox", "prefix", "blocks", "norm",
              "query", "out_norm")  # fmt: skip

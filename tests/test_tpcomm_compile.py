@@ -89,14 +89,14 @@ def test_primitives_compile(arch):
 @pytest.mark.parametrize("tp, multicast", [(2, False), (16, False), (16, True), (5, True)])
 def test_allreduce_compiles(arch, tp, multicast):
     require_dsl()
-    from tpcomm.allreduce_kernel import compiled
+    from tpcomm.kernels.allreduce import compiled
 
     assert compiled(tp, 2048, multicast, multicast, arch) is not None
 
 
 def test_allreduce_ptx_uses_scoped_accesses(tmp_path):
     cute = require_dsl()
-    from tpcomm.allreduce_kernel import AllReduceKernel, fake_arguments
+    from tpcomm.kernels.allreduce import AllReduceKernel, fake_arguments
 
     kernel = AllReduceKernel(4, 1024, fence=True)
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
@@ -112,7 +112,7 @@ def test_allreduce_ptx_uses_scoped_accesses(tmp_path):
 
 def test_kernel_config_validation():
     require_dsl()
-    from tpcomm.allreduce_kernel import AllReduceKernel
+    from tpcomm.kernels.allreduce import AllReduceKernel
 
     with pytest.raises(ValueError, match="tp"):
         AllReduceKernel(17, 1024)

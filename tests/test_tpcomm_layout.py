@@ -46,7 +46,7 @@ def test_mailbox_layout_offsets_cover_buffer_once():
 )
 @pytest.mark.parametrize("build", ["layout", "choose"])
 def test_layout_and_plan_reject_bad_sizes(kwargs, name, build):
-    from tpcomm.oproj.api import choose
+    from tpcomm.oproj.allreduce import choose
 
     if build == "choose":  # choose counts the step's rows (requests x tokens)
         kwargs = dict(tp=kwargs["tp"], rows=kwargs["tokens"], hid=kwargs["hid"])

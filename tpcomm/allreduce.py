@@ -1,6 +1,6 @@
 """Mailbox all-reduce: the simplest user of the mailbox layer and its end-to-end check.
 
-``MailboxAllReduce`` launches ``tpcomm.allreduce_kernel.AllReduceKernel`` once per rank and
+``MailboxAllReduce`` launches ``tpcomm.kernels.allreduce.AllReduceKernel`` once per rank and
 step: publish, bounded poll, rank-order sum (bitwise ``tpcomm.mailbox.rank_order_sum``),
 re-arm. A rank whose poll expires gets the missing-rank mask in its error word. The
 kernel's launch bound (8 CTAs per SM) is what the loopback co-residency check uses.
@@ -57,7 +57,7 @@ class MailboxAllReduce:
 
     def function(self):
         if self._fn is None:
-            from tpcomm.allreduce_kernel import compiled
+            from tpcomm.kernels.allreduce import compiled
 
             self._fn = compiled(
                 self.layout.tp, self.layout.hid, self.multicast_base != 0, self.fence

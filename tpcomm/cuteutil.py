@@ -34,7 +34,6 @@ __all__ = [
     "warp_sum",
     "launch",
     "ld_global_nc_b32x4",
-    "st_global_b32x4",
     "mma_bf16_16816",
     "bits_float",
     "float_bits",
@@ -45,6 +44,7 @@ __all__ = [
     "arm_exchanges",
     "wait_exchange",
     "to_cute",
+    "compile_cached",
     "fake_tensor",
     "fake_like_runtime",
 ]
@@ -105,8 +105,7 @@ def ld_global_f32x4(address: Int64):
 def st_global_f32x4(address: Int64, values):
     """Weak 16-byte global store of four fp32."""
     cute.arch.inline_ptx(
-        "st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-        read_only_args=[address, *values],
+        "st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[address, *values]
     )
 
 
@@ -143,14 +142,6 @@ def ld_global_nc_b32x4(address: Int64):
         "ld.global.nc.L1::no_allocate.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
         write_only_types=[Uint32] * 4,
         read_only_args=[address],
-    )
-
-
-def st_global_b32x4(address: Int64, words):
-    """Weak 16-byte global store of four 32-bit words (bits as they are)."""
-    cute.arch.inline_ptx(
-        "st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-        read_only_args=[address, *[Uint32(w) for w in words]],
     )
 
 
@@ -315,14 +306,28 @@ def wait_exchange(bar):
 
 
 def to_cute(t, align=16, leading_dim=None):
-    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned;
-    ``leading_dim``: the unit-stride dimension (None: the DSL finds it)."""
+    """A torch tensor as a CuTe tensor of dynamic layout, ``align``-byte aligned (None: its
+    element size); ``leading_dim``: its stride-1 dimension (None: the one its strides show)."""
     from cutlass.cute.runtime import from_dlpack
 
-    view = from_dlpack(t.detach(), assumed_align=align)
-    if leading_dim is None:
-        return view.mark_layout_dynamic()
-    return view.mark_layout_dynamic(leading_dim=leading_dim)
+    align = t.element_size() if align is None else align
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim)
+
+
+_COMPILED: dict = {}  # (key, arch) -> the compiled function
+
+
+def compile_cached(key, build, *, arch=None):
+    """The compiled function of ``key`` (hashable: kernel family, configuration, dtypes,
+    static shapes) for ``arch`` (``"sm_90a"``; None: the current device's): ``build()`` ->
+    ``(kernel object, compile arguments)``, run and ``cute.compile``d on the first call only.
+    A ``ValueError`` of ``build`` caches nothing."""
+    compiled = _COMPILED.get((key, arch))
+    if compiled is None:
+        kernel, args = build()
+        options = None if arch is None else f"--gpu-arch {arch}"
+        compiled = _COMPILED[key, arch] = cute.compile(kernel, *args, options=options)
+    return compiled
 
 
 def fake_tensor(dtype, shape, align=16):

@@ -18,6 +18,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from tpcomm.cuteutil import unpack_bf16x2
 from tpcomm.mailbox import CANONICAL_NAN_WORD, SENTINEL
 
 SENTINEL_I32 = SENTINEL - (1 << 32)  # -1 as a signed word
@@ -208,6 +209,20 @@ def poll_groups(
     return failed
 
 
+def add_in_rank_order(acc, raw, count: int, start: int):
+    """Traced: the rank-order fp32 sum of ``count`` polled groups (``raw``: their bf16x2
+    words) into the 8 values ``acc``, each added after the one before; ``start``: the first
+    group's place in the sum (0: its values start it, no ``+0.0``)."""
+    for i in range(count):
+        for j in range(4):
+            x, y = unpack_bf16x2(raw[i * 4 + j])
+            if start + i == 0:
+                acc[2 * j], acc[2 * j + 1] = x, y
+            else:
+                acc[2 * j] = acc[2 * j] + x
+                acc[2 * j + 1] = acc[2 * j + 1] + y
+
+
 @dsl_user_op
 def load_acquire_sys(address, *, loc=None, ip=None):
     """Acquire, sys scope: 4-byte load (a signal word's low half); later accesses after it."""
@@ -226,9 +241,14 @@ def load_acquire_sys(address, *, loc=None, ip=None):
 
 
 @cute.jit
-def wait_signals(signals: Int64, remote: Int32, count: cutlass.Constexpr[int],
-                 budget_ns: Int64, error_address: Int64,
-                 first: cutlass.Constexpr[int] = 0) -> Int32:  # fmt: skip
+def wait_signals(
+    signals: Int64,
+    remote: Int32,
+    count: cutlass.Constexpr[int],
+    budget_ns: Int64,
+    error_address: Int64,
+    first: cutlass.Constexpr[int] = 0,
+) -> Int32:
     """Acquire, sys scope: bounded spin until the signal word (8 bytes, set to 1 by a
     put-with-signal) of every rank ``first + g`` with bit g of ``remote`` is non-zero.
 

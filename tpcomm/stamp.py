@@ -13,15 +13,13 @@ kernels of their own, ordered by their stream (no PDL): each one costs a kernel 
 
 from __future__ import annotations
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from tpcomm.cuteutil import fake_tensor, to_cute
+from tpcomm.cuteutil import compile_cached, fake_tensor, to_cute
 
 
 class StampKernel:
@@ -80,15 +78,21 @@ def fake_arguments():
     )
 
 
-@functools.cache
 def compiled(arch=None):
     """The one compile (per arch; None: the current GPU's)."""
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(StampKernel(), *fake_arguments(), options=options)
+    return compile_cached("stamp", lambda: (StampKernel(), fake_arguments()), arch=arch)
 
 
-def stamp(trace: torch.Tensor, cursor: torch.Tensor, slot: int, *, first: int = 0,
-          count: int = 1, advance: bool = False, stream=None) -> None:  # fmt: skip
+def stamp(
+    trace: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    *,
+    first: int = 0,
+    count: int = 1,
+    advance: bool = False,
+    stream=None,
+) -> None:
     """Enqueue one stamp on ``stream`` (default: the current stream; graph-capturable):
     ``trace[first:first + count, cursor, slot] = %globaltimer``, then with ``advance``
     ``cursor[first:first + count] += 1``. ``trace`` int64 ``[lanes, rows, slots]`` and

@@ -50,8 +50,10 @@ class LoopbackBackend(SymmetricBackend):
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device must name a torch device; got {device!r} ({e})") from None
         if where.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {where} is not available (no CUDA); device='cpu' runs the "
-                             "loopback layout on the CPU")  # fmt: skip
+            raise ValueError(
+                f"device {where} is not available (no CUDA); device='cpu' runs the "
+                "loopback layout on the CPU"
+            )
         if where.type not in ("cuda", "cpu", "meta"):  # meta: shapes only (tracing the ops)
             raise ValueError(f"device must be a CUDA device, the CPU or meta; got {where}")
         super().__init__(world, tuple(range(world)))

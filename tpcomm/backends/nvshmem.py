@@ -97,8 +97,13 @@ class TorchStream:
 class NvshmemBackend(SymmetricBackend):
     name = "nvshmem"
 
-    def __init__(self, device: int | None = None, *, launcher: str | None = None,
-                 domain_size: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        device: int | None = None,
+        *,
+        launcher: str | None = None,
+        domain_size: int | None = None,
+    ):
         nv = _nvshmem()
         if domain_size is not None:
             check_domain_size(domain_size, domain_size, "domain_size")  # an int >= 1
@@ -131,8 +136,10 @@ class NvshmemBackend(SymmetricBackend):
         if domain_size is not None:
             check_domain_size(domain_size, world, "domain_size")
             if domain_size > reach:
-                raise ValueError(f"domain_size {domain_size}: rank {rank} reaches only "
-                                 f"{reach} ranks by load/store")  # fmt: skip
+                raise ValueError(
+                    f"domain_size {domain_size}: rank {rank} reaches only "
+                    f"{reach} ranks by load/store"
+                )
         self.domain = DomainMap(world, reach if domain_size is None else domain_size)
 
     def reachable_domain_size(self) -> int:
@@ -200,8 +207,9 @@ class NvshmemBackend(SymmetricBackend):
         self._check_peer(peer)
         view = self._peers[id(t.payload)][peer]
         if view is None:
-            raise ValueError(f"nvshmem: rank {peer} is outside rank {self.rank}'s domain; "
-                             "use put_signal")  # fmt: skip
+            raise ValueError(
+                f"nvshmem: rank {peer} is outside rank {self.rank}'s domain; use put_signal"
+            )
         return view
 
     def put_signal(self, t, offset, nbytes, signal, index, dst, rank=None):

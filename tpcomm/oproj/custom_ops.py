@@ -13,10 +13,11 @@ program order and never drops one, though a producer returns nothing. ``mutates_
 names only what the kernels write through their own arguments (``prefix``, ``output``);
 the error words are read back on the host (``OprojAllReduce.error``).
 
-The fake implementations run the entry points' checks (``ValueError`` naming the argument;
-under fake tensors every check but alignment) and launch nothing. ``step`` and ``rank``
-are ints, so a compiled caller specialises on the parity (two graphs). Importing this
-module needs no CuTe DSL.
+The implementations are ``tpcomm.oproj.launcher``'s (the route goes one way: entry, op,
+launcher); the fake ones are ``tpcomm.oproj.checks``' (the entry points' checks:
+``ValueError`` naming the argument; under fake tensors every check but alignment) and
+launch nothing. ``step`` and ``rank`` are ints, so a compiled caller specialises on the
+parity (two graphs). Importing this module needs no CuTe DSL.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import itertools
 import weakref
 
 import torch
+
+from tpcomm.oproj import checks, launcher
+from tpcomm.oproj.operands import SCHEMA_TYPES, ConsumeTensors
 
 NAMESPACE = "kimi"
 
@@ -51,8 +55,7 @@ _ORDERED = torch.library.EffectType.ORDERED
 _MUTATES = ("prefix", "output")
 # Written out so that handle, rank and step are ``int``, not ``SymInt``: a compiled caller
 # specialises on them (a parity that alternates would otherwise turn symbolic).
-_CONSUME = "Tensor(a!) prefix, Tensor? blocks, Tensor norm, Tensor query, Tensor out_norm, "
-_CONSUME += "Tensor(b!) output, Tensor? xmoe"
+_CONSUME = ", ".join(f"{SCHEMA_TYPES.get(f, 'Tensor')} {f}" for f in ConsumeTensors._fields)
 _SCHEMAS = {
     "publish": "(int handle, int rank, int step, Tensor partial) -> ()",
     "produce": "(int handle, int rank, int step, Tensor attn_out, Tensor w_o) -> ()",
@@ -64,104 +67,52 @@ _SCHEMAS = {
         "int? tiles, bool pdl, int? launches, bool checked) -> ()"
     ),
 }
+_TENSORS = len(ConsumeTensors._fields)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::oproj_publish", mutates_args=(), schema=_SCHEMAS["publish"])
-def oproj_publish(handle: int, rank: int, step: int, partial: torch.Tensor) -> None:
-    """``OprojAllReduce.publish``: rank ``rank``'s ready partial into every mailbox."""
-    lookup(handle).launch_publish(partial, step, rank)
+def _grouped(args, first):
+    """The schema's arguments after the handle with its consumer tensors (from ``first``)
+    as one ``ConsumeTensors``, as ``launcher`` and ``checks`` take them."""
+    last = first + _TENSORS
+    return (*args[:first], ConsumeTensors(*args[first:last]), *args[last:])
 
 
-@oproj_publish.register_fake
-def _publish_fake(handle, rank, step, partial):
-    lookup(handle).check_publish_args(partial, step, rank)
+def _op(name, implementation, fake, *, grouped=None):
+    """``kimi::oproj_<name>``: ``implementation`` and ``fake`` take the all-reduce behind
+    the handle and the schema's other arguments (``grouped``: where its consumer tensors
+    start, after rank and step)."""
+
+    def run(handle, *args):
+        implementation(lookup(handle), *(args if grouped is None else _grouped(args, grouped)))
+
+    def check(handle, *args):
+        fake(lookup(handle), *(args if grouped is None else _grouped(args, grouped)))
+
+    mutates = _MUTATES if grouped is not None else ()
+    qualified = f"{NAMESPACE}::oproj_{name}"
+    op = torch.library.custom_op(qualified, run, mutates_args=mutates, schema=_SCHEMAS[name])
+    op.register_fake(check)
+    op.register_effect(_ORDERED)
+    return op
 
 
-@torch.library.custom_op(f"{NAMESPACE}::oproj_produce", mutates_args=(), schema=_SCHEMAS["produce"])
-def oproj_produce(
-    handle: int, rank: int, step: int, attn_out: torch.Tensor, w_o: torch.Tensor
-) -> None:
-    """``OprojAllReduce.produce``: ``bf16(attn_out @ w_o^T)`` into every rank's mailbox."""
-    lookup(handle).launch_produce(attn_out, w_o, step, rank)
-
-
-@oproj_produce.register_fake
-def _produce_fake(handle, rank, step, attn_out, w_o):
-    lookup(handle).check_produce_args(attn_out, w_o, step, rank)
-
-
-@torch.library.custom_op(
-    f"{NAMESPACE}::oproj_consume", mutates_args=_MUTATES, schema=_SCHEMAS["consume"]
+# ``OprojAllReduce.publish``: rank ``rank``'s ready partial into every mailbox
+oproj_publish = _op("publish", launcher.publish, checks.publish_args)
+# ``OprojAllReduce.produce``: ``bf16(attn_out @ w_o^T)`` into every rank's mailbox
+oproj_produce = _op("produce", launcher.produce, checks.produce_args)
+# ``OprojAllReduce.consume``: ``prefix`` updated in place, ``output`` written
+oproj_consume = _op("consume", launcher.consume, checks.consume_args, grouped=2)
+# ``OprojAllReduce.produce_consume``: the fused producer + consumer launch
+oproj_produce_consume = _op(
+    "produce_consume", launcher.produce_consume, checks.produce_consume_args, grouped=4
 )
-def oproj_consume(
-    handle: int,
-    rank: int,
-    step: int,
-    prefix: torch.Tensor,
-    blocks: torch.Tensor | None,
-    norm: torch.Tensor,
-    query: torch.Tensor,
-    out_norm: torch.Tensor,
-    output: torch.Tensor,
-    xmoe: torch.Tensor | None,
-    checked: bool,
-    validate: str | None = None,
-) -> None:
-    """``OprojAllReduce.consume``: ``prefix`` updated in place, ``output`` written."""
-    lookup(handle).launch_consume(prefix, blocks, norm, query, out_norm, output, step,
-                                  xmoe=xmoe, rank=rank, checked=checked,
-                                  validate=validate)  # fmt: skip
-
-
-@oproj_consume.register_fake
-def _consume_fake(handle, rank, step, prefix, blocks, norm, query, out_norm, output, xmoe,
-                  checked, validate=None):  # fmt: skip
-    lookup(handle).check_consume_args(prefix, blocks, norm, query, out_norm, output, step, xmoe,
-                                      rank, validate)  # fmt: skip
-
-
-@torch.library.custom_op(
-    f"{NAMESPACE}::oproj_produce_consume",
-    mutates_args=_MUTATES,
-    schema=_SCHEMAS["produce_consume"],
-)
-def oproj_produce_consume(
-    handle: int,
-    rank: int,
-    step: int,
-    attn_out: torch.Tensor,
-    w_o: torch.Tensor,
-    prefix: torch.Tensor,
-    blocks: torch.Tensor | None,
-    norm: torch.Tensor,
-    query: torch.Tensor,
-    out_norm: torch.Tensor,
-    output: torch.Tensor,
-    xmoe: torch.Tensor | None,
-    tiles: int | None,
-    pdl: bool,
-    launches: int | None,
-    checked: bool,
-) -> None:
-    """``OprojAllReduce.produce_consume``: the fused producer + consumer launch."""
-    lookup(handle).launch_produce_consume(
-        attn_out, w_o, prefix, blocks, norm, query, out_norm, output, step, xmoe=xmoe,
-        rank=rank, tiles=tiles, pdl=pdl, launches=launches, checked=checked,
-    )  # fmt: skip
-
-
-@oproj_produce_consume.register_fake
-def _produce_consume_fake(handle, rank, step, attn_out, w_o, prefix, blocks, norm, query,
-                          out_norm, output, xmoe, tiles, pdl, launches, checked):  # fmt: skip
-    comm = lookup(handle)
-    comm.check_produce_args(attn_out, w_o, step, rank)
-    comm.check_consume_args(prefix, blocks, norm, query, out_norm, output, step, xmoe, rank)
-
-
-for _op in (oproj_publish, oproj_produce, oproj_consume, oproj_produce_consume):
-    _op.register_effect(_ORDERED)
 
 __all__ = [
-    "NAMESPACE", "register", "lookup", "oproj_publish", "oproj_produce", "oproj_consume",
+    "NAMESPACE",
+    "register",
+    "lookup",
+    "oproj_publish",
+    "oproj_produce",
+    "oproj_consume",
     "oproj_produce_consume",
-]  # fmt: skip
+]

@@ -27,15 +27,13 @@ dynamic ``(?, ?, ?)`` keeps ``reps`` (the waiter read reps rows). The fake argum
 ``to_cute``'s layouts all the same (``fake_like_runtime``).
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.cuteutil import fake_like_runtime, launch, smem_tensor
+from tpcomm.cuteutil import compile_cached, fake_like_runtime, launch, smem_tensor
 from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
 
 WAITER_GPU_CTAS = 8  # spinning waiter CTAs per GPU, over every rank it hosts
@@ -68,8 +66,16 @@ class HintWaiter:
         self.hid, self.reps, self.ctas, self.ranks = hid, reps, ctas, ranks
 
     @cute.jit
-    def __call__(self, xmoe: cute.Tensor, dest: cute.Tensor, hints: cute.Tensor, rows: Int32,
-                 quota: Int32, budget_ns: Int64, stream: cuda.CUstream):  # fmt: skip
+    def __call__(
+        self,
+        xmoe: cute.Tensor,
+        dest: cute.Tensor,
+        hints: cute.Tensor,
+        rows: Int32,
+        quota: Int32,
+        budget_ns: Int64,
+        stream: cuda.CUstream,
+    ):
         call = self.kernel(
             Int64(xmoe.iterator.toint()),
             Int64(dest.iterator.toint()),
@@ -81,8 +87,15 @@ class HintWaiter:
         launch(call, (self.ctas, 1, self.ranks), (THREADS, 1, 1), stream)
 
     @cute.kernel
-    def kernel(self, a_xmoe: Int64, a_dest: Int64, a_hints: Int64, rows: Int32, quota: Int32,
-               budget_ns: Int64):  # fmt: skip
+    def kernel(
+        self,
+        a_xmoe: Int64,
+        a_dest: Int64,
+        a_hints: Int64,
+        rows: Int32,
+        quota: Int32,
+        budget_ns: Int64,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, r = cute.arch.block_idx()
         per_rank = Int64(rows) * (self.reps * self.hid * 2)  # bytes of one rank's copies
@@ -107,8 +120,14 @@ class HintWaiter:
             if old == self.ctas - 1:  # every CTA read: the quota back off, the count cleared
                 if flag[0] != 0:
                     count = cute.make_ptr(Int32, a_hints, cute.AddressSpace.gmem, assumed_align=4)
-                    cute.arch.red(count.llvm_ptr, Int32(0) - quota, op="add", dtype="s32",
-                                  sem="relaxed", scope="gpu")  # fmt: skip
+                    cute.arch.red(
+                        count.llvm_ptr,
+                        Int32(0) - quota,
+                        op="add",
+                        dtype="s32",
+                        sem="relaxed",
+                        scope="gpu",
+                    )
                 cute.arch.atomic_exch(done.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
 
 
@@ -126,12 +145,13 @@ def fake_arguments(hid: int, reps: int):
     )
 
 
-@functools.cache
 def compiled(hid, reps, ctas=None, ranks=1, arch=None):
     """One compile per configuration and arch; rows are dynamic (1..``MAX_ROWS``)."""
-    kernel = HintWaiter(hid, reps, ctas=ctas, ranks=ranks)
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_arguments(hid, reps), options=options)
+
+    def build():
+        return HintWaiter(hid, reps, ctas=ctas, ranks=ranks), fake_arguments(hid, reps)
+
+    return compile_cached(("hint_waiter", hid, reps, ctas, ranks), build, arch=arch)
 
 
 def launch_values(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None):
@@ -183,5 +203,12 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     )
     fn = compiled(comm.hid, comm.xmoe_reps, ctas, ranks)
     stream = torch.cuda.current_stream(comm.device)
-    fn(to_cute(x), to_cute(d), to_cute(hint_row, 4), Int32(rows), Int32(quota), Int64(budget),
-       cuda.CUstream(stream.cuda_stream))  # fmt: skip
+    fn(
+        to_cute(x),
+        to_cute(d),
+        to_cute(hint_row, 4),
+        Int32(rows),
+        Int32(quota),
+        Int64(budget),
+        cuda.CUstream(stream.cuda_stream),
+    )

@@ -158,9 +158,16 @@ def buffer_bytes(tp: int, rows: int, hid: int, twoshot: bool) -> int:
     return layout.nbytes
 
 
-def choose(tp: int, rows: int, hid: int, *, twoshot_available: bool = False,
-           crossovers: dict | None = None, one_launch: bool = False,
-           twoshot: bool | None = None):  # fmt: skip
+def choose(
+    tp: int,
+    rows: int,
+    hid: int,
+    *,
+    twoshot_available: bool = False,
+    crossovers: dict | None = None,
+    one_launch: bool = False,
+    twoshot: bool | None = None,
+):
     """The o-projection plan for a TP group size, rows (tokens) per step and hidden width.
 
     Every group polls at most ``POLL_CHUNK`` slots (one round of four 16-byte loads per
@@ -208,21 +215,31 @@ def choose(tp: int, rows: int, hid: int, *, twoshot_available: bool = False,
         _check_twoshot(tp, hid, True)
         size = buffer_bytes(tp, rows, hid, True)
         how = f"TP {tp} x {rows} rows >= {start} ({source} crossover)" if per_rank else "asked"
-        return Plan(1, True, f"twoshot: {how}; one gather slot; {why}; {size} B per rank",
-                    producer, size)  # fmt: skip
+        return Plan(
+            1, True, f"twoshot: {how}; one gather slot; {why}; {size} B per rank", producer, size
+        )
     if twoshot is None and not one_launch and per_rank:
         size = buffer_bytes(tp, rows, hid, True)
-        return Plan(1, True, f"twoshot: TP {tp} x {rows} rows >= {start} ({source} crossover "
-                    f"of per-rank launches); one gather slot; {why}; {size} B per rank",
-                    producer, size)  # fmt: skip
+        return Plan(
+            1,
+            True,
+            f"twoshot: TP {tp} x {rows} rows >= {start} ({source} crossover "
+            f"of per-rank launches); one gather slot; {why}; {size} B per rank",
+            producer,
+            size,
+        )
     size = buffer_bytes(tp, rows, hid, False)
     reason = f"{groups} group(s) of <= {POLL_CHUNK} slots for TP {tp}; {why}; {size} B per rank"
     if one_launch:
-        reason += ("; one launch for every rank: one-shot (it beat chunked one-shot and "
-                   "twoshot at every measured row; the crossovers are per-rank ones)")  # fmt: skip
+        reason += (
+            "; one launch for every rank: one-shot (it beat chunked one-shot and "
+            "twoshot at every measured row; the crossovers are per-rank ones)"
+        )
     elif per_rank:
-        reason += (f"; one-shot on this path (twoshot from {start} rows, the {source} crossover of "
-                   "per-rank launches, not applied)")  # fmt: skip
+        reason += (
+            f"; one-shot on this path (twoshot from {start} rows, the {source} crossover of "
+            "per-rank launches, not applied)"
+        )
     elif start is None:
         reason += "; no measured twoshot crossover for this TP: one-shot"
     elif rows < start:
@@ -384,8 +401,9 @@ def tiles_candidates(groups: int) -> list[int]:
         t *= 2
 
 
-def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1, tiles=None,
-               xmoe_reps=0):  # fmt: skip
+def plan_fused(
+    tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1, tiles=None, xmoe_reps=0
+):
     """The fused launch for this shape on ``limits`` with ``launches`` launches sharing
     the GPU: the smallest T (most producer CTAs) whose CTAs can all be resident; a
     ``ValueError`` saying why when none can (a consumer CTA spinning in the slot a
@@ -417,8 +435,20 @@ def plan_fused(tp, tokens, hid, nb, groups, limits: DeviceLimits, *, launches=1,
                 f"{launches} x {ctas} CTAs <= {capacity} resident ({limits.sms} SMs x {per_sm} "
                 f"CTAs/SM, limited by {limit})"
             )
-            return FusedPlan(t, rows, (ctas_x, rows + tokens, 1), ctas, threads, smem, bound,
-                             per_sm, limit, launches, capacity, reason)  # fmt: skip
+            return FusedPlan(
+                t,
+                rows,
+                (ctas_x, rows + tokens, 1),
+                ctas,
+                threads,
+                smem,
+                bound,
+                per_sm,
+                limit,
+                launches,
+                capacity,
+                reason,
+            )
     fewest = ctas_x * (producer_rows(hid, groups, t) + tokens)
     raise ValueError(
         f"fused o-projection cannot be co-resident: {launches} launch(es) x {fewest} CTAs "

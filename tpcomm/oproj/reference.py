@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from tpcomm.checks import check_finite, check_real, check_tensor, is_int, mode
+from tpcomm.checks import check_finite, check_tensor, mode
 from tpcomm.mailbox import grouped_sum
-from tpcomm.oproj.plan import MAX_BLOCKS, MAX_TP, check_hidden
+from tpcomm.oproj.checks import check_consume
+from tpcomm.oproj.plan import check_hidden
 
 __all__ = [
     "project",
@@ -88,45 +89,6 @@ def twoshot_gather(partials):
     return torch.cat(shards, dim=1)
 
 
-def check_consume(partials, prefix, blocks, norm, query, out_norm, *, groups, eps, out_eps,
-                  device=None, full=False):  # fmt: skip
-    """Validate consumer arguments; returns (TP, N, HID, nb). ``device``: where every
-    tensor but ``partials`` must be (default: ``partials``'s); ``full``: the checked mode's
-    non-finite scan."""
-    _tensor("partials", partials, torch.bfloat16, ndim=3)
-    tp, n, hidden = partials.shape
-    if not 1 <= tp <= MAX_TP:
-        raise ValueError(f"partials must hold 1..16 rank slots (TP); got {tp}")
-    if n < 1:
-        raise ValueError("partials must hold at least one token")
-    check_hidden(hidden, "partials hidden width")
-    device = partials.device if device is None else device
-    _tensor("prefix", prefix, torch.bfloat16, shape=(n, hidden), device=device)
-    nb = 0
-    if blocks is not None:
-        _tensor("blocks", blocks, torch.bfloat16, ndim=3, device=device)
-        if blocks.shape[0] != n or blocks.shape[2] != hidden:
-            raise ValueError(
-                f"blocks must be [N = {n}, nb, HID = {hidden}]; got {tuple(blocks.shape)}"
-            )
-        nb = blocks.shape[1]
-        if nb > MAX_BLOCKS:
-            raise ValueError(f"blocks holds nb = {nb} snapshots; at most 8 are supported")
-    for name, t in (("norm", norm), ("query", query), ("out_norm", out_norm)):
-        _tensor(name, t, torch.bfloat16, shape=(hidden,), device=device)
-    if not is_int(groups) or not 1 <= groups <= 4:
-        raise ValueError(f"groups must be an int in 1..4; got {groups!r}")
-    check_real("eps", eps, low=0.0)
-    check_real("out_eps", out_eps, low=0.0)
-    if full:
-        named = dict(partials=partials, prefix=prefix, blocks=blocks, norm=norm, query=query,
-                     out_norm=out_norm)  # fmt: skip
-        for name, t in named.items():
-            if t is not None and t.device.type != "meta":
-                check_finite(name, t)
-    return tp, n, hidden, nb
-
-
 def consume(
     partials,
     prefix,
@@ -154,9 +116,17 @@ def consume(
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool; got {flag!r}")
     _, _, hidden, nb = check_consume(
-        partials, prefix, blocks, norm, query, out_norm, groups=groups, eps=eps,
-        out_eps=out_eps, full=full,
-    )  # fmt: skip
+        partials,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        groups=groups,
+        eps=eps,
+        out_eps=out_eps,
+        full=full,
+    )
     mailbox = twoshot_gather(partials)[None] if twoshot else partials
     attn = rank_order_sum(mailbox, groups).to(torch.bfloat16)
     prefix_new = (prefix.float() + attn.float()).to(torch.bfloat16) if has_delta else attn
@@ -185,16 +155,3 @@ def consume(
     ca, cp = (alpha * scale)[:, None], (ep * scale)[:, None]
     final = (cp * P + ca * mix) * gamma
     return final.to(torch.bfloat16), prefix_new
-
-
-def gemm(a, b, out):
-    """``out = bf16(a @ b)`` by cuBLAS on the current stream (2-D or batched): fp32
-    accumulation with reduced-precision split-K reduction off, one rounding, as
-    ``reference.project`` up to the order of the fp32 sums."""
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_bf16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False
-    try:
-        torch.matmul(a, b, out=out)
-    finally:
-        flags.allow_bf16_reduced_precision_reduction = saved

@@ -47,8 +47,9 @@ class RemotePuts:
         offset = layout.offset(step, rank, 0, 0) * 2
         index = (step & 1) * self.tp + rank
         for dst in self.domain.remote(rank):
-            self.backend.put_signal(self.mailbox.buffer, offset, nbytes, self.signals, index, dst,
-                                    rank)  # fmt: skip
+            self.backend.put_signal(
+                self.mailbox.buffer, offset, nbytes, self.signals, index, dst, rank
+            )
 
     def rearm(self, rank: int, step: int) -> None:
         """On the current stream: zero ``rank``'s signal words of ``step``'s parity."""

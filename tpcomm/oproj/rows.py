@@ -19,15 +19,9 @@ from __future__ import annotations
 import torch
 
 from tpcomm.checks import is_int
-from tpcomm.oproj.api import OprojAllReduce
-from tpcomm.oproj.plan import (
-    GROUP_THREADS,
-    MAX_GROUPS,
-    MAX_ROWS,
-    SLICE,
-    choose,
-    min_blocks_per_sm,
-)
+from tpcomm.oproj.all_ranks import AllRanks
+from tpcomm.oproj.allreduce import OprojAllReduce
+from tpcomm.oproj.plan import GROUP_THREADS, MAX_GROUPS, MAX_ROWS, SLICE, choose, min_blocks_per_sm
 
 
 def chunk_ctas(hid: int, rows: int) -> int:
@@ -63,8 +57,9 @@ class RowChunks:
             if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:  # OprojAllReduce's pick
                 groups = choose(backend.world, n, hid, twoshot=twoshot).groups
             try:  # refused before anything is allocated
-                backend.check_coresident(chunk_ctas(hid, n), GROUP_THREADS * groups,
-                                         min_blocks_per_sm(groups))  # fmt: skip
+                backend.check_coresident(
+                    chunk_ctas(hid, n), GROUP_THREADS * groups, min_blocks_per_sm(groups)
+                )
             except ValueError as e:  # halve while the chunk's CTAs cannot all be resident
                 if chunk is not None or n == 1:
                     why = "every rank's consumer CTAs and the publisher CTAs they wait on"
@@ -80,9 +75,22 @@ class RowChunks:
         self.groups = first.groups
         self.bytes = sum(c.bytes for _, _, c in self.parts)
 
-    def run_ranks(self, inputs, prefixes, blocks, norm, query, out_norm, outputs, step, *,
-                  w_os=None, ranks=None, publishers=None):  # fmt: skip
-        """``OprojAllReduce.run_ranks`` (per-rank mode) chunk by chunk: ``inputs`` [TP,
+    def run_ranks(
+        self,
+        inputs,
+        prefixes,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        outputs,
+        step,
+        *,
+        w_os=None,
+        ranks=None,
+        publishers=None,
+    ):
+        """``AllRanks.run_ranks`` (per-rank mode) chunk by chunk: ``inputs`` [TP,
         rows, HID] partials (or [TP, rows, D_local] ``attn_out`` with ``w_os``),
         ``prefixes``/``outputs`` [TP, rows, HID], ``blocks`` [rows, nb, HID] or None. Every
         refusal comes before the first chunk's launches."""
@@ -98,8 +106,15 @@ class RowChunks:
             raise ValueError("inputs must be given: the publishers' partials or attn_out")
         for a, b, comm in {b - a: (a, b, c) for a, b, c in self.parts}.values():  # each size
             for r in ranks:
-                comm.check(prefixes[r, a:b], None if blocks is None else blocks[a:b], norm,
-                           query, out_norm, outputs[r, a:b], launch=False)  # fmt: skip
+                comm.check(
+                    prefixes[r, a:b],
+                    None if blocks is None else blocks[a:b],
+                    norm,
+                    query,
+                    out_norm,
+                    outputs[r, a:b],
+                    launch=False,
+                )
             for r in publishers:
                 if w_os is None:
                     comm.check_publish_args(inputs[r, a:b], step, r)
@@ -109,13 +124,20 @@ class RowChunks:
         if device.type != "cuda":
             raise ValueError(f"the mailbox must be on a CUDA device to launch; got {device}")
         for a, b, comm in self.parts:
-            args = (prefixes[:, a:b], None if blocks is None else blocks[a:b], norm, query,
-                    out_norm, outputs[:, a:b], step)  # fmt: skip
+            args = (
+                prefixes[:, a:b],
+                None if blocks is None else blocks[a:b],
+                norm,
+                query,
+                out_norm,
+                outputs[:, a:b],
+                step,
+            )
             if w_os is None:  # run_ranks enqueues every publisher before any consumer
-                comm.run_ranks(inputs[:, a:b], *args, ranks=ranks, publishers=publishers)
+                AllRanks(comm).run_ranks(inputs[:, a:b], *args, ranks=ranks, publishers=publishers)
                 continue
             _produce(comm, inputs[:, a:b], w_os, step, publishers)
-            comm.run_ranks(None, *args, ranks=ranks, publishers=())
+            AllRanks(comm).run_ranks(None, *args, ranks=ranks, publishers=())
 
     def error_masks(self) -> list[int]:
         """Per hosted rank, the OR of its error words over the chunks (0: none)."""

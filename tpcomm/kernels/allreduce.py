@@ -8,15 +8,13 @@ mask into the error word, no output, no re-arm), sums them in rank order in fp32
 slots it read. Grid ``(HID / 1024, tokens)``, 128 threads, launch bound 8 CTAs per SM.
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.cuteutil import fake_tensor, launch, pack_bf16x2, unpack_bf16x2
+from tpcomm.cuteutil import compile_cached, fake_tensor, launch, pack_bf16x2
 from tpcomm.mailbox import ALLREDUCE_BLOCKS_PER_SM as MIN_BLOCKS_PER_SM
 from tpcomm.mailbox import COLUMNS_PER_CTA, MAX_TP, POLL_CHUNK
 from tpcomm.mailbox import CTA_THREADS as THREADS
@@ -75,14 +73,7 @@ class AllReduceKernel:
                 )
                 failed = missing << first
                 if missing == 0:
-                    for i in cutlass.range_constexpr(count):
-                        for j in cutlass.range_constexpr(4):
-                            lo, hi = unpack_bf16x2(raw[i * 4 + j])
-                            if cutlass.const_expr(first + i == 0):
-                                acc[2 * j], acc[2 * j + 1] = lo, hi
-                            else:
-                                acc[2 * j] = acc[2 * j] + lo
-                                acc[2 * j + 1] = acc[2 * j + 1] + hi
+                    protocol.add_in_rank_order(acc, raw, count, first)
         return failed
 
     @cute.kernel
@@ -139,9 +130,11 @@ def fake_arguments(tp: int, hid: int):
     )
 
 
-@functools.cache
 def compiled(tp: int, hid: int, multicast: bool = False, fence: bool = False, arch=None):
     """One compile per (TP, HID, publish path, fence, arch); tokens are dynamic."""
-    kernel = AllReduceKernel(tp, hid, multicast=multicast, fence=fence)
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_arguments(tp, hid), options=options)
+
+    def build():
+        kernel = AllReduceKernel(tp, hid, multicast=multicast, fence=fence)
+        return kernel, fake_arguments(tp, hid)
+
+    return compile_cached(("allreduce", tp, hid, multicast, fence), build, arch=arch)

@@ -27,8 +27,6 @@ PDL: dependents are triggered at once; the wait comes at the end, or with ``earl
 = rank r, its tensors at r times one rank's size past rank 0's (``[TP, ...]`` contiguous).
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -38,6 +36,7 @@ from tpcomm import protocol
 from tpcomm.cuteutil import (
     arm_exchanges,
     bf16x2_to_f32,
+    compile_cached,
     cp_async_16,
     fake_tensor,
     launch,
@@ -49,6 +48,7 @@ from tpcomm.cuteutil import (
     unpack_bf16x2,
     wait_exchange,
 )
+from tpcomm.oproj.operands import ConsumerAddresses, ConsumerOperands
 from tpcomm.oproj.plan import (
     GROUP_THREADS,
     POLL_CHUNK,
@@ -62,6 +62,7 @@ from tpcomm.oproj.plan import (
     pow2_at_least,
 )
 
+Const = cutlass.Constexpr[int]  # a compile-time int parameter
 # rows of the per-thread prefetch area (16 bytes per thread and row)
 ROW_NORM, ROW_QUERY, ROW_OUT_NORM, ROW_PREFIX, ROW_BLOCK = 0, 1, 2, 3, 4
 
@@ -103,9 +104,22 @@ class OprojConsumerKernel:
     """Compile-time configuration: TP, HID, nb, has_delta, groups, xmoe reps, PDL,
     twoshot (and its sys fence before the gather publish)."""
 
-    def __init__(self, tp, hid, nb, *, has_delta=True, groups=4, xmoe_reps=0, pdl=False,
-                 twoshot=False, fence=False, early_wait=False, ranks=1,
-                 domain=None):  # fmt: skip
+    def __init__(
+        self,
+        tp,
+        hid,
+        nb,
+        *,
+        has_delta=True,
+        groups=4,
+        xmoe_reps=0,
+        pdl=False,
+        twoshot=False,
+        fence=False,
+        early_wait=False,
+        ranks=1,
+        domain=None,
+    ):
         check_config(tp, hid, nb, groups, xmoe_reps, twoshot)
         check_ranks(tp, ranks, twoshot)
         self.domain = tp if domain is None else check_domain(tp, domain, twoshot, ranks)
@@ -125,34 +139,10 @@ class OprojConsumerKernel:
 
     # --- launch ---------------------------------------------------------------
     @cute.jit
-    def __call__(
-        self,
-        mailbox: cute.Tensor,
-        prefix: cute.Tensor,
-        blocks: cute.Tensor,
-        norm: cute.Tensor,
-        query: cute.Tensor,
-        out_norm: cute.Tensor,
-        output: cute.Tensor,
-        xmoe: cute.Tensor,
-        hints: cute.Tensor,
-        eps: Float32,
-        out_eps: Float32,
-        error: cute.Tensor,
-        step: Int32,
-        budget_ns: Int64,
-        recv: cute.Tensor,
-        gather_peers: cute.Tensor,
-        rank: Int32,
-        stream: cuda.CUstream,
-    ):
-        args = self.kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output,
-                                xmoe, hints, eps, out_eps, error, step, budget_ns, recv,
-                                gather_peers, rank)  # fmt: skip
-        call = self.kernel(*args)
+    def __call__(self, op: ConsumerOperands, stream: cuda.CUstream):
         launch(
-            call,
-            (self.ctas, prefix.shape[0], self.ranks),
+            self.kernel(self.addresses(op)),
+            (self.ctas, op.prefix.shape[0], self.ranks),
             (self.threads, 1, 1),
             stream,
             cluster=(self.ctas, 1, 1),
@@ -162,27 +152,14 @@ class OprojConsumerKernel:
         )
 
     @staticmethod
-    def kernel_args(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe,
-                    hints, eps, out_eps, error, step, budget_ns, recv, gather_peers,
-                    rank):  # fmt: skip
-        """``kernel``'s arguments from ``__call__``'s (traced; the fused kernel appends
-        them to its producer's): tensors as addresses, tokens from ``prefix``."""
-        addresses = [
-            Int64(t.iterator.toint())
-            for t in (mailbox, prefix, blocks, norm, query, out_norm, output, xmoe)
-        ]
-        return (
-            *addresses,
-            Int64(hints.iterator.toint()),
-            Int64(error.iterator.toint()),
-            prefix.shape[0],
-            eps,
-            out_eps,
-            step,
-            budget_ns,
-            Int64(recv.iterator.toint()),
-            gather_peers,
-            rank,
+    def addresses(op: ConsumerOperands) -> ConsumerAddresses:
+        """``kernel``'s argument from ``__call__``'s (traced; the fused kernel's consumer
+        part): tensors as addresses, tokens from ``prefix``."""
+        tensors = (*op[: op._fields.index("hints") + 1], op.error)  # a_mailbox .. a_error
+        scalars = (op.prefix.shape[0], op.eps, op.out_eps, op.step, op.budget_ns)
+        recv = Int64(op.recv.iterator.toint())
+        return ConsumerAddresses(
+            *(Int64(t.iterator.toint()) for t in tensors), *scalars, recv, op.gather_peers, op.rank
         )
 
     # --- phases -----------------------------------------------------------------
@@ -218,8 +195,9 @@ class OprojConsumerKernel:
         return [n[j] * q[j] for j in range(8)]
 
     @cute.jit
-    def prefetch(self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query,
-                 a_out_norm):  # fmt: skip
+    def prefetch(
+        self, pf, tid, col_bytes, token, tokens, a_prefix, a_blocks, a_norm, a_query, a_out_norm
+    ):
         """cp.async of this thread's rows; the prefix row waits for the PDL wait when
         ``wait_before_poll`` (``prefetch_prefix`` then)."""
         if cutlass.const_expr(self.nb > 0):
@@ -240,7 +218,7 @@ class OprojConsumerKernel:
         cp_async_16(saddr(pf, (ROW_PREFIX, tid, 0)), a_prefix + token * hid_bytes + col_bytes)
 
     @cute.jit
-    def exchange(self, values, k: cutlass.Constexpr[int], warp_sums, ex, total, bar, tid, cta):
+    def exchange(self, values, k: Const, warp_sums, ex, total, bar, tid, cta):
         """Cluster-wide sums of ``k`` per-thread values of the lead group, into ``total``
         (identical bits in every CTA). Ends with a lead-group barrier."""
         lane, warp = tid % 32, tid // 32
@@ -263,8 +241,9 @@ class OprojConsumerKernel:
         cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
 
     @cute.jit
-    def poll(self, acc, raw, slot0, slot_bytes, budget_ns, a_error,
-             first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], sig=None):  # fmt: skip
+    def poll(
+        self, acc, raw, slot0, slot_bytes, budget_ns, a_error, first: Const, count: Const, sig=None
+    ):
         """Rank-order fp32 sum of ranks first..first+count-1 into ``acc`` (from the first
         rank's value); returns the missing-rank mask (0: all published). ``sig``: (signal
         words of this parity, rank) with a domain split."""
@@ -285,19 +264,11 @@ class OprojConsumerKernel:
                         raw, addresses, n, budget_ns, a_error, first + lo
                     )  # ORs the rank-numbered mask into the error word on expiry
                 failed = missing << (first + lo)
-                for i in cutlass.range_constexpr(n):
-                    for j in cutlass.range_constexpr(4):
-                        x, y = unpack_bf16x2(raw[i * 4 + j])
-                        if cutlass.const_expr(lo + i == 0):
-                            acc[2 * j], acc[2 * j + 1] = x, y
-                        else:
-                            acc[2 * j] = acc[2 * j] + x
-                            acc[2 * j + 1] = acc[2 * j + 1] + y
+                protocol.add_in_rank_order(acc, raw, n, lo)
         return failed
 
     @cute.jit
-    def wait_remote(self, sig, first: cutlass.Constexpr[int], n: cutlass.Constexpr[int],
-                    budget_ns, a_error):  # fmt: skip
+    def wait_remote(self, sig, first: Const, n: Const, budget_ns, a_error):
         """Bounded wait on the signals of ranks first.. first+n-1 outside this domain."""
         signals, rank = sig
         mine = rank // self.domain
@@ -308,8 +279,7 @@ class OprojConsumerKernel:
         return protocol.wait_signals(signals + first * 8, remote, n, budget_ns, a_error, first)
 
     @cute.jit
-    def rearm(self, slot0, slot_bytes, first: cutlass.Constexpr[int],
-              count: cutlass.Constexpr[int]):  # fmt: skip
+    def rearm(self, slot0, slot_bytes, first: Const, count: Const):
         for i in cutlass.range_constexpr(count):
             protocol.rearm(slot0 + (first + i) * slot_bytes)
 
@@ -339,10 +309,11 @@ class OprojConsumerKernel:
                     cute.arch.barrier_arrive(barrier_id=2, number_of_threads=self.threads)
 
     @cute.jit
-    def reduce_shard(self, a_recv, gather_peers, rank, parity, token, tokens, column,
-                     budget_ns, a_error, flag):  # fmt: skip
+    def reduce_shard(self, op, parity, token, tokens, column, flag):
         """Twoshot, threads owning this rank's columns: rank-order sum of the receive
         slots, one bf16 rounding, published into every rank's gather row; re-arm."""
+        a_recv, gather_peers, rank = op.a_recv, op.gather_peers, op.rank
+        budget_ns, a_error = op.budget_ns, op.a_error
         width: cutlass.Constexpr = self.hid // self.tp
         if column // width == rank:
             recv_bytes = tokens * (width * 2)
@@ -363,9 +334,12 @@ class OprojConsumerKernel:
                 flag[0] = Int32(1)
 
     @cute.jit
-    def lead(self, smem, cta, token, tid, slot0, slot_bytes, col_bytes, a_prefix, a_output,
-             a_xmoe, a_hints, a_error, tokens, eps, out_eps, budget_ns, a_recv,
-             gather_peers, rank, parity, sig=None):  # fmt: skip
+    def lead(self, smem, op, cta, token, tokens, tid, slot0, slot_bytes, col_bytes, parity, sig):
+        """The lead group: AttnRes, its slots' sum plus the other groups', the residual,
+        the norm and the results (``op``: the kernel's ``ConsumerAddresses``; ``token`` and
+        ``tokens`` as Int64)."""
+        a_prefix, a_error, budget_ns = op.a_prefix, op.a_error, op.budget_ns
+        eps, out_eps = op.eps, op.out_eps
         bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag = smem
         lane = tid % 32
         # 1. AttnRes over the block snapshots: independent of the mailbox
@@ -412,8 +386,7 @@ class OprojConsumerKernel:
         # mailbox slots, then the other groups' sums in group order
         if cutlass.const_expr(self.twoshot):
             column = cta * SLICE + tid * 8
-            self.reduce_shard(a_recv, gather_peers, rank, parity, token, tokens, column,
-                              budget_ns, a_error, flag)  # fmt: skip
+            self.reduce_shard(op, parity, token, tokens, column, flag)
         acc = cute.make_rmem_tensor(8, Float32)
         raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
         first, count = group_ranks(self.slots, self.groups, 0)
@@ -482,48 +455,42 @@ class OprojConsumerKernel:
             row_bytes = token * hid_bytes + col_bytes
             protocol.store16(a_prefix + row_bytes, words)
             out = [pack_bf16x2(final[2 * j], final[2 * j + 1]) for j in range(4)]
-            protocol.store16(a_output + row_bytes, out)
+            protocol.store16(op.a_output + row_bytes, out)
             if cutlass.const_expr(self.xmoe_reps > 0):
                 for r in cutlass.range_constexpr(self.xmoe_reps):
-                    addr = a_xmoe + r * tokens * hid_bytes + row_bytes
+                    addr = op.a_xmoe + r * tokens * hid_bytes + row_bytes
                     protocol.store16_relaxed_gpu(addr, out)
                 cute.arch.fence_acq_rel_gpu()  # the copies before this warp's hint
                 cute.arch.sync_warp()
                 if lane == 0:
-                    protocol.release_increment(a_hints)
+                    protocol.release_increment(op.a_hints)
 
     @cute.kernel
-    def kernel(self, a_mailbox: Int64, a_prefix: Int64, a_blocks: Int64, a_norm: Int64,
-               a_query: Int64, a_out_norm: Int64, a_output: Int64, a_xmoe: Int64,
-               a_hints: Int64, a_error: Int64, tokens: Int32, eps: Float32,
-               out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
-               gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
+    def kernel(self, op: ConsumerAddresses):
         thread, _, _ = cute.arch.thread_idx()
         cta, token, r = cute.arch.block_idx()
         if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s tensors (one launch)
             r64 = Int64(r)
-            per_rank = Int64(tokens) * (self.hid * 2)  # one [tokens, HID] bf16 tensor
-            a_mailbox = a_mailbox + r64 * (2 * self.slots) * per_rank
-            a_prefix = a_prefix + r64 * per_rank
-            a_output = a_output + r64 * per_rank
+            per_rank = Int64(op.tokens) * (self.hid * 2)  # one [tokens, HID] bf16 tensor
+            op = op._replace(
+                a_mailbox=op.a_mailbox + r64 * (2 * self.slots) * per_rank,
+                a_prefix=op.a_prefix + r64 * per_rank,
+                a_output=op.a_output + r64 * per_rank,
+            )
             if cutlass.const_expr(self.xmoe_reps > 0):
-                a_xmoe = a_xmoe + r64 * self.xmoe_reps * per_rank
-            a_hints = a_hints + r64 * WORD_ROW_BYTES
-            a_error = a_error + r64 * WORD_ROW_BYTES
-            rank = rank + r
-        smem = self.allocate()
-        self.body(smem, thread, cta, token, a_mailbox, a_prefix, a_blocks, a_norm, a_query,
-                  a_out_norm, a_output, a_xmoe, a_hints, a_error, tokens, eps, out_eps,
-                  step, budget_ns, a_recv, gather_peers, rank)  # fmt: skip
+                op = op._replace(a_xmoe=op.a_xmoe + r64 * self.xmoe_reps * per_rank)
+            op = op._replace(
+                a_hints=op.a_hints + r64 * WORD_ROW_BYTES,
+                a_error=op.a_error + r64 * WORD_ROW_BYTES,
+                rank=op.rank + r,
+            )
+        self.body(self.allocate(), thread, cta, token, op)
 
     @cute.jit
-    def body(self, smem, thread, cta, token, a_mailbox: Int64, a_prefix: Int64,
-             a_blocks: Int64, a_norm: Int64, a_query: Int64, a_out_norm: Int64,
-             a_output: Int64, a_xmoe: Int64, a_hints: Int64, a_error: Int64, tokens: Int32,
-             eps: Float32, out_eps: Float32, step: Int32, budget_ns: Int64, a_recv: Int64,
-             gather_peers: cute.Tensor, rank: Int32):  # fmt: skip
+    def body(self, smem, thread, cta, token, op: ConsumerAddresses):
         """One CTA of token ``token``'s cluster (CTA ``cta`` of it), ``smem`` from
         ``allocate``: what ``kernel`` runs, and the fused kernel's consumer CTAs."""
+        a_prefix, a_error, budget_ns, rank = op.a_prefix, op.a_error, op.budget_ns, op.rank
         group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
         bars, pf, flag = smem[0], smem[1], smem[9]
         arm_exchanges(bars, (4 * self.ctas * max(1, self.kpre), 4 * self.ctas * self.kpost))
@@ -533,24 +500,24 @@ class OprojConsumerKernel:
             cute.arch.griddepcontrol_launch_dependents()
         col_bytes = Int64(cta * SLICE + tid * 8) * 2
         token64 = Int64(token)
-        tokens64 = Int64(tokens)
+        tokens64 = Int64(op.tokens)
         if group == 0:
-            self.prefetch(pf, tid, col_bytes, token64, tokens64, a_prefix, a_blocks, a_norm,
-                          a_query, a_out_norm)  # fmt: skip
+            rows = (a_prefix, op.a_blocks, op.a_norm, op.a_query, op.a_out_norm)
+            self.prefetch(pf, tid, col_bytes, token64, tokens64, *rows)
         # peers' barriers are armed and the flag is cleared before anyone touches them
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         slot_bytes = tokens64 * (self.hid * 2)
-        parity = Int64(step & 1)
-        slot0 = a_mailbox + parity * self.slots * slot_bytes + token64 * (self.hid * 2)
+        parity = Int64(op.step & 1)
+        slot0 = op.a_mailbox + parity * self.slots * slot_bytes + token64 * (self.hid * 2)
         slot0 = slot0 + col_bytes
         sig = None  # the signal words of this parity ([2, TP] uint64, in ``recv``)
         if cutlass.const_expr(self.signal):
-            sig = (a_recv + parity * (self.tp * 8), rank)
+            sig = (op.a_recv + parity * (self.tp * 8), rank)
         if group == 0:
-            self.lead(smem, cta, token64, tid, slot0, slot_bytes, col_bytes, a_prefix,
-                      a_output, a_xmoe, a_hints, a_error, tokens64, eps, out_eps,
-                      budget_ns, a_recv, gather_peers, rank, parity, sig)  # fmt: skip
+            self.lead(
+                smem, op, cta, token64, tokens64, tid, slot0, slot_bytes, col_bytes, parity, sig
+            )
         else:
             self.helper(group, smem[2], flag, slot0, slot_bytes, budget_ns, a_error, tid, sig)
         if cutlass.const_expr(self.pdl):
@@ -558,42 +525,46 @@ class OprojConsumerKernel:
 
 
 def fake_arguments(tp: int, hid: int, nb: int, xmoe_reps: int = 0, twoshot: bool = False):
-    """Compile-only arguments of ``OprojConsumerKernel.__call__`` (tokens dynamic); with
-    ``twoshot`` the mailbox is the one-slot gather row ``[2, 1, tokens, HID]``. The receive
-    view travels flattened (1-D, any length; a dummy without twoshot)."""
+    """Compile-only arguments of ``OprojConsumerKernel.__call__``: ``ConsumerOperands``
+    (tokens dynamic) and a stream; with ``twoshot`` the mailbox is the one-slot gather row
+    ``[2, 1, tokens, HID]``. The receive view travels flattened (1-D, any length; a dummy
+    without twoshot)."""
     tokens = cute.sym_int()
-    return (
-        fake_tensor(BFloat16, (2, 1 if twoshot else tp, tokens, hid)),
-        fake_tensor(BFloat16, (tokens, hid)),
-        fake_tensor(BFloat16, (tokens, max(1, nb), hid)),
-        fake_tensor(BFloat16, (hid,)),
-        fake_tensor(BFloat16, (hid,)),
-        fake_tensor(BFloat16, (hid,)),
-        fake_tensor(BFloat16, (tokens, hid)),
-        fake_tensor(BFloat16, (max(1, xmoe_reps), tokens, hid)),
-        fake_tensor(Int32, (1,), align=4),
-        Float32(1e-6),
-        Float32(1e-6),
-        fake_tensor(Int32, (1,), align=4),
-        Int32(0),
-        Int64(0),
-        fake_tensor(BFloat16, (cute.sym_int(divisibility=8),)),
-        fake_tensor(Int64, (tp,), align=8),
-        Int32(0),
-        cute.runtime.make_fake_stream(),
+    rows, vector = (tokens, hid), (hid,)
+    operands = ConsumerOperands(
+        mailbox=fake_tensor(BFloat16, (2, 1 if twoshot else tp, tokens, hid)),
+        prefix=fake_tensor(BFloat16, rows),
+        blocks=fake_tensor(BFloat16, (tokens, max(1, nb), hid)),
+        norm=fake_tensor(BFloat16, vector),
+        query=fake_tensor(BFloat16, vector),
+        out_norm=fake_tensor(BFloat16, vector),
+        output=fake_tensor(BFloat16, rows),
+        xmoe=fake_tensor(BFloat16, (max(1, xmoe_reps), tokens, hid)),
+        hints=fake_tensor(Int32, (1,), align=4),
+        eps=Float32(1e-6),
+        out_eps=Float32(1e-6),
+        error=fake_tensor(Int32, (1,), align=4),
+        step=Int32(0),
+        budget_ns=Int64(0),
+        recv=fake_tensor(BFloat16, (cute.sym_int(divisibility=8),)),
+        gather_peers=fake_tensor(Int64, (tp,), align=8),
+        rank=Int32(0),
     )
+    return operands, cute.runtime.make_fake_stream()
 
 
-@functools.cache
-def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch=None, *,
-             twoshot=False, fence=False, ranks=1, domain=None):  # fmt: skip
-    """One compile per configuration and arch; tokens are dynamic. ``ranks`` = TP: one
-    launch for every rank of a one-GPU backend (rank r's mailbox, prefix, output, xmoe,
-    error and hint rows at r times their size past the first rank's). ``domain`` < TP:
-    the signal-wait configuration (``recv`` carries the signal words)."""
-    kernel = OprojConsumerKernel(tp, hid, nb, has_delta=has_delta, groups=groups,
-                                 xmoe_reps=xmoe_reps, pdl=pdl, twoshot=twoshot, fence=fence,
-                                 ranks=ranks, domain=domain)  # fmt: skip
-    args = fake_arguments(tp, hid, nb, xmoe_reps, twoshot)
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *args, options=options)
+def compiled(tp, hid, nb, has_delta=True, groups=4, xmoe_reps=0, pdl=False, arch=None, **kw):
+    """One compile per configuration and arch; tokens are dynamic. ``kw``: the kernel's
+    ``twoshot``, ``fence``, ``ranks`` (TP: one launch for every rank of a one-GPU backend,
+    rank r's mailbox, prefix, output, xmoe, error and hint rows at r times their size past
+    the first rank's) and ``domain`` (< TP: the signal-wait configuration, ``recv``
+    carrying the signal words)."""
+    config = dict(has_delta=has_delta, groups=groups, xmoe_reps=xmoe_reps, pdl=pdl, **kw)
+    twoshot = kw.get("twoshot", False)
+
+    def build():
+        kernel = OprojConsumerKernel(tp, hid, nb, **config)
+        return kernel, fake_arguments(tp, hid, nb, xmoe_reps, twoshot)
+
+    key = ("oproj_consumer", tp, hid, nb, *sorted(config.items()))
+    return compile_cached(key, build, arch=arch)

@@ -18,8 +18,6 @@ CTA's work for any 128 threads (the fused kernel runs several per CTA).
 rank's size past rank 0's.
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -27,6 +25,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
 from tpcomm import protocol
 from tpcomm.cuteutil import (
+    compile_cached,
     fake_tensor,
     launch,
     ld_global_nc_b32x4,
@@ -34,7 +33,10 @@ from tpcomm.cuteutil import (
     pack_bf16x2,
     smem_tensor,
 )
+from tpcomm.oproj.operands import ProjectionAddresses
 from tpcomm.oproj.plan import FEATURES, K_CHUNK, SLICE, THREADS, WARPS, check_producer
+
+Flag = cutlass.Constexpr[bool]  # a compile-time bool parameter
 
 
 def twoshot_offset(tp, hid, step, rank, tokens, token, column):
@@ -49,8 +51,7 @@ def twoshot_offset(tp, hid, step, rank, tokens, token, column):
 class PartialPublisher:
     """Compile-time configuration: TP, HID, multicast, sys fence, PDL, twoshot."""
 
-    def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False,
-                 ranks=1):  # fmt: skip
+    def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False, ranks=1):
         check_producer(tp, hid, twoshot=twoshot, ranks=ranks)
         self.ranks = ranks
         self.tp, self.hid = tp, hid
@@ -68,19 +69,21 @@ class PartialPublisher:
         stream: cuda.CUstream,
     ):
         call = self.kernel(
-            Int64(partial.iterator.toint()),
-            peers,
-            multicast_base,
-            partial.shape[0],
-            rank,
-            step,
+            Int64(partial.iterator.toint()), peers, multicast_base, partial.shape[0], rank, step
         )
         grid = (self.hid // SLICE, partial.shape[0], self.ranks)
         launch(call, grid, (THREADS, 1, 1), stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, a_partial: Int64, peers: cute.Tensor, multicast_base: Int64,
-               tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+    def kernel(
+        self,
+        a_partial: Int64,
+        peers: cute.Tensor,
+        multicast_base: Int64,
+        tokens: Int32,
+        rank: Int32,
+        step: Int32,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         cta, token, r = cute.arch.block_idx()
         if cutlass.const_expr(self.ranks > 1):  # rank ``rank + r``'s partial
@@ -111,8 +114,9 @@ class PartialPublisher:
 class OprojProducer:
     """Compile-time configuration: TP, HID, D (local width), multicast, fence, PDL."""
 
-    def __init__(self, tp, hid, d_local, *, multicast=False, fence=False, pdl=False,
-                 twoshot=False, ranks=1):  # fmt: skip
+    def __init__(
+        self, tp, hid, d_local, *, multicast=False, fence=False, pdl=False, twoshot=False, ranks=1
+    ):
         check_producer(tp, hid, d_local, twoshot=twoshot, ranks=ranks)
         self.ranks = ranks
         self.tp, self.hid, self.d = tp, hid, d_local
@@ -130,52 +134,47 @@ class OprojProducer:
         step: Int32,
         stream: cuda.CUstream,
     ):
+        a_attn, a_w = Int64(attn_out.iterator.toint()), Int64(w_o.iterator.toint())
+        tokens = attn_out.shape[0]
         call = self.kernel(
-            Int64(attn_out.iterator.toint()),
-            Int64(w_o.iterator.toint()),
-            peers,
-            multicast_base,
-            attn_out.shape[0],
-            rank,
-            step,
+            ProjectionAddresses(a_attn, a_w, peers, multicast_base, tokens, rank, step)
         )
         grid = (self.hid // FEATURES, self.ranks, 1)
         launch(call, grid, (WARPS * 32, 1, 1), stream, use_pdl=self.pdl)
 
     @cute.jit
-    def rank_operands(self, a_attn: Int64, a_w: Int64, tokens: Int32, rank: Int32):
-        """(attn_out, w_o, rank) of the rank this CTA projects: grid y = r is rank
-        ``rank + r`` (``ranks`` > 1: every rank's operands ``[TP, ...]`` contiguous)."""
+    def rank_operands(self, p: ProjectionAddresses) -> ProjectionAddresses:
+        """``p`` of the rank this CTA projects: grid y = r is rank ``rank + r`` (``ranks``
+        > 1: every rank's operands ``[TP, ...]`` contiguous)."""
         _, r, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.ranks > 1):
             r64 = Int64(r)
-            a_attn = a_attn + r64 * Int64(tokens) * (self.d * 2)
-            a_w = a_w + r64 * (self.hid * self.d * 2)
-            rank = rank + r
-        return a_attn, a_w, rank
+            p = p._replace(
+                a_attn=p.a_attn + r64 * Int64(p.tokens) * (self.d * 2),
+                a_w=p.a_w + r64 * (self.hid * self.d * 2),
+                rank=p.rank + r,
+            )
+        return p
 
     @cute.kernel
-    def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
-               tokens: Int32, rank: Int32, step: Int32):  # fmt: skip
+    def kernel(self, p: ProjectionAddresses):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        a_attn, a_w, rank = self.rank_operands(a_attn, a_w, tokens, rank)
+        p = self.rank_operands(p)
         smem = cutlass.memory.SmemAllocator()
         red = smem_tensor(smem, Float32, (WARPS, 32, 4))
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        self.tile(a_attn, a_w, peers, multicast_base, tokens, rank, step, cta, tid, red,
-                  0, None, self.pdl)  # fmt: skip
+        self.tile(p, cta, tid, red, 0, None, self.pdl)
 
     @cute.jit
-    def tile(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64,
-             tokens: Int32, rank: Int32, step: Int32, index, tid, red, warp0,
-             barrier_id, wait: cutlass.Constexpr[bool]):  # fmt: skip
+    def tile(self, p: ProjectionAddresses, index, tid, red, warp0, barrier_id, wait: Flag):
         """One 16-feature tile ``index`` (features ``16 index ..``) by the 128 threads
         ``tid`` = 0..127 of four warps: GEMM, warp-order sum through ``red[warp0 ..
         warp0 + 3]``, publish. ``barrier_id`` None: the CTA barrier, else a 128-thread
         named barrier (the fused kernel runs several tiles per CTA). With ``wait`` the
         previous kernel (PDL) is waited for before ``attn_out`` is read."""
+        a_attn, a_w, tokens = p.a_attn, p.a_w, p.tokens
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
         row_bytes = Int64(self.d * 2)
@@ -206,14 +205,14 @@ class OprojProducer:
             cute.arch.barrier()
         else:
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
-        self.publish_tile(peers, multicast_base, tokens, rank, step, index, tid, red, warp0)
+        self.publish_tile(p, index, tid, red, warp0)
 
     @cute.jit
-    def publish_tile(self, peers: cute.Tensor, multicast_base: Int64, tokens: Int32,
-                     rank: Int32, step: Int32, index, tid, red, warp0):  # fmt: skip
+    def publish_tile(self, p: ProjectionAddresses, index, tid, red, warp0):
         """Tile ``index``'s four warp fragments ``red[warp0 .. warp0 + 3]`` (written and
         made visible by the caller's barrier) summed in warp order, rounded to bf16 and
         published by the 128 threads ``tid``."""
+        peers, multicast_base, tokens, rank, step = p[2:]
         # thread -> (token n, half h of the 16 features, peer lane q)
         group, q = tid // 8, tid % 8
         n, h = group // 2, group % 2
@@ -270,21 +269,27 @@ def fake_producer_arguments(tp: int, hid: int, d_local: int):
     )
 
 
-@functools.cache
-def compiled_publisher(tp, hid, multicast=False, fence=False, pdl=False, arch=None, *,
-                       twoshot=False, ranks=1):  # fmt: skip
+def compiled_publisher(
+    tp, hid, multicast=False, fence=False, pdl=False, arch=None, *, twoshot=False, ranks=1
+):
     """One compile per configuration and arch; tokens are dynamic."""
-    kernel = PartialPublisher(tp, hid, multicast=multicast, fence=fence, pdl=pdl,
-                              twoshot=twoshot, ranks=ranks)  # fmt: skip
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_publisher_arguments(tp, hid), options=options)
+    config = dict(multicast=multicast, fence=fence, pdl=pdl, twoshot=twoshot, ranks=ranks)
+
+    def build():
+        return PartialPublisher(tp, hid, **config), fake_publisher_arguments(tp, hid)
+
+    return compile_cached(("oproj_publisher", tp, hid, *config.values()), build, arch=arch)
 
 
-@functools.cache
-def compiled_producer(tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *,
-                      twoshot=False, ranks=1):  # fmt: skip
+def compiled_producer(
+    tp, hid, d_local, multicast=False, fence=False, pdl=False, arch=None, *, twoshot=False, ranks=1
+):
     """One compile per configuration and arch; tokens are dynamic (1..8)."""
-    kernel = OprojProducer(tp, hid, d_local, multicast=multicast, fence=fence, pdl=pdl,
-                           twoshot=twoshot, ranks=ranks)  # fmt: skip
-    options = None if arch is None else f"--gpu-arch {arch}"
-    return cute.compile(kernel, *fake_producer_arguments(tp, hid, d_local), options=options)
+    config = dict(multicast=multicast, fence=fence, pdl=pdl, twoshot=twoshot, ranks=ranks)
+
+    def build():
+        kernel = OprojProducer(tp, hid, d_local, **config)
+        return kernel, fake_producer_arguments(tp, hid, d_local)
+
+    key = ("oproj_producer", tp, hid, d_local, *config.values())
+    return compile_cached(key, build, arch=arch)

@@ -1,0 +1,1 @@
+"""The mailbox all-reduce's CuTe kernel (``tpcomm.allreduce`` is its host entry)."""
