@@ -136,7 +136,8 @@ def test_replay_table_rows_on_cpu_pools(monkeypatch):
     monkeypatch.setattr(bench_kda, "setup", cpu_setup)
     monkeypatch.setattr(bench_kda, "rotations_for", lambda H, B, T: (2, B * H * (1 + T) * 65536))
     monkeypatch.setattr(bench_kda, "time_graph", fake_time_graph)
-    monkeypatch.setattr("kda.decode.plan", lambda B, H, T, device: SimpleNamespace(kernel="wide"))
+    plan = lambda B, H, T, device: SimpleNamespace(kernel="wide")  # noqa: E731
+    monkeypatch.setattr(sys.modules["kda.decode"], "plan", plan)  # kda.decode: the function
     props = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     grid = [(2, 3, 1, 4), (2, 3, 4, 16), (2, 3, 1, 8), (3, 2, 4, 4)]

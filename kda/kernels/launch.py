@@ -33,7 +33,6 @@ RECOVER_ALIGNED = ("state", "v_records", "kg_records")
 COPY_ALIGNED = ("state", "conv_state", "ring_v", "ring_kg")
 FOLD_ALIGNED = ("state", "ring_v", "ring_kg")
 
-_CACHE: dict = {}
 _DUMMIES: dict = {}
 _SM_COUNT: dict = {}
 
@@ -113,16 +112,14 @@ def _cute_operands(kind, tensors: dict, scalars: dict, aligned, conv_dim_first=T
 
 
 def _run(key, build, operands, device, arch) -> None:
-    """Compile ``build()`` for ``operands`` once per ``key``; launch it on the current stream."""
+    """Compile ``build()`` for ``operands`` once per ``key`` (``tpcomm.cuteutil``'s one
+    compile cache); launch it on the current stream."""
     import cuda.bindings.driver as cuda
 
-    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    compiled = _CACHE.get(key)
-    if compiled is None:
-        import cutlass.cute as cute
+    from tpcomm.cuteutil import compile_cached
 
-        compiled = cute.compile(build(), operands, stream, options=f"--gpu-arch {arch}")
-        _CACHE[key] = compiled
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    compiled = compile_cached(("kda", key), lambda: (build(), (operands, stream)), arch=arch)
     compiled(operands, stream)
 
 
