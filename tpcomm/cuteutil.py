@@ -34,6 +34,7 @@ __all__ = [
     "warp_sum",
     "launch",
     "ld_global_nc_b32x4",
+    "st_global_b32x4",
     "mma_bf16_16816",
     "bits_float",
     "float_bits",
@@ -142,6 +143,14 @@ def ld_global_nc_b32x4(address: Int64):
         "ld.global.nc.L1::no_allocate.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
         write_only_types=[Uint32] * 4,
         read_only_args=[address],
+    )
+
+
+def st_global_b32x4(address: Int64, words):
+    """Weak 16-byte global store of four 32-bit words (bits as they are)."""
+    cute.arch.inline_ptx(
+        "st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[address, *[Uint32(w) for w in words]],
     )
 
 
