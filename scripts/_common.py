@@ -37,10 +37,13 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, out: str) -> None:
-    """``fig`` written to ``out`` at 120 dpi (its folder made first), then closed."""
+def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
+    """``fig`` laid out tight, written to ``out`` (its folder made first) and closed; prints
+    ``wrote out (what)``."""
     import matplotlib.pyplot as plt
 
+    fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
+    print(f"wrote {out}" + (f" ({what})" if what else ""))

@@ -62,9 +62,7 @@ def main(argv=None) -> int:
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, args.out)
-    print(f"wrote {args.out} ({sum(len(v) for v in series.values())} points)")
+    save_figure(fig, args.out, f"{sum(len(v) for v in series.values())} points")
     return 0
 
 

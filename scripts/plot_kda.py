@@ -63,9 +63,7 @@ def main(argv=None):
         ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
     save_figure(fig, args.out)
-    print(f"wrote {args.out}")
     return 0
 
 

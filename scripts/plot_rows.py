@@ -122,9 +122,7 @@ def main(argv=None) -> int:
         ax.set_title(f"{title}\n{', '.join(devices)}", fontsize=9)
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, args.out)
-    print(f"wrote {args.out} ({count} points, {n} panels)")
+    save_figure(fig, args.out, f"{count} points, {n} panels")
     return 0 if count else 1
 
 

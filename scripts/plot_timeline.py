@@ -144,9 +144,7 @@ def main(argv=None) -> int:
         title += f"; median span {s['span_us']:.1f} us, skew {s['skew_us']:.2f} us"
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, args.out)
-    print(f"wrote {args.out} ({ranks} ranks, {min(args.steps, tl['steps'])} steps)")
+    save_figure(fig, args.out, f"{ranks} ranks, {min(args.steps, tl['steps'])} steps")
     return 0
 
 
