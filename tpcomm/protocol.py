@@ -3,10 +3,10 @@ the sentinel test, publish, bounded poll, re-arm, error word, hint counter, sys 
 
 Each wrapper states its memory order and scope in its first docstring line (``load16`` and
 ``store16``: per ``order``, in ``ORDERS``). Addresses are ``Int64`` (or CuTe global
-pointers), so a peer's mailbox and this rank's own go through the same code. A 16-byte group is four 32-bit words, each single-copy atomic: a group is
-*published* when none of its words is ``SENTINEL``, so a torn store reads "not yet";
-producers canonicalise a data word equal to the sentinel to ``CANONICAL_NAN_WORD``.
-Needs the CuTe DSL.
+pointers), so a peer's mailbox and this rank's own go through the same code. A 16-byte
+group is four 32-bit words, each single-copy atomic: a group is *published* when none of
+its words is ``SENTINEL``, so a torn store reads "not yet"; producers canonicalise a data
+word equal to the sentinel to ``CANONICAL_NAN_WORD``. Needs the CuTe DSL.
 """
 
 from __future__ import annotations
