@@ -141,7 +141,7 @@ class OprojFused:
 
 def fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps=0, twoshot=False):
     """Compile-only arguments of ``OprojFused.__call__`` (tokens dynamic)."""
-    producer = ProducerOperands(*fake_producer_arguments(tp, hid, d_local)[:4])
+    producer = fake_producer_arguments(tp, hid, d_local)[0]
     return (producer, *fake_arguments(tp, hid, nb, xmoe_reps, twoshot))
 
 
