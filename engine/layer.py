@@ -301,30 +301,16 @@ class DecodeLayer:
             self.recover(slots, records, committed, accepted)
         return attn
 
-    def step(
-        self,
-        x,
-        f_a,
-        beta,
-        gate,
-        slots,
-        prefix,
-        blocks,
-        parity: int,
-        *,
-        accepted=None,
-        records=None,
-        committed=None,
-        output=None,
-        attn=None,
-    ):
+    def step(self, x, f_a, beta, gate, slots, prefix, blocks, parity: int, **options):
         """One decode (T = 1) or verify step of this rank: KDA -> (recover) -> producer ->
         consumer; returns ``output`` [B*T, HID] bf16 (allocated when None) and updates
         ``prefix`` in place. ``records`` (v_records, kg_records): a recorded verify step;
         with ``committed`` (tokens the sampler accepted) it is committed right away.
         ``parity``: the mailbox parity, alternating 0, 1 from step to step. Replay mode:
-        ``records`` and ``committed`` are refused (``attend``)."""
-        kda_options = dict(accepted=accepted, records=records, committed=committed, out=attn)
+        ``records`` and ``committed`` are refused (``attend``). ``options`` (``step_options``):
+        ``accepted``, ``records``, ``committed``, ``output``, ``attn`` (KDA's output buffer),
+        each None by default."""
+        output, kda_options = step_options(options)
         attn = self.kda_stage(x, f_a, beta, gate, slots, **kda_options)
         self.produce(attn, parity)
         if output is None:

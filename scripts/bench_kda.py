@@ -48,6 +48,7 @@ import os
 import statistics
 
 import torch
+from _common import event_us, replay_us
 
 from kda import layer as kl
 from kda import synthetic as kt
@@ -69,15 +70,7 @@ def time_graph(fn, replays=7, inner=1):
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    return statistics.median(times)
+    return replay_us(graph, replays, inner)
 
 
 def copy_bandwidth():
@@ -86,14 +79,7 @@ def copy_bandwidth():
     a = torch.empty(n, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     graph_us = time_graph(lambda: b.copy_(a), replays=9)
-    eager = []
-    for _ in range(9):  # a plain cudaMemcpyAsync, outside a graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        eager.append(start.elapsed_time(end) * 1e3)
+    eager = [event_us(lambda: b.copy_(a)) for _ in range(9)]  # a plain cudaMemcpyAsync
     us = min(graph_us, statistics.median(eager))
     return 2 * 4 * n / (us * 1e-6) / 1e12
 

@@ -17,13 +17,13 @@ so a step moves ``2 x TP x TP x tokens x HID x 2`` bytes through L2 (stores + lo
 import argparse
 import json
 import os
-import statistics
 import sys
 
 # every rank needs its own hardware queue; must be set before CUDA initialises
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import torch  # noqa: E402
+from _common import replay_us  # noqa: E402
 
 
 def _time_graph(fn, steps, reps, warmup=3):
@@ -35,15 +35,7 @@ def _time_graph(fn, steps, reps, warmup=3):
             fn(s)
     for _ in range(warmup):
         graph.replay()
-    times = []
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / steps)
-    return statistics.median(times)
+    return replay_us(graph, reps, steps)
 
 
 def bench(tp, tokens, hid, steps, reps, sets):

@@ -160,6 +160,12 @@ def param_lines(params: dict) -> list[str]:
     return [f"  {name:<26}{p.value:>10.3f} {p.unit:<8}{p.kind}" for name, p in params.items()]
 
 
+def _log_log(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Both axes logarithmic, labelled, with major and minor grid lines."""
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot(predictions: list[dict], table: list[dict], path: str, limit: float) -> None:
     """Ours (solid) and the NCCL peer (dashed) per TP against requests, T 1 and T 4; TP 16's
     hierarchical what-if dotted; a third panel: every two-GPU row, model against measured."""
@@ -191,14 +197,9 @@ def plot(predictions: list[dict], table: list[dict], path: str, limit: float) ->
                     color=colour,
                     label=f"TP {tp} hierarchical (not built)",
                 )
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="requests per step (B)",
-            ylabel="us per step, one rank",
-            title=f"predicted step, T = {tokens}",
+        _log_log(
+            ax, "requests per step (B)", "us per step, one rank", f"predicted step, T = {tokens}"
         )
-        ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7, ncol=2)
     ax = axes[2]
     groups = sorted({r["group"] for r in table})
@@ -212,15 +213,9 @@ def plot(predictions: list[dict], table: list[dict], path: str, limit: float) ->
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
     for f in (1 - limit, 1 + limit):
         ax.plot([lo, hi], [lo * f, hi * f], "k:", lw=0.8)
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="measured us (two H200)",
-        ylabel="model us",
-        title=f"calibration: every two-GPU row (dotted: +-{100 * limit:.0f}%)",
-    )
+    title = f"calibration: every two-GPU row (dotted: +-{100 * limit:.0f}%)"
+    _log_log(ax, "measured us (two H200)", "model us", title)
     ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

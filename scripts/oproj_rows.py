@@ -25,9 +25,9 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
-import statistics
 
 import torch
+from _common import replay_us
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks
@@ -50,15 +50,7 @@ def graph_us(fn, iters, repeats):
     with torch.cuda.graph(graph, stream=side):
         for i in range(iters):
             fn(i)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
+    return replay_us(graph, repeats, iters)
 
 
 def gemm_tflops():

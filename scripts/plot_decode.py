@@ -15,6 +15,10 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
+
+from _common import pyplot, save_figure  # noqa: E402
+
 
 def load(paths, kind="step"):
     """{(backend, tp, hidden, heads, tokens): [(requests, median_us, p99_us), ...]}."""
@@ -45,12 +49,7 @@ def main(argv=None) -> int:
     if not series:
         print("no report has that latency row", file=sys.stderr)
         return 1
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for (backend, tp, hidden, heads, tokens), points in series.items():
         x = [r for r, _, _ in points]
         y = [m for _, m, _ in points]
@@ -63,11 +62,7 @@ def main(argv=None) -> int:
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {args.out} ({sum(len(v) for v in series.values())} points)")
+    save_figure(fig, args.out, f"{sum(len(v) for v in series.values())} points")
     return 0
 
 

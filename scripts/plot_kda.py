@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
+
+from _common import pyplot, save_figure  # noqa: E402
 
 SERIES = (
     ("auto_us", "ours (auto)", "-"),
@@ -35,15 +41,10 @@ def main(argv=None):
     parser.add_argument("json", help="bench_kda.py --json output")
     parser.add_argument("--out", default="kda_small.png")
     args = parser.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     with open(args.json) as f:
         rows = json.load(f)["rows"]
     groups = panels(rows)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
     for ax, ((H, T), rs) in zip(axes[0], groups.items(), strict=True):
         bs = [r["B"] for r in rs]
         for key, label, style in SERIES:
@@ -62,9 +63,7 @@ def main(argv=None):
         ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    save_figure(fig, args.out)
     return 0
 
 

@@ -15,6 +15,10 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
+
+from _common import pyplot, save_figure  # noqa: E402
+
 SERIES = (
     ("ours_us", "-", "o", "ours"),
     ("peer_us", "--", "s", "peer"),
@@ -82,10 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/decode_rows.png")
     args = p.parse_args(argv)
     shown = panels(args.decode, args.oproj)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     n = len(shown)
@@ -121,11 +122,7 @@ def main(argv=None) -> int:
         ax.set_title(f"{title}\n{', '.join(devices)}", fontsize=9)
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {args.out} ({count} points, {n} panels)")
+    save_figure(fig, args.out, f"{count} points, {n} panels")
     return 0 if count else 1
 
 

@@ -24,6 +24,10 @@ import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
+
+from _common import pyplot, save_figure  # noqa: E402
+
 COLOURS = {
     "launch": "#bbbbbb",
     "kda": "#4c72b0",
@@ -94,12 +98,10 @@ def main(argv=None) -> int:
         return 1
     shifts = offsets(tl, args.align)
     try:
-        import matplotlib
+        plt = pyplot()
     except ImportError:
         print("plot_timeline.py needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 1
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     ranks = len(bars)
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.6 * ranks))
@@ -142,11 +144,7 @@ def main(argv=None) -> int:
         title += f"; median span {s['span_us']:.1f} us, skew {s['skew_us']:.2f} us"
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {args.out} ({ranks} ranks, {min(args.steps, tl['steps'])} steps)")
+    save_figure(fig, args.out, f"{ranks} ranks, {min(args.steps, tl['steps'])} steps")
     return 0
 
 

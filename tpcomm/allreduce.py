@@ -83,11 +83,12 @@ class MailboxAllReduce:
         from cutlass import Int32, Int64
 
         from tpcomm.cuteutil import to_cute as dl
+        from tpcomm.kernels.allreduce import AllReduceOperands
 
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
 
-        self.function()(
+        operands = AllReduceOperands(
             dl(partial),
             dl(out),
             dl(self.mailbox.local(rank)),
@@ -97,8 +98,8 @@ class MailboxAllReduce:
             Int32(rank),
             Int32(step & 1),
             Int64(self.budget_ns),
-            cuda.CUstream(stream.cuda_stream),
         )
+        self.function()(operands, cuda.CUstream(stream.cuda_stream))
 
     def run_ranks(self, partials, outs, step: int, *, ranks=None, delays=None) -> None:
         """Loopback: every hosted rank (or ``ranks``) on its own stream, joined back.

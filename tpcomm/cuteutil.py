@@ -77,6 +77,17 @@ def saddr(tensor: cute.Tensor, coord) -> Int32:
     return Int32((tensor.iterator + cute.crd2idx(coord, tensor.layout)).toint())
 
 
+def _vector_load(instruction: str, address, dtype, n: int):
+    """``n`` ``dtype`` registers loaded from ``address`` by ``instruction`` (the PTX up to
+    its operands)."""
+    registers = ", ".join(f"{{$w{i}}}" for i in range(n))
+    return cute.arch.inline_ptx(
+        f"{instruction} {{{registers}}}, [{{$r0}}];",
+        write_only_types=[dtype] * n,
+        read_only_args=[address],
+    )
+
+
 def cp_async_16(shared: Int32, source: Int64):
     """16-byte ``cp.async.cg`` global -> shared (L2 only); visible after
     ``cp_async_commit_group`` + ``cp_async_wait_group`` by the issuing thread."""
@@ -87,20 +98,12 @@ def cp_async_16(shared: Int32, source: Int64):
 
 def ld_shared_f32x4(shared: Int32):
     """Weak 16-byte shared load of four fp32."""
-    return cute.arch.inline_ptx(
-        "ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Float32] * 4,
-        read_only_args=[shared],
-    )
+    return _vector_load("ld.shared.v4.f32", shared, Float32, 4)
 
 
 def ld_global_f32x4(address: Int64):
     """Weak 16-byte global load of four fp32."""
-    return cute.arch.inline_ptx(
-        "ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Float32] * 4,
-        read_only_args=[address],
-    )
+    return _vector_load("ld.global.v4.f32", address, Float32, 4)
 
 
 def st_global_f32x4(address: Int64, values):
@@ -112,38 +115,22 @@ def st_global_f32x4(address: Int64, values):
 
 def ld_global_nc_b32x2(address: Int64):
     """8-byte read-only (non-coherent path) global load: data constant for the kernel."""
-    return cute.arch.inline_ptx(
-        "ld.global.nc.v2.b32 {{$w0}, {$w1}}, [{$r0}];",
-        write_only_types=[Uint32] * 2,
-        read_only_args=[address],
-    )
+    return _vector_load("ld.global.nc.v2.b32", address, Uint32, 2)
 
 
 def ld_global_b32x2(address: Int64):
     """Weak 8-byte global load (data a predecessor kernel may have written)."""
-    return cute.arch.inline_ptx(
-        "ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];",
-        write_only_types=[Uint32] * 2,
-        read_only_args=[address],
-    )
+    return _vector_load("ld.global.v2.b32", address, Uint32, 2)
 
 
 def ld_shared_b32x4(shared: Int32):
     """Weak 16-byte shared load as four 32-bit words."""
-    return cute.arch.inline_ptx(
-        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Uint32] * 4,
-        read_only_args=[shared],
-    )
+    return _vector_load("ld.shared.v4.b32", shared, Uint32, 4)
 
 
 def ld_global_nc_b32x4(address: Int64):
     """Weak 16-byte read-only load (non-coherent path, no L1 allocation): weights."""
-    return cute.arch.inline_ptx(
-        "ld.global.nc.L1::no_allocate.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Uint32] * 4,
-        read_only_args=[address],
-    )
+    return _vector_load("ld.global.nc.L1::no_allocate.v4.b32", address, Uint32, 4)
 
 
 def st_global_b32x4(address: Int64, words):
@@ -180,11 +167,7 @@ def bf16x2_to_f32(word: Uint32):
 
 def ld_shared_b32x2(shared: Int32):
     """Weak 8-byte shared load as two 32-bit words."""
-    return cute.arch.inline_ptx(
-        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];",
-        write_only_types=[Uint32] * 2,
-        read_only_args=[shared],
-    )
+    return _vector_load("ld.shared.v2.b32", shared, Uint32, 2)
 
 
 def prefetch_l2_bulk(address: Int64, size: int):

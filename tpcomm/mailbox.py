@@ -62,21 +62,22 @@ def check_tp_hid(tp: int, hid: int) -> None:
         )
 
 
-def _check(tp: int, tokens: int, hid: int) -> None:
-    check_tp_hid(tp, hid)
-    if not is_int(tokens) or not 1 <= tokens <= MAX_ROWS:
-        raise ValueError(f"tokens (rows) must be an int in 1..{MAX_ROWS}; got {tokens!r}")
-
-
 @dataclass(frozen=True)
-class MailboxLayout:
+class _Rows:
+    """What both layouts hold: ``tp`` ranks' ``tokens`` rows of ``hid`` columns, checked."""
+
     tp: int
     tokens: int
     hid: int
 
     def __post_init__(self):
-        _check(self.tp, self.tokens, self.hid)
+        check_tp_hid(self.tp, self.hid)
+        if not is_int(self.tokens) or not 1 <= self.tokens <= MAX_ROWS:
+            raise ValueError(f"tokens (rows) must be an int in 1..{MAX_ROWS}; got {self.tokens!r}")
 
+
+@dataclass(frozen=True)
+class MailboxLayout(_Rows):
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (2, self.tp, self.tokens, self.hid)
@@ -105,13 +106,9 @@ class MailboxLayout:
 
 
 @dataclass(frozen=True)
-class TwoshotLayout:
-    tp: int
-    tokens: int
-    hid: int
-
+class TwoshotLayout(_Rows):
     def __post_init__(self):
-        _check(self.tp, self.tokens, self.hid)
+        super().__post_init__()
         if self.hid % (self.tp * GROUP_ELEMS):
             raise ValueError(
                 f"hid must split into tp shards of whole 16-byte groups; got hid={self.hid}, "

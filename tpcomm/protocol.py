@@ -1,12 +1,12 @@
 """Device primitives of the mailbox protocol: 16-byte global accesses by memory order,
 the sentinel test, publish, bounded poll, re-arm, error word, hint counter, sys fence.
 
-Each wrapper states its memory order and scope in its first docstring line. Addresses are
-``Int64`` (or CuTe global pointers), so a peer's mailbox and this rank's own go through the
-same code. A 16-byte group is four 32-bit words, each single-copy atomic: a group is
-*published* when none of its words is ``SENTINEL``, so a torn store reads "not yet";
-producers canonicalise a data word equal to the sentinel to ``CANONICAL_NAN_WORD``.
-Needs the CuTe DSL.
+Each wrapper states its memory order and scope in its first docstring line (``load16`` and
+``store16``: per ``order``, in ``ORDERS``). Addresses are ``Int64`` (or CuTe global
+pointers), so a peer's mailbox and this rank's own go through the same code. A 16-byte
+group is four 32-bit words, each single-copy atomic: a group is *published* when none of
+its words is ``SENTINEL``, so a torn store reads "not yet"; producers canonicalise a data
+word equal to the sentinel to ``CANONICAL_NAN_WORD``. Needs the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -64,48 +64,28 @@ def _store4(ptx: str, address, words, *, loc=None, ip=None):
 
 
 # --- 16-byte global loads and stores -------------------------------------------------
+# ``order`` of ``load16`` and ``store16``: the PTX memory order and scope (and what for)
+ORDERS = {
+    "weak": "",  # plain, no scope: data nobody accesses concurrently
+    "relaxed.sys": ".relaxed.sys",  # a local or peer (NVLink) word: polls, publishes, re-arms
+    "relaxed.gpu": ".relaxed.gpu",  # a store a later kernel on this GPU reads after a hint
+    "acquire.sys": ".acquire.sys",  # a load this thread's later accesses are ordered after
+    "release.sys": ".release.sys",  # a store this thread's earlier accesses are ordered before
+}
 
 
 @dsl_user_op
-def load16_relaxed_sys(address, *, loc=None, ip=None):
-    """Relaxed, sys scope: 16-byte load of four words (mailbox polls; data is the flag)."""
-    return _load4("ld.relaxed.sys.global.v4.b32 {$0, $1, $2, $3}, [$4];", address, loc=loc, ip=ip)
+def load16(address, order="weak", *, loc=None, ip=None):
+    """``ORDERS[order]``: 16-byte global load of four 32-bit words."""
+    ptx = f"ld{ORDERS[order]}.global.v4.b32 {{$0, $1, $2, $3}}, [$4];"
+    return _load4(ptx, address, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def load16_acquire_sys(address, *, loc=None, ip=None):
-    """Acquire, sys scope: 16-byte load; later accesses of this thread are ordered after it."""
-    return _load4("ld.acquire.sys.global.v4.b32 {$0, $1, $2, $3}, [$4];", address, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def load16(address, *, loc=None, ip=None):
-    """Weak (plain), no scope: 16-byte load of data nobody writes concurrently."""
-    return _load4("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", address, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def store16(address, words, *, loc=None, ip=None):
-    """Weak (plain), no scope: 16-byte store of results nobody reads concurrently."""
-    _store4("st.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def store16_relaxed_sys(address, words, *, loc=None, ip=None):
-    """Relaxed, sys scope: 16-byte store to a local or peer (NVLink) address."""
-    _store4("st.relaxed.sys.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def store16_relaxed_gpu(address, words, *, loc=None, ip=None):
-    """Relaxed, gpu scope: 16-byte store a later kernel on this GPU reads after a hint."""
-    _store4("st.relaxed.gpu.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def store16_release_sys(address, words, *, loc=None, ip=None):
-    """Release, sys scope: 16-byte store; this thread's earlier accesses are ordered before it."""
-    _store4("st.release.sys.global.v4.b32 [$0], {$1, $2, $3, $4};", address, words, loc=loc, ip=ip)
+def store16(address, words, order="weak", *, loc=None, ip=None):
+    """``ORDERS[order]``: 16-byte global store of four 32-bit words."""
+    ptx = f"st{ORDERS[order]}.global.v4.b32 [$0], {{$1, $2, $3, $4}};"
+    _store4(ptx, address, words, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -147,14 +127,14 @@ def publish(address: Int64, words, multicast: cutlass.Constexpr[bool] = False):
     if cutlass.const_expr(multicast):
         multimem_store16(address, clean)
     else:
-        store16_relaxed_sys(address, clean)
+        store16(address, clean, "relaxed.sys")
 
 
 @cute.jit
 def rearm(address: Int64):
     """Relaxed, sys scope: write the sentinel back into a consumed 16-byte group."""
     s = Int32(SENTINEL_I32)
-    store16_relaxed_sys(address, [s, s, s, s])
+    store16(address, [s, s, s, s], "relaxed.sys")
 
 
 @cute.jit
@@ -184,7 +164,7 @@ def poll_groups(
     """
     pending = Int32(0)
     for g in cutlass.range_constexpr(count):
-        w = load16_relaxed_sys(addresses[g])
+        w = load16(addresses[g], "relaxed.sys")
         for j in cutlass.range_constexpr(4):
             raw[g * 4 + j] = w[j]
         if not published(w[0], w[1], w[2], w[3]):
@@ -195,7 +175,7 @@ def poll_groups(
         while pending != 0:
             for g in cutlass.range_constexpr(count):
                 if (pending & Int32(1 << g)) != 0:
-                    w = load16_relaxed_sys(addresses[g])
+                    w = load16(addresses[g], "relaxed.sys")
                     for j in cutlass.range_constexpr(4):
                         raw[g * 4 + j] = w[j]
                     if published(w[0], w[1], w[2], w[3]):

@@ -13,6 +13,8 @@ kernels of their own, ordered by their stream (no PDL): each one costs a kernel 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -22,37 +24,30 @@ from cutlass import Int32, Int64
 from tpcomm.cuteutil import compile_cached, fake_tensor, to_cute
 
 
+class StampOperands(NamedTuple):
+    """The kernel's parameters: the flat trace buffer, the cursors, the buffer's rows and
+    slots, the lanes ``first .. first + count - 1``, the slot, and ``advance`` (0 or 1)."""
+
+    trace: cute.Tensor
+    cursor: cute.Tensor
+    rows: Int32
+    slots: Int32
+    first: Int32
+    count: Int32
+    slot: Int32
+    advance: Int32
+
+
 class StampKernel:
     """One CTA of one thread (no configuration)."""
 
     @cute.jit
-    def __call__(
-        self,
-        trace: cute.Tensor,
-        cursor: cute.Tensor,
-        rows: Int32,
-        slots: Int32,
-        first: Int32,
-        count: Int32,
-        slot: Int32,
-        advance: Int32,
-        stream: cuda.CUstream,
-    ):
-        call = self.kernel(trace, cursor, rows, slots, first, count, slot, advance)
-        call.launch(grid=[1, 1, 1], block=[1, 1, 1], stream=stream)
+    def __call__(self, op: StampOperands, stream: cuda.CUstream):
+        self.kernel(op).launch(grid=[1, 1, 1], block=[1, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(
-        self,
-        trace: cute.Tensor,
-        cursor: cute.Tensor,
-        rows: Int32,
-        slots: Int32,
-        first: Int32,
-        count: Int32,
-        slot: Int32,
-        advance: Int32,
-    ):
+    def kernel(self, op: StampOperands):
+        trace, cursor, rows, slots, first, count, slot, advance = op
         now = cute.arch.globaltimer()  # first, before any memory access
         for i in cutlass.range(count, unroll=1):
             lane = first + i
@@ -65,17 +60,10 @@ class StampKernel:
 
 def fake_arguments():
     """Compile-only arguments of ``StampKernel.__call__`` (buffer sizes dynamic)."""
-    return (
-        fake_tensor(Int64, (cute.sym_int(),), align=8),
-        fake_tensor(Int32, (cute.sym_int(),), align=4),
-        Int32(1),
-        Int32(1),
-        Int32(0),
-        Int32(1),
-        Int32(0),
-        Int32(0),
-        cute.runtime.make_fake_stream(),
-    )
+    trace = fake_tensor(Int64, (cute.sym_int(),), align=8)
+    cursor = fake_tensor(Int32, (cute.sym_int(),), align=4)
+    scalars = (Int32(1), Int32(1), Int32(0), Int32(1), Int32(0), Int32(0))
+    return StampOperands(trace, cursor, *scalars), cute.runtime.make_fake_stream()
 
 
 def compiled(arch=None):
@@ -115,14 +103,7 @@ def stamp(
         raise ValueError(f"trace and cursor must be contiguous CUDA tensors; got {trace.device}")
     if stream is None:
         stream = torch.cuda.current_stream(trace.device)
-    compiled()(
-        to_cute(trace.view(-1), 8),
-        to_cute(cursor, 4),
-        Int32(rows),
-        Int32(slots),
-        Int32(first),
-        Int32(count),
-        Int32(slot),
-        Int32(int(bool(advance))),
-        cuda.CUstream(stream.cuda_stream),
-    )
+    scalars = (Int32(rows), Int32(slots), Int32(first), Int32(count), Int32(slot))
+    advance = Int32(int(bool(advance)))
+    operands = StampOperands(to_cute(trace.view(-1), 8), to_cute(cursor, 4), *scalars, advance)
+    compiled()(operands, cuda.CUstream(stream.cuda_stream))

@@ -8,6 +8,8 @@ mask into the error word, no output, no re-arm), sums them in rank order in fp32
 slots it read. Grid ``(HID / 1024, tokens)``, 128 threads, launch bound 8 CTAs per SM.
 """
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -18,6 +20,22 @@ from tpcomm.cuteutil import compile_cached, fake_tensor, launch, pack_bf16x2
 from tpcomm.mailbox import ALLREDUCE_BLOCKS_PER_SM as MIN_BLOCKS_PER_SM
 from tpcomm.mailbox import COLUMNS_PER_CTA, MAX_TP, POLL_CHUNK
 from tpcomm.mailbox import CTA_THREADS as THREADS
+
+
+class AllReduceOperands(NamedTuple):
+    """The kernel's parameters: rank ``rank``'s partial and output ``[tokens, HID]``, its
+    mailbox, the peer table and multicast address it publishes through, its error word,
+    the step's parity and the poll budget."""
+
+    partial: cute.Tensor
+    out: cute.Tensor
+    mailbox: cute.Tensor
+    peers: cute.Tensor
+    multicast_base: Int64
+    error: cute.Tensor
+    rank: Int32
+    step: Int32
+    budget_ns: Int64
 
 
 class AllReduceKernel:
@@ -32,24 +50,9 @@ class AllReduceKernel:
         self.multicast, self.fence = bool(multicast), bool(fence)
 
     @cute.jit
-    def __call__(
-        self,
-        partial: cute.Tensor,
-        out: cute.Tensor,
-        mailbox: cute.Tensor,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        error: cute.Tensor,
-        rank: Int32,
-        step: Int32,
-        budget_ns: Int64,
-        stream: cuda.CUstream,
-    ):
-        grid = (self.hid // COLUMNS_PER_CTA, partial.shape[0], 1)
-        call = self.kernel(
-            partial, out, mailbox, peers, multicast_base, error, rank, step, budget_ns
-        )
-        launch(call, grid, (THREADS, 1, 1), stream, min_blocks_per_mp=MIN_BLOCKS_PER_SM)
+    def __call__(self, op: AllReduceOperands, stream: cuda.CUstream):
+        grid = (self.hid // COLUMNS_PER_CTA, op.partial.shape[0], 1)
+        launch(self.kernel(op), grid, (THREADS, 1, 1), stream, min_blocks_per_mp=MIN_BLOCKS_PER_SM)
 
     @cute.jit
     def publish_all(self, words, peers, multicast_base, offset):
@@ -77,18 +80,8 @@ class AllReduceKernel:
         return failed
 
     @cute.kernel
-    def kernel(
-        self,
-        partial: cute.Tensor,
-        out: cute.Tensor,
-        mailbox: cute.Tensor,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        error: cute.Tensor,
-        rank: Int32,
-        step: Int32,
-        budget_ns: Int64,
-    ):
+    def kernel(self, op: AllReduceOperands):
+        partial, out, mailbox, peers, multicast_base, error, rank, step, budget_ns = op
         tid, _, _ = cute.arch.thread_idx()
         cta, token, _ = cute.arch.block_idx()
         tokens = partial.shape[0]
@@ -116,7 +109,7 @@ class AllReduceKernel:
 def fake_arguments(tp: int, hid: int):
     """Compile-only arguments of ``AllReduceKernel.__call__`` (tokens dynamic)."""
     tokens = cute.sym_int()
-    return (
+    operands = AllReduceOperands(
         fake_tensor(BFloat16, (tokens, hid)),
         fake_tensor(BFloat16, (tokens, hid)),
         fake_tensor(BFloat16, (2, tp, tokens, hid)),
@@ -126,8 +119,8 @@ def fake_arguments(tp: int, hid: int):
         Int32(0),
         Int32(0),
         Int64(0),
-        cute.runtime.make_fake_stream(),
     )
+    return operands, cute.runtime.make_fake_stream()
 
 
 def compiled(tp: int, hid: int, multicast: bool = False, fence: bool = False, arch=None):

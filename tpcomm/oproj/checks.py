@@ -59,22 +59,16 @@ def check_consume(
         nb = blocks.shape[1]
         if nb > MAX_BLOCKS:
             raise ValueError(f"blocks holds nb = {nb} snapshots; at most 8 are supported")
-    for name, t in (("norm", norm), ("query", query), ("out_norm", out_norm)):
+    weights = (("norm", norm), ("query", query), ("out_norm", out_norm))
+    for name, t in weights:
         check_tensor(name, t, BF16, shape=(hidden,), device=device)
     if not is_int(groups) or not 1 <= groups <= 4:
         raise ValueError(f"groups must be an int in 1..4; got {groups!r}")
     check_real("eps", eps, low=0.0)
     check_real("out_eps", out_eps, low=0.0)
     if full:
-        named = dict(
-            partials=partials,
-            prefix=prefix,
-            blocks=blocks,
-            norm=norm,
-            query=query,
-            out_norm=out_norm,
-        )
-        for name, t in named.items():
+        named = (("partials", partials), ("prefix", prefix), ("blocks", blocks), *weights)
+        for name, t in named:
             if t is not None and t.device.type != "meta":
                 check_finite(name, t)
     return tp, n, hidden, nb

@@ -15,7 +15,12 @@ import torch
 
 from tpcomm.oproj import checks
 from tpcomm.oproj.gemm import gemm
-from tpcomm.oproj.operands import ConsumerOperands, ConsumeTensors, ProducerOperands
+from tpcomm.oproj.operands import (
+    ConsumerOperands,
+    ConsumeTensors,
+    ProducerOperands,
+    PublishOperands,
+)
 from tpcomm.oproj.plan import DeviceLimits, plan_fused
 
 
@@ -148,14 +153,17 @@ def consumer_operands(comm, rank, step, tensors: ConsumeTensors):
 
 
 def launch_partial(comm, fn, tensors, rank, step):
-    """A publisher or producer launch: ``tensors`` (partial, or attn_out and w_o) of
-    ``rank``, its peer table, then rank and parity, on the current stream."""
+    """A publisher or producer launch: ``tensors`` of ``rank`` (the partial: the publisher's
+    ``PublishOperands``; attn_out and w_o: the producer's ``ProducerOperands``) with its
+    peer table, then rank and parity, on the current stream."""
     from cutlass import Int32, Int64
 
     from tpcomm.cuteutil import to_cute
 
     peers, multicast = to_cute(comm.peers[rank], 8), Int64(comm.multicast_base)
-    fn(*map(to_cute, tensors), peers, multicast, Int32(rank), Int32(step & 1), stream(comm))
+    kind = PublishOperands if len(tensors) == 1 else ProducerOperands
+    operands = kind(*map(to_cute, tensors), peers, multicast)
+    fn(operands, Int32(rank), Int32(step & 1), stream(comm))
     if comm.remote is not None:  # the slot to the other domains, after the stores
         comm.remote.put(rank, step)
 

@@ -3,11 +3,12 @@
 ``ConsumeTensors``: a consumer step's torch tensors, as the ``kimi::oproj_consume`` and
 ``kimi::oproj_produce_consume`` schemas and ``tpcomm.oproj.launcher`` take them.
 ``ConsumerOperands``: ``OprojConsumerKernel.__call__``'s (CuTe values, built by
-``tpcomm.oproj.launcher``; the fused kernel's consumer part). ``ProducerOperands``: the
-fused kernel's producer part; ``ProjectionAddresses``: the producer kernel's one
-argument. ``ConsumerAddresses``: the consumer kernel's one argument
-(tensors as ``Int64`` addresses, ``tokens`` from ``prefix``; the DSL passes a NamedTuple's
-fields as the kernel's parameters, in this order). Importing this module needs no CuTe DSL.
+``tpcomm.oproj.launcher``; the fused kernel's consumer part). ``PublishOperands``: the
+publisher's; ``ProducerOperands``: the producer's (and the fused kernel's producer part);
+``ProjectionAddresses``: the producer kernel's one argument. ``ConsumerAddresses``: the
+consumer kernel's one argument (tensors as ``Int64`` addresses, ``tokens`` from ``prefix``;
+the DSL passes a NamedTuple's fields as the kernel's parameters, in this order). Importing
+this module needs no CuTe DSL.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ SCHEMA_TYPES = {
     "output": "Tensor(b!)",
     "xmoe": "Tensor?",
 }
+
+
+class PublishOperands(NamedTuple):
+    """A rank's ready partial [tokens, HID], the peer table and the multicast address it
+    publishes through (the publisher's operands)."""
+
+    partial: cute.Tensor
+    peers: cute.Tensor
+    multicast_base: Int64
 
 
 class ProducerOperands(NamedTuple):

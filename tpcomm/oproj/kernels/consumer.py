@@ -459,7 +459,7 @@ class OprojConsumerKernel:
             if cutlass.const_expr(self.xmoe_reps > 0):
                 for r in cutlass.range_constexpr(self.xmoe_reps):
                     addr = op.a_xmoe + r * tokens * hid_bytes + row_bytes
-                    protocol.store16_relaxed_gpu(addr, out)
+                    protocol.store16(addr, out, "relaxed.gpu")
                 cute.arch.fence_acq_rel_gpu()  # the copies before this warp's hint
                 cute.arch.sync_warp()
                 if lane == 0:

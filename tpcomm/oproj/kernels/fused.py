@@ -40,50 +40,31 @@ from tpcomm.oproj.plan import (
     tile_index,
 )
 
+# the keywords ``OprojFused`` passes on to its ``OprojConsumerKernel`` (defaults: the consumer's)
+CONSUMER_KEYWORDS = ("has_delta", "groups", "xmoe_reps", "fence", "pdl", "twoshot")
+
 
 class OprojFused:
-    """Compile-time configuration: TP, HID, nb, D (local width), T (``tiles``),
-    has_delta, groups, xmoe reps, multicast, fence, PDL, twoshot; tokens dynamic."""
+    """Compile-time configuration: TP, HID, nb, D (local width), T (``tiles``), multicast,
+    and ``consumer``: the ``CONSUMER_KEYWORDS`` (has_delta, groups, xmoe reps, fence, PDL,
+    twoshot; fence and twoshot the producer's too); tokens dynamic."""
 
-    def __init__(
-        self,
-        tp,
-        hid,
-        nb,
-        d_local,
-        *,
-        tiles=1,
-        has_delta=True,
-        groups=4,
-        xmoe_reps=0,
-        multicast=False,
-        fence=False,
-        pdl=False,
-        twoshot=False,
-    ):
+    def __init__(self, tp, hid, nb, d_local, *, tiles=1, multicast=False, **consumer):
         if not isinstance(tiles, int) or tiles < 1:
             raise ValueError(f"tiles must be a positive int; got {tiles!r}")
+        unknown = sorted(set(consumer) - set(CONSUMER_KEYWORDS))
+        if unknown:
+            raise TypeError(f"OprojFused got unexpected keywords {unknown}")
+        self.consumer = c = OprojConsumerKernel(tp, hid, nb, early_wait=True, **consumer)
         self.producer = OprojProducer(
-            tp, hid, d_local, multicast=multicast, fence=fence, twoshot=twoshot
-        )
-        self.consumer = OprojConsumerKernel(
-            tp,
-            hid,
-            nb,
-            has_delta=has_delta,
-            groups=groups,
-            xmoe_reps=xmoe_reps,
-            pdl=pdl,
-            twoshot=twoshot,
-            fence=fence,
-            early_wait=True,
+            tp, hid, d_local, multicast=multicast, fence=c.fence, twoshot=c.twoshot
         )
         self.tp, self.hid, self.nb, self.d = tp, hid, nb, d_local
-        self.groups, self.tiles, self.pdl = groups, tiles, bool(pdl)
+        self.groups, self.tiles, self.pdl = c.groups, tiles, c.pdl
         self.ctas = hid // SLICE
-        self.rows = producer_rows(hid, groups, tiles)
-        self.threads = GROUP_THREADS * groups
-        self.launch_bound = min_blocks_per_sm(groups)
+        self.rows = producer_rows(hid, self.groups, tiles)
+        self.threads = GROUP_THREADS * self.groups
+        self.launch_bound = min_blocks_per_sm(self.groups)
 
     @cute.jit
     def __call__(self, producer: ProducerOperands, op: ConsumerOperands, stream: cuda.CUstream):
@@ -141,7 +122,7 @@ class OprojFused:
 
 def fake_fused_arguments(tp, hid, nb, d_local, xmoe_reps=0, twoshot=False):
     """Compile-only arguments of ``OprojFused.__call__`` (tokens dynamic)."""
-    producer = ProducerOperands(*fake_producer_arguments(tp, hid, d_local)[:4])
+    producer = fake_producer_arguments(tp, hid, d_local)[0]
     return (producer, *fake_arguments(tp, hid, nb, xmoe_reps, twoshot))
 
 

@@ -33,7 +33,7 @@ from tpcomm.cuteutil import (
     pack_bf16x2,
     smem_tensor,
 )
-from tpcomm.oproj.operands import ProjectionAddresses
+from tpcomm.oproj.operands import ProducerOperands, ProjectionAddresses, PublishOperands
 from tpcomm.oproj.plan import FEATURES, K_CHUNK, SLICE, THREADS, WARPS, check_producer
 
 Flag = cutlass.Constexpr[bool]  # a compile-time bool parameter
@@ -59,15 +59,8 @@ class PartialPublisher:
         self.twoshot = bool(twoshot)
 
     @cute.jit
-    def __call__(
-        self,
-        partial: cute.Tensor,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        rank: Int32,
-        step: Int32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, op: PublishOperands, rank: Int32, step: Int32, stream: cuda.CUstream):
+        partial, peers, multicast_base = op
         call = self.kernel(
             Int64(partial.iterator.toint()), peers, multicast_base, partial.shape[0], rank, step
         )
@@ -124,16 +117,8 @@ class OprojProducer:
         self.twoshot = bool(twoshot)
 
     @cute.jit
-    def __call__(
-        self,
-        attn_out: cute.Tensor,
-        w_o: cute.Tensor,
-        peers: cute.Tensor,
-        multicast_base: Int64,
-        rank: Int32,
-        step: Int32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, op: ProducerOperands, rank: Int32, step: Int32, stream: cuda.CUstream):
+        attn_out, w_o, peers, multicast_base = op
         a_attn, a_w = Int64(attn_out.iterator.toint()), Int64(w_o.iterator.toint())
         tokens = attn_out.shape[0]
         call = self.kernel(
@@ -246,27 +231,20 @@ class OprojProducer:
 
 def fake_publisher_arguments(tp: int, hid: int):
     """Compile-only arguments of ``PartialPublisher.__call__`` (tokens dynamic)."""
-    return (
-        fake_tensor(BFloat16, (cute.sym_int(), hid)),
-        fake_tensor(Int64, (tp,), align=8),
-        Int64(0),
-        Int32(0),
-        Int32(0),
-        cute.runtime.make_fake_stream(),
-    )
+    partial = fake_tensor(BFloat16, (cute.sym_int(), hid))
+    operands = PublishOperands(partial, fake_tensor(Int64, (tp,), align=8), Int64(0))
+    return operands, Int32(0), Int32(0), cute.runtime.make_fake_stream()
 
 
 def fake_producer_arguments(tp: int, hid: int, d_local: int):
     """Compile-only arguments of ``OprojProducer.__call__`` (tokens dynamic)."""
-    return (
+    operands = ProducerOperands(
         fake_tensor(BFloat16, (cute.sym_int(), d_local)),
         fake_tensor(BFloat16, (hid, d_local)),
         fake_tensor(Int64, (tp,), align=8),
         Int64(0),
-        Int32(0),
-        Int32(0),
-        cute.runtime.make_fake_stream(),
     )
+    return operands, Int32(0), Int32(0), cute.runtime.make_fake_stream()
 
 
 def compiled_publisher(

@@ -1,0 +1,49 @@
+"""What the benchmarks and plots share: CUDA-event timing of a call or of a graph's replays,
+and the plots' matplotlib backend and image writing. torch and matplotlib are imported on
+first use, so a plot never needs torch and a benchmark never needs matplotlib."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+
+def event_us(fn) -> float:
+    """Microseconds of ``fn()`` on the current stream, between two CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def replay_us(graph, reps: int, per: int = 1) -> float:
+    """Median microseconds of ``reps`` timed replays of the CUDA ``graph``, divided by
+    ``per`` (the steps one replay holds)."""
+    return statistics.median(event_us(graph.replay) / per for _ in range(reps))
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (images only, no display); ImportError
+    without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
+    """``fig`` laid out tight, written to ``out`` (its folder made first) and closed; prints
+    ``wrote out (what)``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    print(f"wrote {out}" + (f" ({what})" if what else ""))
