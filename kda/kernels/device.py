@@ -34,7 +34,9 @@ from tpcomm.cuteutil import (
     bf16x2_to_f32,
     ld_global_b32x2,
     ld_global_nc_b32x2,
+    ld_shared_f32x4,
     mma_bf16_16816,
+    xor_sum,
 )
 
 from ..dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
@@ -82,6 +84,79 @@ def update_and_out(h, outs, c, k4, q4, v, packed: bool):
         h[2 * p], h[2 * p + 1] = pair[0], pair[1]
         acc = fma2(pair, (q4[2 * p], q4[2 * p + 1]), (outs[2 * j], outs[2 * j + 1]), packed)
         outs[2 * j], outs[2 * j + 1] = acc[0], acc[1]
+
+
+@cute.jit
+def delta_rule(
+    history,
+    shared,
+    s_beta,
+    s_o,
+    state,
+    lane_in,
+    lanes: cutlass.Constexpr,
+    row,
+    tokens: cutlass.Constexpr,
+    packed: cutlass.Constexpr,
+    write_v=None,
+    target=None,
+    store=None,
+    streamed: cutlass.Constexpr = False,
+    load=ld_shared_f32x4,
+    beta_first: cutlass.Constexpr = True,
+):
+    """The delta rule per token on a thread's register state (KdaWide, KdaStream, KdaSplit):
+    ``history[i][c]`` the four fp32 of chunk ``c`` of the thread's row ``i``, the row's keys
+    ``4 (lane_in + lanes c) + [0, 4)`` (a row's ``lanes`` threads adjacent lanes); first pass
+    ``S *= d``, ``S . k``; ``v_new = (v - S . k) beta``; second pass ``S += k v_new``,
+    ``S . q``; o (bf16) into ``s_o[t, row(i)]``. The variants' differences, all trace time:
+    ``row(i)`` the row's index in ``s_v`` / ``s_o``; ``load`` the loader of d and k (q: a
+    plain shared load); ``write_v(t, row, v)`` the v record; ``target(t)`` the slot of the
+    state after token t (None: not stored) and ``store(state0, target)`` its store, after
+    the outputs or, ``streamed``, before the second pass, returning the writer ``(i, c,
+    values)`` of each updated chunk; ``beta_first``: beta read before the rows' dots."""
+    s_q, s_k, s_v, s_decay = shared
+    q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
+    d0 = Int32(s_decay.iterator.toint())
+    state0 = Int64(state.iterator.toint())
+    rows, chunks = len(history), len(history[0])
+    for t in cutlass.range_constexpr(tokens):
+        chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + lanes * c)) * 4 for c in range(chunks)]
+        dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(rows)]
+        for c in cutlass.range_constexpr(chunks):
+            d4 = load(d0 + chunk_offset[c])
+            k4 = load(k0 + chunk_offset[c])
+            for i in cutlass.range_constexpr(rows):
+                decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
+        if cutlass.const_expr(beta_first):
+            beta_t = s_beta[t]
+        v_new = []
+        for i in cutlass.range_constexpr(rows):
+            dot = xor_sum(tree_sum(dots[i]), lanes)
+            value_row = row(i)
+            if cutlass.const_expr(beta_first):
+                v = (s_v[t, value_row] - dot) * beta_t
+            else:
+                v = (s_v[t, value_row] - dot) * s_beta[t]
+            v_new.append(v)
+            if cutlass.const_expr(write_v is not None):
+                write_v(t, value_row, v)
+        if cutlass.const_expr(streamed and target is not None):
+            store_chunk = store(state0, target(t))
+        outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(rows)]
+        for c in cutlass.range_constexpr(chunks):
+            k4 = load(k0 + chunk_offset[c])
+            q4 = ld_shared_f32x4(q0 + chunk_offset[c])
+            for i in cutlass.range_constexpr(rows):
+                update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
+                if cutlass.const_expr(streamed and target is not None):
+                    store_chunk(i, c, history[i][c])
+        for i in cutlass.range_constexpr(rows):
+            o = xor_sum(tree_sum(outs[i]), lanes)
+            if lane_in == 0:
+                s_o[t, row(i)] = to_bf16_f32(o)
+        if cutlass.const_expr(not streamed and target is not None):
+            store(state0, target(t))
 
 
 def to_bf16_f32(value):

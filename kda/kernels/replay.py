@@ -380,7 +380,7 @@ class KdaReplay(KdaWide):
         head, request, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         channel, section = tid % 128, tid // 128
-        dim = self.heads * HEAD_DIM
+        thread = (lane, warp, channel, section)
         token = request * T
         # The state and conv slot; the conv window's offset (a verify step's: accepted - 1).
         if cutlass.const_expr(T == 1):
@@ -459,27 +459,11 @@ class KdaReplay(KdaWide):
                 prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
             self.copy_entries(op, r_raw, r_v, held, slot, head)
             cute.arch.cp_async_commit_group()
-            parts_in = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
-            columns = [parts_in[s] * dim + head * HEAD_DIM + channel for s in range(2)]
-            taps, coeff, bias = self.conv_operands(
-                op.conv_state,
-                op.conv_weight,
-                op.conv_bias,
-                slot,
-                offset,
-                columns,
-                parts_in,
-                [head * HEAD_DIM + channel] * 2,
-            )
-            nw = Float32(op.norm_weight[channel])
-            a, dt, weights = self.gate_operands(op, head, warp, lane)
-            inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
+            conv, nw, gate = self.item_operands(op, thread, slot, offset, s_beta, token, head)
 
             records = ring_entry(op.ring_kg, slot, entry, self.heads, R)
-            self.conv_phase_unrecorded(
-                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, records, request, head
-            )
-            self.write_conv(op.conv_state, slot, head, taps, inputs)
+            self.conv_phase_unrecorded(*conv, (s_q, s_k, s_v), sums, records, request, head)
+            self.write_conv(op.conv_state, slot, head, conv[0], conv[3])
             gate_op = SimpleNamespace(
                 f_a=op.f_a,
                 f_b=op.f_b,
@@ -493,7 +477,7 @@ class KdaReplay(KdaWide):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             self.write_k_record(s_k, records, request, head)
-            self.gate_phase(gate_op, weights, activations, a, dt, s_decay, request, head)
+            self.gate_phase(gate_op, *gate, s_decay, request, head)
             self.stage_entries(op, held, ring, r_raw, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)

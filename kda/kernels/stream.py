@@ -28,13 +28,11 @@ from tpcomm.cuteutil import (
     cp_async_16,
     launch,
     ld_shared_b32x2,
-    ld_shared_f32x4,
     smem_tensor,
-    xor_sum,
 )
 
 from . import device as dev
-from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .device import CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 from .wide import KdaWide
 
 GRANULE = 16  # bytes per cp.async
@@ -268,66 +266,46 @@ class KdaStream(KdaWide):
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
     def thread_index(self):
-        """Read per use (``fresh_tid``): KdaWide's ``stage_state`` then holds no thread
-        index across the item loop."""
+        """Read per use (``fresh_tid``): KdaWide's ``stage_state`` and ``recurrence`` then
+        hold no thread index across the item loop."""
         return fresh_tid()
 
+    # KdaWide's recurrence (``dev.delta_rule``) with fewer registers live: d and k read
+    # with ``reload_shared_f32x4`` (k again for the second pass) and the state after token t
+    # streamed to its page chunk by chunk as the second pass updates it (a predicated store;
+    # the page's slot is read before that pass).
+    streamed = True
+
+    def load_chunk(self, shared):
+        """Volatile (``reload_shared_f32x4``): d and k are not held in registers."""
+        return reload_shared_f32x4(shared)
+
+    def state_store(self, head, history):
+        """The page address of token t's ``target``, before the second pass; each
+        updated chunk then stored (when ``target`` > 0) by ``chunk_writer``'s writer."""
+        return lambda state0, target: self.chunk_writer(state0, target, head)
+
     @cute.jit
-    def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
-        """KdaWide's delta rule, element for element (same operations, same order), with
-        fewer registers live: k is read again for the second pass (``reload_shared_f32x4``)
-        and the state after token t goes to its page chunk by chunk as the second pass
-        updates it (a predicated store; the page's slot is read before that pass)."""
-        slots, state, v_records = op.slots, op.state, op.v_records
-        rows = tuple(range(ROWS))
-        tid = fresh_tid()
-        base_row, lane_in = tid // LANES, tid % LANES
-        s_q, s_k, s_v, s_decay = shared
-        packed = self.packed
-        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
-        d0 = Int32(s_decay.iterator.toint())
-        state0 = Int64(state.iterator.toint())
-        for t in cutlass.range_constexpr(self.tokens):
-            chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
-            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                d4 = reload_shared_f32x4(d0 + chunk_offset[c])
-                k4 = reload_shared_f32x4(k0 + chunk_offset[c])
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
-            beta_t = s_beta[t]
-            v_new = []
-            for i, r in enumerate(rows):
-                dot = xor_sum(dev.tree_sum(dots[i]), LANES)
-                value_row = base_row + 64 * r
-                v = (s_v[t, value_row] - dot) * beta_t
-                v_new.append(v)
-                if cutlass.const_expr(self.record):
-                    # one lane per row writes v: a predicated store, no branch
-                    index = cute.crd2idx((request, head, t, value_row), v_records.layout)
-                    address = Int64(v_records.iterator.toint()) + Int64(index) * 4
-                    st_global_f32_if_zero(address, v, lane_in)
-            if cutlass.const_expr(not self.record):
-                target = slot
-                if cutlass.const_expr(self.tokens > 1):
-                    target = Int32(slots[request, t])
-                tid_t = fresh_tid()
-                page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
-                key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
-                row0 = state0 + (page + Int64(key0)) * 4
-            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                k4 = reload_shared_f32x4(k0 + chunk_offset[c])
-                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
-                    if cutlass.const_expr(not self.record):
-                        offset = (64 * rows[i] * HEAD_DIM + 4 * LANES * c) * 4
-                        st_global_f32x4_masked(row0 + offset, history[i][c], target)
-            for i, r in enumerate(rows):
-                o = xor_sum(dev.tree_sum(outs[i]), LANES)
-                if lane_in == 0:
-                    s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
+    def write_v(self, v_records, request, head, t, row, v, lane_in):
+        """The v record by one lane of the row: a predicated store, no branch."""
+        index = cute.crd2idx((request, head, t, row), v_records.layout)
+        address = Int64(v_records.iterator.toint()) + Int64(index) * 4
+        st_global_f32_if_zero(address, v, lane_in)
+
+    def chunk_writer(self, state0, target, head):
+        """Trace-time helper: the thread's page address of ``target`` (from fresh
+        registers), and the writer of chunk ``c`` of row ``i`` (stored when ``target`` >
+        0)."""
+        tid_t = fresh_tid()
+        page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
+        key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
+        row0 = state0 + (page + Int64(key0)) * 4
+
+        def write(i, c, values):
+            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * 4
+            st_global_f32x4_masked(row0 + offset, values, target)
+
+        return write
 
     @cute.jit
     def stage_item(self, op, buffers, head, request, parity, with_inputs):

@@ -25,12 +25,11 @@ from tpcomm.cuteutil import (
     smem_tensor,
     st_global_f32x4,
     warp_sum,
-    xor_sum,
 )
 
 from ..operands import KernelOperands
 from . import device as dev
-from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .device import CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 
 STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
 
@@ -258,58 +257,75 @@ class KdaWide:
 
     @cute.jit
     def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
-        """The delta rule per token on the register state; o (bf16) into s_o; the state
-        after token t stored to its page (not in record mode)."""
-        slots, state, v_records = op.slots, op.state, op.v_records
-        rows = tuple(range(ROWS))
-        tid, _, _ = cute.arch.thread_idx()
+        """``dev.delta_rule`` on the register state (rows ``tid // LANES`` and + 64); the
+        state after token t stored to its page (not in record mode; ``state_store``)."""
+        tid = self.thread_index()
         base_row, lane_in = tid // LANES, tid % LANES
-        s_q, s_k, s_v, s_decay = shared
-        packed = self.packed
-        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
-        d0 = Int32(s_decay.iterator.toint())
-        state0 = Int64(state.iterator.toint())
-        for t in cutlass.range_constexpr(self.tokens):
-            chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
-            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                d4 = self.load_chunk(d0, chunk_offset, t, c)
-                k4 = self.load_chunk(k0, chunk_offset, t, c)
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
-            beta_t = s_beta[t]
-            v_new = []
-            for i, r in enumerate(rows):
-                dot = xor_sum(dev.tree_sum(dots[i]), LANES)
-                value_row = base_row + 64 * r
-                v = (s_v[t, value_row] - dot) * beta_t
-                v_new.append(v)
-                if cutlass.const_expr(self.record):  # noqa: SIM102
-                    if lane_in == 0:
-                        v_records[request, head, t, value_row] = v
-            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                k4 = self.load_chunk(k0, chunk_offset, t, c)
-                q4 = self.load_chunk(q0, chunk_offset, t, c)
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
-            for i, r in enumerate(rows):
-                o = xor_sum(dev.tree_sum(outs[i]), LANES)
-                if lane_in == 0:
-                    s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
-            if cutlass.const_expr(not self.record):
-                target = slot
-                if cutlass.const_expr(self.tokens > 1):
-                    target = Int32(slots[request, t])
-                if target > 0:
-                    page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                    self.store_state(state0, page, history)
+        dev.delta_rule(
+            history,
+            shared,
+            s_beta,
+            s_o,
+            op.state,
+            lane_in,
+            LANES,
+            lambda i: base_row + 64 * i,
+            self.tokens,
+            self.packed,
+            write_v=self.v_writer(op.v_records, request, head, lane_in),
+            target=self.state_target(op.slots, slot, request),
+            store=self.state_store(head, history),
+            streamed=self.streamed,
+            load=self.load_chunk,
+        )
+
+    # dev.delta_rule's state store: after the token's outputs (KdaStream: during the
+    # second pass)
+    streamed = False
+
+    def load_chunk(self, shared):
+        """Trace-time hook: ``dev.delta_rule``'s d and k loader (KdaStream: volatile)."""
+        return ld_shared_f32x4(shared)
+
+    def state_store(self, head, history):
+        """Trace-time hook: ``dev.delta_rule``'s state store, the page of token t's
+        ``target`` written after the token's outputs when ``target`` > 0."""
+        return lambda state0, target: self.store_token(state0, target, head, history)
+
+    def v_writer(self, v_records, request, head, lane_in, value_row=None):
+        """Trace-time helper: ``dev.delta_rule``'s v-record writer (lane 0 of a row), None
+        outside record mode; ``value_row``: the record's row where it is not ``s_v``'s
+        (KdaSplit's local rows)."""
+        if not self.record:
+            return None
+
+        def write(t, row, v):
+            row = row if value_row is None else value_row
+            self.write_v(v_records, request, head, t, row, v, lane_in)
+
+        return write
 
     @cute.jit
-    def load_chunk(self, base, chunk_offset, t, c):
-        """Key chunk ``c`` of token ``t`` (four fp32) of a [T, 128] shared vector at
-        ``base``; ``chunk_offset[c]``: its byte offset for this thread."""
-        return ld_shared_f32x4(base + chunk_offset[c])
+    def write_v(self, v_records, request, head, t, row, v, lane_in):
+        """The v record of value row ``row`` of token ``t`` (lane 0 of the row)."""
+        if lane_in == 0:
+            v_records[request, head, t, row] = v
+
+    def state_target(self, slots, slot, request):
+        """Trace-time helper: ``dev.delta_rule``'s ``target``, the slot of the state after
+        token t (``slot`` at T = 1, else ``slots[request, t]``); None in record mode."""
+        if self.record:
+            return None
+        if self.tokens == 1:
+            return lambda t: slot
+        return lambda t: Int32(slots[request, t])
+
+    @cute.jit
+    def store_token(self, state0, target, head, history):
+        """The thread's rows of the state to page ``target`` when it is > 0."""
+        if target > 0:
+            page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+            self.store_state(state0, page, history)
 
     @cute.jit
     def store_state(self, state0, page, history):
@@ -366,6 +382,31 @@ class KdaWide:
         dt = [Float32(op.dt_bias[head * HEAD_DIM + 16 * warp + group + 8 * i]) for i in range(2)]
         tid, _, _ = cute.arch.thread_idx()  # read here: KdaStream's own lane here spilled
         return a, dt, self.load_gate_weights(op.f_b, head, tid // 32, tid % 32)
+
+    def item_operands(self, op, thread, conv_slot, offset, s_beta, token, head):
+        """Trace-time helper: an item's operands of the conv and gate phases, in this
+        order: the conv window, weights and bias of the thread's two channels, the norm
+        weight and the gate's parameters (predecessor-independent), then ``read_inputs``.
+        ``thread``: (lane, warp, channel, section) of the thread. Returns (conv, nw, gate):
+        conv (taps, coeff, bias, inputs), gate (weights, activations, a, dt)."""
+        lane, warp, channel, section = thread
+        dim = self.heads * HEAD_DIM
+        parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
+        columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
+        taps, coeff, bias = self.conv_operands(
+            op.conv_state,
+            op.conv_weight,
+            op.conv_bias,
+            conv_slot,
+            offset,
+            columns,
+            parts,
+            [head * HEAD_DIM + channel] * 2,
+        )
+        nw = Float32(op.norm_weight[channel])
+        a, dt, weights = self.gate_operands(op, head, warp, lane)
+        inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
+        return (taps, coeff, bias, inputs), nw, (weights, activations, a, dt)
 
     def read_inputs(self, op, s_beta, columns, token, head):
         """Trace-time helper: after ``griddepcontrol.wait``, x at the thread's two
@@ -440,7 +481,7 @@ class KdaWide:
         _, requests, _ = cute.arch.grid_dim()
         lane, warp = tid % 32, tid // 32
         channel, section = tid % 128, tid // 128
-        dim = self.heads * HEAD_DIM
+        thread = (lane, warp, channel, section)
         token = request * T
         slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
@@ -469,28 +510,12 @@ class KdaWide:
             # Predecessor-independent: the state page (cp.async), the conv window, weights.
             self.stage_state(op.state, staged, head, slot)
             cute.arch.cp_async_commit_group()
-            parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
-            columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
-            taps, coeff, bias = self.conv_operands(
-                op.conv_state,
-                op.conv_weight,
-                op.conv_bias,
-                conv_slot,
-                offset,
-                columns,
-                parts,
-                [head * HEAD_DIM + channel] * 2,
-            )
-            nw = Float32(op.norm_weight[channel])
-            a, dt, weights = self.gate_operands(op, head, warp, lane)
-            inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
+            conv, nw, gate = self.item_operands(op, thread, conv_slot, offset, s_beta, token, head)
 
-            self.conv_phase(
-                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
-            )
+            self.conv_phase(*conv, (s_q, s_k, s_v), sums, op.kg_records, request, head)
             # The conv page now: frees the taps' and inputs' registers for the recurrence.
-            self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
-            self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
+            self.write_conv(op.conv_state, conv_slot, head, conv[0], conv[3])
+            self.gate_phase(op, *gate, s_decay, request, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)
             cute.arch.barrier()
