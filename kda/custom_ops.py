@@ -24,17 +24,10 @@ from typing import Optional
 
 import torch
 
+from . import validate as checks
 from .dispatch import choose_replay
 from .kernels.launch import launch_decode, launch_recover, launch_replay
 from .operands import DecodeOperands, RecoverOperands, Ring
-from .validate import (
-    check_decode,
-    check_options,
-    check_out,
-    check_recover,
-    check_replay,
-    check_replay_kernel,
-)
 
 NAMESPACE = "kimi"
 
@@ -125,6 +118,11 @@ def step_arguments(op: DecodeOperands, out) -> dict:
     return {"out": out, **{name: getattr(op, name) for name in names}}
 
 
+def ring_arguments(ring: Ring) -> dict:
+    """``ring``'s tensors under the schema's names (``RING``)."""
+    return {name: tensor for (name, _), tensor in zip(RING, ring, strict=True)}
+
+
 def _operands(a: dict, records=None) -> DecodeOperands:
     fields = {p[0] for p in STEP + SCALARS} - {"out"}
     return DecodeOperands(**{name: a[name] for name in fields}, records=records)
@@ -144,8 +142,8 @@ def _decode(**a) -> None:
 
 def _decode_fake(**a) -> None:
     op = _operands(a, _records(a))
-    check_options(a["kernel"], a["cluster"], a["gate_mode"], a["pdl"], a["validate"])
-    check_out(a["out"], check_decode(op, check_values=False), a["state"].device)
+    checks.check_options(a["kernel"], a["cluster"], a["gate_mode"], a["pdl"], a["validate"])
+    checks.check_out(a["out"], checks.check_decode(op, check_values=False), a["state"].device)
 
 
 def _recover_operands(a) -> RecoverOperands:
@@ -159,12 +157,12 @@ def _recover(**a) -> None:
 
 
 def _recover_fake(**a) -> None:
-    check_options(pdl=a["pdl"], validate=a["validate"])
-    check_recover(_recover_operands(a), check_values=False)
+    checks.check_options(pdl=a["pdl"], validate=a["validate"])
+    checks.check_recover(_recover_operands(a), check_values=False)
 
 
 def _ring(a) -> Ring:
-    return Ring(a["ring_v"], a["ring_kg"], a["ring_length"])
+    return Ring(*(a[name] for name, _ in RING))
 
 
 def _replay(**a) -> None:
@@ -175,10 +173,10 @@ def _replay(**a) -> None:
 
 def _replay_fake(**a) -> None:
     op, kernel = _operands(a), a["kernel"]
-    check_options(gate_mode=a["gate_mode"], pdl=a["pdl"], validate=a["validate"])
-    check_replay_kernel(kernel)
-    shape, size = check_replay(op, _ring(a), check_values=False)
-    check_out(a["out"], shape, a["state"].device)
+    checks.check_options(gate_mode=a["gate_mode"], pdl=a["pdl"], validate=a["validate"])
+    checks.check_replay_kernel(kernel)
+    shape, size = checks.check_replay(op, _ring(a), check_values=False)
+    checks.check_out(a["out"], shape, a["state"].device)
     choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)
 
 
@@ -189,4 +187,11 @@ kda_decode = _custom_op("kda_decode", _DECODE, _DECODE_MUTATES, _decode, _decode
 kda_recover = _custom_op("kda_recover", _RECOVER, ("state",), _recover, _recover_fake)
 kda_replay_decode = _custom_op("kda_replay_decode", _REPLAY, _REPLAY_MUTATES, _replay, _replay_fake)
 
-__all__ = ["NAMESPACE", "kda_decode", "kda_recover", "kda_replay_decode", "step_arguments"]
+__all__ = [
+    "NAMESPACE",
+    "kda_decode",
+    "kda_recover",
+    "kda_replay_decode",
+    "ring_arguments",
+    "step_arguments",
+]

@@ -179,8 +179,9 @@ MUTANTS: list[Mutant] = [
     M("gpu-split-scale-hardcoded", "kda/kernels/split.py",
       "self.normalize_cluster(s_q, s_k, qk_pairs, op.scale)",
       f"self.normalize_cluster(s_q, s_k, qk_pairs, Float32({SCALE}))", SPLIT_ROW, gpu=True),
-    M("gpu-recover-lower-bound-hardcoded", "kda/kernels/recover.py",
-      "lower_bound = op.lower_bound", "lower_bound = Float32(-5.0)", RGPU, gpu=True,
+    M("gpu-recover-lower-bound-hardcoded", "kda/kernels/device.py",  # dev.stage_records
+      "s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound)",
+      "s_decay[j, channel] = decay(a, raw_g, dt, Float32(-5.0))", RGPU, gpu=True,
       select="H1B1T2 or pdl"),
     # --- GPU: KDA state, conv and padding ----------------------------------------------------
     M("gpu-wide-conv-tap-off-by-one", "kda/kernels/wide.py",
@@ -191,8 +192,8 @@ MUTANTS: list[Mutant] = [
       "        if False:\n            return None\n        if self.tokens == 1:", WIDE_CASE,
       gpu=True),
     M("gpu-wide-padding-rows-written", "kda/kernels/wide.py",
-      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
-      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
+      "                output[token + t, head * HEAD_DIM + row] = BFloat16(0.0)",
+      "                output[token + t, head * HEAD_DIM + row] = BFloat16(1.0)",
       WIDE_CASE, gpu=True),
     # --- GPU: KdaReplay's ring --------------------------------------------------------------
     M("gpu-replay-fold-threshold", "kda/kernels/replay.py", "fold = held + T > R",
@@ -204,9 +205,9 @@ MUTANTS: list[Mutant] = [
       "            if accepted < pending:\n                pending = accepted\n",
       "            if accepted < pending:\n                pending = pending\n",
       REPLAY, gpu=True, select="replay_matches_reference and T4"),
-    M("gpu-replay-padding-rows-written", "kda/kernels/replay.py",
-      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
-      "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
+    M("gpu-replay-padding-rows-written", "kda/kernels/wide.py",  # KdaWide.write_padding
+      "                output[token + t, head * HEAD_DIM + row] = BFloat16(0.0)",
+      "                output[token + t, head * HEAD_DIM + row] = BFloat16(1.0)",
       REPLAY, gpu=True, select="replay_matches_reference"),
     # --- GPU: each PDL wait removed, against an early-releasing predecessor ------------------
     M("gpu-pdl-wait-wide", "kda/kernels/wide.py", WIDE_WAIT, WIDE_NO_WAIT, KGPU,

@@ -53,19 +53,8 @@ class KdaSplit(KdaWide):
 
     settle_batch = 4  # gate mode 3: four undecided raw gates per round (faster here)
 
-    def __init__(
-        self,
-        heads,
-        tokens=1,
-        record=False,
-        gate_mode=3,
-        has_bias=False,
-        cluster=2,
-        *,
-        arch="sm_90a",
-        pdl=False,
-    ):
-        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
+    def __init__(self, heads, tokens=1, record=False, gate_mode=3, has_bias=False, cluster=2, **kw):
+        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, **kw)  # arch, pdl
         if cluster not in CLUSTERS:
             raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
         self.cluster = cluster
@@ -202,10 +191,7 @@ class KdaSplit(KdaWide):
         lane = cute.arch.lane_idx()
         group, quarter = lane // 4, lane % 4
         first = 16 * (tile % (self.rows // 16))  # the tile's first local feature
-        if cutlass.const_expr(self.gate_mode == 3):
-            acc, bound = dev.gate_projection_bounded(weights, activations)
-        else:
-            acc = dev.gate_projection(weights, activations, self.gate_mode)
+        acc, bound = self.project_gate(weights, activations)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             raw_g = dev.to_bf16_f32(acc[e])
@@ -216,21 +202,8 @@ class KdaSplit(KdaWide):
                     feature = 16 * tile + group + 8 * (e // 2)
                     op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(
-                op,
-                acc,
-                bound,
-                a,
-                dt,
-                s_gate,
-                first,
-                tile,
-                request,
-                head,
-                self.tokens,
-                self.record,
-                self.settle_batch,
-            )
+            where = self.settling(s_gate, first, tile, request, head)
+            dev.settle_gate(op, acc, bound, a, dt, where)
         # each lane reads back only what it wrote itself
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
@@ -245,8 +218,7 @@ class KdaSplit(KdaWide):
         butterflies, pairs of groups, then ``(p0 + p1) + (p2 + p3)``: the pairwise tree over
         the eight groups) and q^ = q rsqrt(sum + 1e-6) scale, k^ = k rsqrt(sum + 1e-6)."""
         tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
+        lane, warp, channel, section = dev.thread_layout(tid)
         qk = []
         for t in cutlass.range_constexpr(self.tokens):
             value = Float32(cutlass.select_(section == 0, s_q[t, channel], s_k[t, channel]))
@@ -278,11 +250,7 @@ class KdaSplit(KdaWide):
         own_row = rank * R + tid % R  # the v row / output row of threads tid < R
         slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
-            cute.arch.griddepcontrol_wait()
-            if tid < R:
-                for t in cutlass.range_constexpr(T):
-                    op.output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
-            cute.arch.griddepcontrol_launch_dependents()
+            self.write_padding(op.output, token, head, tid, own_row, R)
         else:
             smem = cutlass.memory.SmemAllocator()
             bars = smem.allocate_array(Int64, 2, byte_alignment=8)

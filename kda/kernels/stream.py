@@ -26,13 +26,12 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from tpcomm.cuteutil import (
     cp_async_16,
-    launch,
     ld_shared_b32x2,
     smem_tensor,
 )
 
 from . import device as dev
-from .device import CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 from .wide import KdaWide
 
 GRANULE = 16  # bytes per cp.async
@@ -48,23 +47,20 @@ def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
     return conv + staged + inputs + work
 
 
+def volatile_asm(result, operands, text, constraints, loc, ip):
+    """``llvm.inline_asm`` with side effects: ptxas neither merges it with another nor
+    moves it across one."""
+    return llvm.inline_asm(
+        result, operands, text, constraints, has_side_effects=True, asm_dialect=0, loc=loc, ip=ip
+    )
+
+
 @dsl_user_op
 def fresh_index(register: str = "%tid.x", *, loc=None, ip=None) -> Int32:
     """``%tid.x`` (or ``%ctaid.x``) through a volatile asm: what is derived from it is
     computed per item, not hoisted out of the item loop and held in registers across the
     recurrence."""
-    return Int32(
-        llvm.inline_asm(
-            IR.i32(),
-            [],
-            f"mov.u32 $0, {register};",
-            "=r",
-            has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return Int32(volatile_asm(IR.i32(), [], f"mov.u32 $0, {register};", "=r", loc, ip))
 
 
 @dsl_user_op
@@ -72,15 +68,8 @@ def opaque(value: Int32, *, loc=None, ip=None) -> Int32:
     """``value`` through a volatile asm: an expression of it is recomputed where used,
     not merged with an earlier one and held in registers."""
     return Int32(
-        llvm.inline_asm(
-            IR.i32(),
-            [Int32(value).ir_value(loc=loc, ip=ip)],
-            "mov.b32 $0, $1;",
-            "=r,r",
-            has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
+        volatile_asm(
+            IR.i32(), [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r", loc, ip
         )
     )
 
@@ -95,15 +84,13 @@ def reload_shared_f32x4(shared: Int32, *, loc=None, ip=None):
     """A 16-byte shared load that ptxas neither merges with an earlier load of the same
     address nor moves across another (volatile): the recurrence reads k twice rather than
     holding 32 keys in registers."""
-    result = llvm.inline_asm(
+    result = volatile_asm(
         llvm.StructType.get_literal([Float32.mlir_type] * 4),
         [Int32(shared).ir_value(loc=loc, ip=ip)],
         "ld.volatile.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
         "=f,=f,=f,=f,r",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
     return tuple(
         Float32(llvm.extractvalue(Float32.mlir_type, result, [e], loc=loc, ip=ip)) for e in range(4)
@@ -118,15 +105,13 @@ def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=No
         Float32(value).ir_value(loc=loc, ip=ip),
         Int32(lane).ir_value(loc=loc, ip=ip),
     ]
-    llvm.inline_asm(
+    volatile_asm(
         None,
         operands,
         "{ .reg .pred p; setp.eq.s32 p, $2, 0; @p st.global.f32 [$0], $1; }",
         "l,f,r",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
 
 
@@ -138,17 +123,15 @@ def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, i
     operands = [Int64(address).ir_value(loc=loc, ip=ip)]
     operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
     operands.append(Int32(target).ir_value(loc=loc, ip=ip))
-    llvm.inline_asm(
+    volatile_asm(
         None,
         operands,
         "{ .reg .pred p; .reg .b32 z, a, b, c, d; setp.gt.s32 p, $5, 0; shr.s32 z, $5, 31; "
         "xor.b32 a, $1, z; xor.b32 b, $2, z; xor.b32 c, $3, z; xor.b32 d, $4, z; "
         "@p st.global.v4.b32 [$0], {a, b, c, d}; }",
         "l,f,f,f,f,r",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
 
 
@@ -183,17 +166,9 @@ class KdaStream(KdaWide):
             )
         self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
 
-    def launch_grid(self, call, requests, stream):
-        """``ctas`` persistent CTAs, two per SM."""
-        launch(
-            call,
-            (self.ctas, 1, 1),
-            (THREADS, 1, 1),
-            stream,
-            use_pdl=self.pdl,
-            min_blocks_per_mp=CTAS_PER_SM,
-            carveout=100,  # all shared: two CTAs of ~85-110 KB per SM
-        )
+    def grid(self, requests):
+        """``ctas`` persistent CTAs (two per SM)."""
+        return (self.ctas, 1, 1)
 
     @cute.jit
     def stage_conv(self, conv_state, convs, head, conv_slot, offset):
@@ -342,8 +317,7 @@ class KdaStream(KdaWide):
         T, H = self.tokens, self.heads
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
+        lane, warp, channel, section = dev.thread_layout(tid)
         group, quarter = lane // 4, lane % 4
         dim = H * HEAD_DIM
         requests = op.output.shape[0] // T
@@ -359,10 +333,8 @@ class KdaStream(KdaWide):
         xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
         gs = smem_tensor(smem, BFloat16, (2, T, HEAD_DIM), align=16)  # parity-buffered
         fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
-        s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
-        s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
-        s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
-        s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+        # q, k, v, o of the item's tokens
+        s_q, s_k, s_v, s_o = [smem_tensor(smem, Float32, (T, HEAD_DIM)) for _ in range(4)]
         s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
         s_beta = smem_tensor(smem, Float32, (2, 8))
         sums = smem_tensor(smem, Float32, (T, 2, 8))
@@ -387,8 +359,7 @@ class KdaStream(KdaWide):
             # Everything per item is derived afresh from the item, %tid.x and %ctaid.x:
             # nothing else is carried in registers across the recurrence.
             tid = fresh_tid()
-            lane, warp = tid % 32, tid // 32
-            channel, section = tid % 128, tid // 128
+            lane, warp, channel, section = dev.thread_layout(tid)
             group, quarter = lane // 4, lane % 4
             parts = (2 * section, 1)
             parity = (item - (fresh_index("%ctaid.x") * total) // self.ctas) % 2

@@ -80,16 +80,22 @@ class KdaWide:
         """Launch on ``stream`` (``op``: ``kda.operands.KernelOperands``)."""
         self.launch_grid(self.kernel(op), op.output.shape[0] // self.tokens, stream)
 
+    ctas_per_sm = CTAS_PER_SM  # two CTAs of ~85-110 KB of shared memory per SM
+
+    def grid(self, requests):
+        """One CTA per (head, request) item (KdaStream: its persistent CTAs)."""
+        return (self.heads, requests, 1)
+
     def launch_grid(self, call, requests, stream):
-        """One CTA per (head, request) item, two per SM (KdaStream, KdaSplit: their grids)."""
+        """``grid``, ``ctas_per_sm`` CTAs per SM, all shared memory (KdaSplit: clusters)."""
         launch(
             call,
-            (self.heads, requests, 1),
+            self.grid(requests),
             (THREADS, 1, 1),
             stream,
             use_pdl=self.pdl,
-            min_blocks_per_mp=CTAS_PER_SM,
-            carveout=100,  # all shared: two CTAs of ~85-110 KB per SM
+            min_blocks_per_mp=self.ctas_per_sm,
+            carveout=100,
         )
 
     # ---------------------------------------------------------------- device side
@@ -186,8 +192,7 @@ class KdaWide:
         """q, k (threads 0-127) and v (128-255) into shared memory; per-warp sums of q^2
         and k^2; the k record."""
         tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
+        lane, warp, channel, section = dev.thread_layout(tid)
         s_q, s_k, s_v = shared
         first = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
         second = self.convolve(taps[1], coeff[1], bias[1], inputs[1])
@@ -213,10 +218,7 @@ class KdaWide:
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
-        if cutlass.const_expr(self.gate_mode == 3):
-            acc, bound = dev.gate_projection_bounded(weights, activations)
-        else:
-            acc = dev.gate_projection(weights, activations, self.gate_mode)
+        acc, bound = self.project_gate(weights, activations)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
@@ -227,33 +229,41 @@ class KdaWide:
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(
-                op,
-                acc,
-                bound,
-                a,
-                dt,
-                s_decay,
-                16 * warp,
-                warp,
-                request,
-                head,
-                self.tokens,
-                self.record,
-                self.settle_batch,
-            )
+            where = self.settling(s_decay, 16 * warp, warp, request, head)
+            dev.settle_gate(op, acc, bound, a, dt, where)
+
+    def project_gate(self, weights, activations):
+        """Trace-time helper: the warp's raw gate tile on mma.sync (``dev.gate_projection``;
+        gate mode 3 with its error bounds). Returns (accumulators, bounds or None)."""
+        if self.gate_mode == 3:
+            return dev.gate_projection_bounded(weights, activations)
+        return dev.gate_projection(weights, activations, self.gate_mode), None
+
+    def settling(self, s_gate, first, tile, request, head):
+        """Trace-time helper: ``dev.settle_gate``'s ``where`` of a gate tile."""
+        return dev.GateTile(
+            s_gate, first, tile, request, head, self.tokens, self.record, self.settle_batch
+        )
 
     @cute.jit
-    def normalize_qk(self, s_q, s_k, sums, scale):
-        """q^ = q * rsqrt(sum q^2 + 1e-6) * scale, k^ = k * rsqrt(sum k^2 + 1e-6)."""
+    def per_channel(self, body):
+        """``body(t, channel)`` per token on threads 0-127 (channel ``tid``)."""
         tid, _, _ = cute.arch.thread_idx()
         channel, section = tid % 128, tid // 128
         if section == 0:
             for t in cutlass.range_constexpr(self.tokens):
-                fq = dev.rsqrt_f32(dev.quad_sum([sums[t, 0, w] for w in range(4)]) + 1.0e-6)
-                fk = dev.rsqrt_f32(dev.quad_sum([sums[t, 1, w] for w in range(4)]) + 1.0e-6)
-                s_q[t, channel] = (s_q[t, channel] * fq) * scale
-                s_k[t, channel] = s_k[t, channel] * fk
+                body(t, channel)
+
+    def normalize_qk(self, s_q, s_k, sums, scale):
+        """q^ = q * rsqrt(sum q^2 + 1e-6) * scale, k^ = k * rsqrt(sum k^2 + 1e-6)."""
+
+        def normalize(t, channel):
+            fq = dev.rsqrt_f32(dev.quad_sum([sums[t, 0, w] for w in range(4)]) + 1.0e-6)
+            fk = dev.rsqrt_f32(dev.quad_sum([sums[t, 1, w] for w in range(4)]) + 1.0e-6)
+            s_q[t, channel] = (s_q[t, channel] * fq) * scale
+            s_k[t, channel] = s_k[t, channel] * fk
+
+        self.per_channel(normalize)
 
     @cute.jit
     def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
@@ -432,19 +442,18 @@ class KdaWide:
         KdaStream reads it from its staged rows)."""
         return dev.sigmoid(Float32(gate[token + t, head * HEAD_DIM + channel]))
 
-    @cute.jit
     def write_output(self, s_o, out_sums, gate, nw, eps, output, token, head):
         """Gated RMSNorm of each token's o (threads 0-127)."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % 128, tid // 128
-        if section == 0:
-            for t in cutlass.range_constexpr(self.tokens):
-                sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
-                rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
-                result = ((s_o[t, channel] * rstd) * nw) * self.output_gate(
-                    gate, token, t, head, channel
-                )
-                output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
+
+        def write(t, channel):
+            sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
+            rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
+            result = ((s_o[t, channel] * rstd) * nw) * self.output_gate(
+                gate, token, t, head, channel
+            )
+            output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
+
+        self.per_channel(write)
 
     @cute.jit
     def write_conv(self, conv_state, conv_slot, head, taps, inputs):
@@ -463,6 +472,16 @@ class KdaWide:
                     conv_state[Int64(conv_slot), ch, 2 + t] = conv_type(inputs[s][t])
 
     @cute.jit
+    def write_padding(self, output, token, head, tid, row, rows):
+        """A padding item: zero output rows (threads ``tid`` < ``rows``, value row ``row``)
+        between the PDL wait and the release; nothing else read or written."""
+        cute.arch.griddepcontrol_wait()
+        if tid < rows:
+            for t in cutlass.range_constexpr(self.tokens):
+                output[token + t, head * HEAD_DIM + row] = BFloat16(0.0)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
     def prefetch_next(self, slots, accepted, state, head, request, requests):
         """L2 prefetch of the state page of the item ``ahead`` CTAs on."""
         item = head + self.heads * request + self.ahead
@@ -479,24 +498,17 @@ class KdaWide:
         tid, _, _ = cute.arch.thread_idx()
         head, request, _ = cute.arch.block_idx()
         _, requests, _ = cute.arch.grid_dim()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
-        thread = (lane, warp, channel, section)
+        thread = dev.thread_layout(tid)  # (lane, warp, channel, section)
+        section = thread[3]
         token = request * T
         slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
-            cute.arch.griddepcontrol_wait()
-            if tid < HEAD_DIM:
-                for t in cutlass.range_constexpr(T):
-                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
-            cute.arch.griddepcontrol_launch_dependents()
+            self.write_padding(op.output, token, head, tid, tid, HEAD_DIM)
         else:
             smem = cutlass.memory.SmemAllocator()
             staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
-            s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            # q, k, v, o of the item's tokens
+            s_q, s_k, s_v, s_o = [smem_tensor(smem, Float32, (T, HEAD_DIM)) for _ in range(4)]
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
             s_beta = smem_tensor(smem, Float32, (8,))
             smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (was gate mode 2's)
