@@ -25,18 +25,11 @@ from typing import Optional
 
 import torch
 
+from . import validate as checks
 from .dispatch import choose_replay
 from .kernels.launch import launch_copy, launch_decode, launch_fold, launch_recover, launch_replay
 from .operands import DecodeOperands, RecoverOperands, Ring
 from .state import check_copy, check_fold
-from .validate import (
-    check_decode,
-    check_options,
-    check_out,
-    check_recover,
-    check_replay,
-    check_replay_kernel,
-)
 
 NAMESPACE = "kimi"
 
@@ -127,6 +120,11 @@ def step_arguments(op: DecodeOperands, out) -> dict:
     return {"out": out, **{name: getattr(op, name) for name in names}}
 
 
+def ring_arguments(ring: Ring) -> dict:
+    """``ring``'s tensors under the schema's names (``RING``)."""
+    return {name: tensor for (name, _), tensor in zip(RING, ring, strict=True)}
+
+
 def _operands(a: dict, records=None) -> DecodeOperands:
     fields = {p[0] for p in STEP + SCALARS} - {"out"}
     return DecodeOperands(**{name: a[name] for name in fields}, records=records)
@@ -146,8 +144,8 @@ def _decode(**a) -> None:
 
 def _decode_fake(**a) -> None:
     op = _operands(a, _records(a))
-    check_options(a["kernel"], a["cluster"], a["gate_mode"], a["pdl"], a["validate"])
-    check_out(a["out"], check_decode(op, check_values=False), a["state"].device)
+    checks.check_options(a["kernel"], a["cluster"], a["gate_mode"], a["pdl"], a["validate"])
+    checks.check_out(a["out"], checks.check_decode(op, check_values=False), a["state"].device)
 
 
 def _recover_operands(a) -> RecoverOperands:
@@ -161,12 +159,12 @@ def _recover(**a) -> None:
 
 
 def _recover_fake(**a) -> None:
-    check_options(pdl=a["pdl"], validate=a["validate"])
-    check_recover(_recover_operands(a), check_values=False)
+    checks.check_options(pdl=a["pdl"], validate=a["validate"])
+    checks.check_recover(_recover_operands(a), check_values=False)
 
 
 def _ring(a) -> Ring:
-    return Ring(a["ring_v"], a["ring_kg"], a["ring_length"])
+    return Ring(*(a[name] for name, _ in RING))
 
 
 def _replay(**a) -> None:
@@ -177,10 +175,10 @@ def _replay(**a) -> None:
 
 def _replay_fake(**a) -> None:
     op, kernel = _operands(a), a["kernel"]
-    check_options(gate_mode=a["gate_mode"], pdl=a["pdl"], validate=a["validate"])
-    check_replay_kernel(kernel)
-    shape, size = check_replay(op, _ring(a), check_values=False)
-    check_out(a["out"], shape, a["state"].device)
+    checks.check_options(gate_mode=a["gate_mode"], pdl=a["pdl"], validate=a["validate"])
+    checks.check_replay_kernel(kernel)
+    shape, size = checks.check_replay(op, _ring(a), check_values=False)
+    checks.check_out(a["out"], shape, a["state"].device)
     choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)
 
 
@@ -271,5 +269,6 @@ __all__ = [
     "kda_fold",
     "kda_recover",
     "kda_replay_decode",
+    "ring_arguments",
     "step_arguments",
 ]

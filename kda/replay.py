@@ -18,7 +18,7 @@ import inspect
 
 import torch
 
-from .custom_ops import step_arguments
+from .custom_ops import ring_arguments, step_arguments
 from .decode import typed
 from .operands import DecodeOperands, Ring, takes
 from .validate import check_options, check_out, check_replay, check_replay_kernel
@@ -54,16 +54,8 @@ def replay_decode(
     if out is None:
         device = op.state.device
         out = torch.empty(op.x.shape[0], op.gate.shape[1], dtype=torch.bfloat16, device=device)
-    torch.ops.kimi.kda_replay_decode(
-        **step_arguments(op, out),
-        ring_v=ring.v,
-        ring_kg=ring.kg,
-        ring_length=ring.length,
-        gate_mode=gate_mode,
-        pdl=pdl,
-        validate=validate,
-        kernel=kernel,
-    )
+    options = {"gate_mode": gate_mode, "pdl": pdl, "validate": validate, "kernel": kernel}
+    torch.ops.kimi.kda_replay_decode(**step_arguments(op, out), **ring_arguments(ring), **options)
     return out
 
 

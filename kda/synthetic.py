@@ -103,13 +103,13 @@ def run_reference(
     lower_bound=LOWER_BOUND,
     scale=SCALE,
     eps=EPS,
-    o_fp32=None,
-    o_abs=None,
-    raw_gate=None,
+    **outputs,
 ):
-    """``kda.reference.decode`` on a layer and a step (mutates the layer's pools)."""
+    """``kda.reference.decode`` on a layer and a step (mutates the layer's pools);
+    ``outputs``: its ``o_fp32``, ``o_abs``, ``raw_gate``."""
     from .reference import decode
 
+    scalars = {"lower_bound": lower_bound, "scale": scale, "eps": eps}
     return decode(
         step.x,
         layer.conv_weight,
@@ -124,13 +124,9 @@ def run_reference(
         step.gate,
         layer.norm_weight,
         layer.f_b,
-        lower_bound=lower_bound,
-        scale=scale,
-        eps=eps,
         accepted=step.accepted,
         conv_dim_first=layer.conv_dim_first,
         records=records,
-        o_fp32=o_fp32,
-        o_abs=o_abs,
-        raw_gate=raw_gate,
+        **scalars,
+        **outputs,
     )

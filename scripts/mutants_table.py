@@ -375,9 +375,9 @@ MUTANTS: list[Mutant] = [
     ),
     M(
         "gpu-recover-lower-bound-hardcoded",
-        "kda/kernels/recover.py",
-        "lower_bound = op.lower_bound",
-        "lower_bound = Float32(-5.0)",
+        "kda/kernels/device.py",  # dev.stage_records (KdaRecover's and KdaReplay's decays)
+        "s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound)",
+        "s_decay[j, channel] = decay(a, raw_g, dt, Float32(-5.0))",
         RGPU,
         gpu=True,
         select="H1B1T2 or pdl",
@@ -394,16 +394,16 @@ MUTANTS: list[Mutant] = [
     M(
         "gpu-wide-state-written-in-record-mode",
         "kda/kernels/wide.py",
-        "            if cutlass.const_expr(not self.record):\n                target = slot",
-        "            if cutlass.const_expr(True):\n                target = slot",
+        "        if self.record:\n            return None\n        if self.tokens == 1:",
+        "        if False:\n            return None\n        if self.tokens == 1:",
         WIDE_CASE,
         gpu=True,
     ),
     M(
         "gpu-wide-padding-rows-written",
-        "kda/kernels/wide.py",
-        "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
-        "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
+        "kda/kernels/wide.py",  # KdaWide.write_padding
+        "                output[token + t, head * HEAD_DIM + row] = BFloat16(0.0)",
+        "                output[token + t, head * HEAD_DIM + row] = BFloat16(1.0)",
         WIDE_CASE,
         gpu=True,
     ),
@@ -437,9 +437,9 @@ MUTANTS: list[Mutant] = [
     ),
     M(
         "gpu-replay-padding-rows-written",
-        "kda/kernels/replay.py",
-        "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)",
-        "                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(1.0)",
+        "kda/kernels/wide.py",  # KdaWide.write_padding, KdaReplay's too
+        "                output[token + t, head * HEAD_DIM + row] = BFloat16(0.0)",
+        "                output[token + t, head * HEAD_DIM + row] = BFloat16(1.0)",
         REPLAY,
         gpu=True,
         select="replay_matches_reference",

@@ -35,17 +35,15 @@ def fla_options(layer, **kwargs):
     """fla's ``fused_recurrent_kda_fwd`` options for ``layer`` plus ``kwargs``: the gate in
     the kernel with the lower bound, the V-first state pool updated in place, q / k
     L2-normalised and beta's sigmoid in the kernel."""
+    flags = ("inplace_final_state", "state_v_first", "use_qk_l2norm_in_kernel")
+    flags += ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel")
     return dict(
         A_log=layer.a_log,
         dt_bias=layer.dt_bias,
         initial_state=layer.state,
         scale=kl.SCALE,
-        inplace_final_state=True,
-        state_v_first=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
         lower_bound=kl.LOWER_BOUND,
+        **dict.fromkeys(flags, True),
         **kwargs,
     )
 

@@ -1,10 +1,13 @@
-"""Device math shared by the KDA kernels (KdaWide, KdaStream), in one place.
+"""Device math shared by the KDA kernels, in one place: the delta rule of KdaWide,
+KdaStream and KdaSplit (``delta_rule``), the record staging and fold of KdaRecover and
+KdaReplay, the gate projection and its settling, the rounding helpers.
 
-Thread layout (both kernels): 256 threads = 8 warps per (request, head) item. Thread
-``tid`` owns value rows ``tid // LANES`` and ``tid // LANES + 64`` of the head's fp32
-state, keys ``4 * (tid % LANES + LANES * c) + [0, 4)`` for chunk ``c`` in 0..KCHUNKS-1
-(a quarter of two rows), ``ROWS * KCHUNKS * 4 = 64`` registers. The LANES threads of a
-row are adjacent lanes, so a row's dot product is a butterfly over LANES lanes.
+Thread layout (KdaWide, KdaStream; KdaSplit: its own rows and lanes): 256 threads = 8
+warps per (request, head) item. Thread ``tid`` owns value rows ``tid // LANES`` and
+``tid // LANES + 64`` of the head's fp32 state, keys ``4 * (tid % LANES + LANES * c) +
+[0, 4)`` for chunk ``c`` in 0..KCHUNKS-1 (a quarter of two rows), ``ROWS * KCHUNKS * 4 =
+64`` registers. The LANES threads of a row are adjacent lanes, so a row's dot product is
+a butterfly over LANES lanes.
 
 Numerics (the reference's rounding points; only fp32 reduction order differs):
 - SiLU ``x / (1 + exp(-x))`` (IEEE division, ``add.rn`` so that nothing is contracted)
@@ -26,6 +29,8 @@ butterfly-summed over the row's LANES lanes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
@@ -34,7 +39,10 @@ from tpcomm.cuteutil import (
     bf16x2_to_f32,
     ld_global_b32x2,
     ld_global_nc_b32x2,
+    ld_shared_f32x4,
     mma_bf16_16816,
+    warp_sum,
+    xor_sum,
 )
 
 from ..dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
@@ -45,6 +53,12 @@ LANES = 4  # threads per state row
 ROWS = 2  # value rows per thread (r and r + 64)
 KCHUNKS = 8  # 16-byte key chunks per row per thread
 ACCUMULATORS = 4  # pairs of partial dot-product sums per row
+
+
+def thread_layout(tid):
+    """(lane, warp, channel, section) of thread ``tid``: its lane and warp, its channel of
+    the head's 128 and its half of the 256 threads."""
+    return tid % 32, tid // 32, tid % 128, tid // 128
 
 
 def fma2(a, b, c, packed: bool):
@@ -82,6 +96,88 @@ def update_and_out(h, outs, c, k4, q4, v, packed: bool):
         h[2 * p], h[2 * p + 1] = pair[0], pair[1]
         acc = fma2(pair, (q4[2 * p], q4[2 * p + 1]), (outs[2 * j], outs[2 * j + 1]), packed)
         outs[2 * j], outs[2 * j + 1] = acc[0], acc[1]
+
+
+@cute.jit
+def delta_rule(
+    history,
+    shared,
+    s_beta,
+    s_o,
+    state,
+    lane_in,
+    lanes: cutlass.Constexpr,
+    row,
+    tokens: cutlass.Constexpr,
+    packed: cutlass.Constexpr,
+    write_v=None,
+    target=None,
+    store=None,
+    streamed: cutlass.Constexpr = False,
+    load=ld_shared_f32x4,
+    beta_first: cutlass.Constexpr = True,
+):
+    """The delta rule per token on a thread's register state (KdaWide, KdaStream, KdaSplit):
+    ``history[i][c]`` the four fp32 of chunk ``c`` of the thread's row ``i``, the row's keys
+    ``4 (lane_in + lanes c) + [0, 4)`` (a row's ``lanes`` threads adjacent lanes); first pass
+    ``S *= d``, ``S . k``; ``v_new = (v - S . k) beta``; second pass ``S += k v_new``,
+    ``S . q``; o (bf16) into ``s_o[t, row(i)]``. The variants' differences, all trace time:
+    ``row(i)`` the row's index in ``s_v`` / ``s_o``; ``load`` the loader of d and k (q: a
+    plain shared load); ``write_v(t, row, v)`` the v record; ``target(t)`` the slot of the
+    state after token t (None: not stored) and ``store(state0, target)`` its store, after
+    the outputs or, ``streamed``, before the second pass, returning the writer ``(i, c,
+    values)`` of each updated chunk; ``beta_first``: beta read before the rows' dots."""
+    s_q, s_k, s_v, s_decay = shared
+    q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
+    d0 = Int32(s_decay.iterator.toint())
+    state0 = Int64(state.iterator.toint())
+    rows, chunks = len(history), len(history[0])
+    for t in cutlass.range_constexpr(tokens):
+        chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + lanes * c)) * 4 for c in range(chunks)]
+        dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(rows)]
+        for c in cutlass.range_constexpr(chunks):
+            d4 = load(d0 + chunk_offset[c])
+            k4 = load(k0 + chunk_offset[c])
+            for i in cutlass.range_constexpr(rows):
+                decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
+        if cutlass.const_expr(beta_first):
+            beta_t = s_beta[t]
+        v_new = []
+        for i in cutlass.range_constexpr(rows):
+            dot = xor_sum(tree_sum(dots[i]), lanes)
+            value_row = row(i)
+            if cutlass.const_expr(beta_first):
+                v = (s_v[t, value_row] - dot) * beta_t
+            else:
+                v = (s_v[t, value_row] - dot) * s_beta[t]
+            v_new.append(v)
+            if cutlass.const_expr(write_v is not None):
+                write_v(t, value_row, v)
+        if cutlass.const_expr(streamed and target is not None):
+            store_chunk = store(state0, target(t))
+        outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in range(rows)]
+        for c in cutlass.range_constexpr(chunks):
+            k4 = load(k0 + chunk_offset[c])
+            q4 = ld_shared_f32x4(q0 + chunk_offset[c])
+            for i in cutlass.range_constexpr(rows):
+                update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
+                if cutlass.const_expr(streamed and target is not None):
+                    store_chunk(i, c, history[i][c])
+        for i in cutlass.range_constexpr(rows):
+            o = xor_sum(tree_sum(outs[i]), lanes)
+            if lane_in == 0:
+                s_o[t, row(i)] = to_bf16_f32(o)
+        if cutlass.const_expr(not streamed and target is not None):
+            store(state0, target(t))
+
+
+def apply_record(h, d4, k4, v, packed: bool):
+    """One recorded token on a state row's key chunk (four fp32 ``h``, in place), per key
+    pair ``S * decay`` then ``fma(k^, v_new, .)`` (KdaRecover's and KdaReplay's fold)."""
+    for p in range(2):
+        two = slice(2 * p, 2 * p + 2)
+        pair = fma2(k4[two], (v, v), mul2(h[two], d4[two], packed), packed)
+        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
 
 
 def to_bf16_f32(value):
@@ -158,6 +254,44 @@ def normalize_rows(rows: cute.Tensor, sums: cute.Tensor, count, n: cutlass.Const
                 rows[i, channel] = rows[i, channel] * fk
             else:
                 rows[i, channel] = Float32(-0.0)
+
+
+@cute.jit
+def stage_records(op, head, count, n: cutlass.Constexpr, rows, kg, v=None, keys_past=True):
+    """Records j < ``n`` of a head decoded into shared (KdaRecover's tokens, KdaReplay's
+    ring entries): k as fp32 into ``s_k[j, channel]`` (threads 0-127, per-warp sums of
+    k^2 into ``sums[j, warp]``), the decay of the bf16 raw gate into ``s_decay`` and
+    v_new (``v(j, channel)``; None: in place already) into ``s_v`` (threads 128-255); the
+    neutral record (decay 1, v_new +0) past ``count``. ``rows``: (s_k, s_decay, s_v,
+    sums); ``kg(j, column)``: column ``column`` of record j's k | raw gate (bf16);
+    ``keys_past``: k read past ``count`` too (else +0 there)."""
+    tid, _, _ = cute.arch.thread_idx()
+    lane, warp, channel, section = thread_layout(tid)
+    s_k, s_decay, s_v, sums = rows
+    if section == 0:
+        for j in cutlass.range_constexpr(n):
+            if cutlass.const_expr(keys_past):
+                k = Float32(kg(j, channel))
+            else:
+                k = Float32(0.0)
+                if j < count:
+                    k = Float32(kg(j, channel))
+            s_k[j, channel] = k
+            squares = warp_sum(k * k)
+            if lane == 0:
+                sums[j, warp] = squares
+    else:
+        a = Float32(op.a_log[head])
+        dt = Float32(op.dt_bias[head * HEAD_DIM + channel])
+        for j in cutlass.range_constexpr(n):
+            if j < count:
+                raw_g = Float32(kg(j, HEAD_DIM + channel))
+                s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound)
+                if cutlass.const_expr(v is not None):
+                    s_v[j, channel] = Float32(v(j, channel))
+            else:
+                s_decay[j, channel] = Float32(1.0)
+                s_v[j, channel] = Float32(0.0)
 
 
 def decay(a_log, raw_g, dt, lower_bound):
@@ -295,56 +429,47 @@ def exact_dot_warp(row_a, row_b):
     return exact_dots_warp([(a, b)])[0]
 
 
+class GateTile(NamedTuple):
+    """Where gate mode 3 settles a warp's tile: decays in ``s_gate[t, first + row]``, row
+    ``r`` feature ``16 tile + r`` of ``head``, ``request``'s tokens < ``tokens``; raw-gate
+    records with ``record``; ``batch`` values per round."""
+
+    s_gate: object
+    first: object
+    tile: object
+    request: object
+    head: object
+    tokens: int
+    record: bool
+    batch: int
+
+
 @cute.jit
-def settle_gate(
-    op,
-    acc,
-    bound,
-    a,
-    dt,
-    s_gate,
-    first,
-    tile,
-    request,
-    head,
-    tokens: cutlass.Constexpr,
-    record: cutlass.Constexpr,
-    batch: cutlass.Constexpr,
-):
+def settle_gate(op, acc, bound, a, dt, where: GateTile):
     """Gate mode 3, after the fast path wrote its decays (and records): the accumulators
     whose bound straddles a bf16 rounding (tokens < T only) are recomputed exactly by the
     whole warp, and the owning lane rewrites ``s_gate[t, first + row]`` (and the raw-gate
-    record) from the exact raw gate. ``tile``: the warp's 16 features of the head (row
-    ``r`` is feature 16 tile + r). ``batch`` 1: one value at a time (``settle_each``);
-    more (up to 32): ``batch`` values per round (``settle_rounds``, which takes ``a``,
-    ``dt``: the lane's a_log and dt_bias of rows ``lane // 4``, + 8)."""
+    record) from the exact raw gate (``where``). ``batch`` 1: one value at a time
+    (``settle_each``); more (up to 32): ``batch`` values per round (``settle_rounds``,
+    which takes ``a``, ``dt``: the lane's a_log and dt_bias of rows ``lane // 4``, + 8)."""
+    tokens, batch = where.tokens, where.batch
     lane = cute.arch.lane_idx()
     flags = []
     for e in cutlass.range_constexpr(4):
         t = 2 * (lane % 4) + e % 2
         flags.append(cute.arch.vote_ballot_sync(gate_straddles(acc[e], bound[e]) & (t < tokens)))
     if cutlass.const_expr(batch == 1):
-        settle_each(op, lane, flags, s_gate, first, tile, request, head, tokens, record)
+        settle_each(op, lane, flags, where)
     else:
-        settle_rounds(op, flags, a, dt, s_gate, first, tile, request, head, tokens, record, batch)
+        settle_rounds(op, flags, a, dt, where)
 
 
 @cute.jit
-def settle_each(
-    op,
-    lane,
-    flags,
-    s_gate,
-    first,
-    tile,
-    request,
-    head,
-    tokens: cutlass.Constexpr,
-    record: cutlass.Constexpr,
-):
+def settle_each(op, lane, flags, where: GateTile):
     """``settle_gate`` lane by lane (lowest first), a lane's flagged accumulators in turn:
     each value's f_a and f_b rows loaded and summed alone; the owner reloads a_log and its
     dt_bias (no registers held across the loop)."""
+    s_gate, first, tile, request, head, tokens, record, _ = where
     stride = HEAD_DIM * 2  # bytes per f_a / f_b row
     lanes = (flags[0] | flags[1]) | (flags[2] | flags[3])
     while lanes != 0:
@@ -368,24 +493,12 @@ def settle_each(
 
 
 @cute.jit
-def settle_rounds(
-    op,
-    flags,
-    a,
-    dt,
-    s_gate,
-    first,
-    tile,
-    request,
-    head,
-    tokens: cutlass.Constexpr,
-    record: cutlass.Constexpr,
-    batch: cutlass.Constexpr,
-):
+def settle_rounds(op, flags, a, dt, where: GateTile):
     """``settle_gate`` ``batch`` values per round (``next_flagged`` order): the f_a and f_b
     row loads of a round are issued together, the butterflies interleaved, lane ``l``
     computes the decay of the round's value ``l % batch`` (dt_bias shuffled from the
     owner), the owner writes it."""
+    s_gate, first, tile, request, head, tokens, record, batch = where
     lane = cute.arch.lane_idx()
     w0, w1, w2, w3 = flags
     rows_a = Int64(op.f_a.iterator.toint()) + Int64(request * tokens) * (HEAD_DIM * 2)

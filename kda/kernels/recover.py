@@ -25,7 +25,6 @@ from tpcomm.cuteutil import (
     ld_shared_f32x4,
     smem_tensor,
     st_global_f32x4,
-    warp_sum,
 )
 
 from ..operands import RecoverKernelOperands
@@ -85,32 +84,17 @@ class KdaRecover:
 
     @cute.jit
     def stage_tokens(self, op, count, shared, request, head):
-        """Per token: k (threads 0-127) with its per-warp sums of squares; decay and v_new
-        (threads 128-255). Tokens past ``count`` get the neutral decay 1 and v_new +0."""
-        kg_records, v_records, a_log, dt_bias = op.kg_records, op.v_records, op.a_log, op.dt_bias
-        lower_bound = op.lower_bound
-        tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
-        s_k, s_decay, s_v, sums = shared
-        if section == 0:
-            for t in cutlass.range_constexpr(self.tokens):
-                k = Float32(kg_records[request, head, t, channel])
-                s_k[t, channel] = k
-                squares = warp_sum(k * k)
-                if lane == 0:
-                    sums[t, warp] = squares
-        else:
-            a = Float32(a_log[head])
-            dt = Float32(dt_bias[head * HEAD_DIM + channel])
-            for t in cutlass.range_constexpr(self.tokens):
-                if t < count:
-                    raw_g = Float32(kg_records[request, head, t, HEAD_DIM + channel])
-                    s_decay[t, channel] = dev.decay(a, raw_g, dt, lower_bound)
-                    s_v[t, channel] = Float32(v_records[request, head, t, channel])
-                else:
-                    s_decay[t, channel] = Float32(1.0)
-                    s_v[t, channel] = Float32(0.0)
+        """Per token (``dev.stage_records``): k with its per-warp sums of squares; decay
+        and v_new. Tokens past ``count`` get the neutral decay 1 and v_new +0."""
+        dev.stage_records(
+            op,
+            head,
+            count,
+            self.tokens,
+            shared,
+            lambda t, c: op.kg_records[request, head, t, c],
+            lambda t, c: op.v_records[request, head, t, c],
+        )
 
     @cute.jit
     def apply(self, values, shared, slots, state, count, request, head):
@@ -127,15 +111,7 @@ class KdaRecover:
                 d4 = ld_shared_f32x4(d0 + offset)
                 k4 = ld_shared_f32x4(k0 + offset)
                 for r in cutlass.range_constexpr(ROWS):
-                    h = values[r][c]
-                    for p in cutlass.range_constexpr(2):
-                        pair = dev.mul2(
-                            (h[2 * p], h[2 * p + 1]), (d4[2 * p], d4[2 * p + 1]), packed
-                        )
-                        pair = dev.fma2(
-                            (k4[2 * p], k4[2 * p + 1]), (v_new[r], v_new[r]), pair, packed
-                        )
-                        h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                    dev.apply_record(values[r][c], d4, k4, v_new[r], packed)
             target = Int32(slots[request, t])
             if (t < count) & (target > 0):
                 self.store_page(state, head, target, values)

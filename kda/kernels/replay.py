@@ -43,7 +43,6 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm.cuteutil import (
     cp_async_16,
-    launch,
     ld_global_f32x4,
     ld_shared_f32x4,
     prefetch_l2_bulk,
@@ -103,18 +102,9 @@ class KdaReplay(KdaWide):
         """Launch on ``stream`` (``op``: ``kda.operands.ReplayKernelOperands``)."""
         self.launch_grid(self.kernel(op), op.output.shape[0] // self.tokens, stream)
 
-    def launch_grid(self, call, requests, stream):
-        """One CTA per (head, request) item, ``REPLAY_CTAS_PER_SM`` per SM (no staged page:
-        ~15 KB of shared memory; 80 registers)."""
-        launch(
-            call,
-            (self.heads, requests, 1),
-            (THREADS, 1, 1),
-            stream,
-            use_pdl=self.pdl,
-            min_blocks_per_mp=REPLAY_CTAS_PER_SM,
-            carveout=100,
-        )
+    # KdaWide's grid, more CTAs per SM (no staged page: ~15 KB of shared memory; 80
+    # registers)
+    ctas_per_sm = REPLAY_CTAS_PER_SM
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -140,32 +130,12 @@ class KdaReplay(KdaWide):
 
     @cute.jit
     def stage_entries(self, op, held, ring, r_raw, head):
-        """The copied entries j < ``held`` decoded in shared: k as fp32 (threads 0-127, with
-        per-warp sums of k^2), the decay (threads 128-255); the neutral entry (decay 1,
-        v_new +0) past ``held``."""
-        tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
-        r_k, r_d, r_v, r_sums = ring
-        if section == 0:
-            for j in cutlass.range_constexpr(self.size):
-                k = Float32(0.0)
-                if j < held:
-                    k = Float32(r_raw[j, channel])
-                r_k[j, channel] = k
-                squares = warp_sum(k * k)
-                if lane == 0:
-                    r_sums[j, warp] = squares
-        else:
-            a = Float32(op.a_log[head])
-            dt = Float32(op.dt_bias[head * HEAD_DIM + channel])
-            for j in cutlass.range_constexpr(self.size):
-                if j < held:
-                    raw_g = Float32(r_raw[j, HEAD_DIM + channel])
-                    r_d[j, channel] = dev.decay(a, raw_g, dt, op.lower_bound)
-                else:
-                    r_d[j, channel] = Float32(1.0)
-                    r_v[j, channel] = Float32(0.0)
+        """The copied entries j < ``held`` decoded in shared (``dev.stage_records``): k as
+        fp32 with per-warp sums of k^2, the decay; the neutral entry (k +0, decay 1, v_new
+        +0) past ``held``."""
+        dev.stage_records(
+            op, head, held, self.size, ring, lambda j, c: r_raw[j, c], keys_past=False
+        )
 
     def conv_phase_unrecorded(self, *args):
         """KdaWide's conv phase without its k record (trace time): the record is written
@@ -177,14 +147,13 @@ class KdaReplay(KdaWide):
         finally:
             self.record = True
 
-    @cute.jit
     def write_k_record(self, s_k, records, request, head):
         """The k record (bf16 of the un-normalised k, exact) from ``s_k`` (threads 0-127)."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % 128, tid // 128
-        if section == 0:
-            for t in cutlass.range_constexpr(self.tokens):
-                records[request, head, t, channel] = BFloat16(s_k[t, channel])
+
+        def write(t, channel):
+            records[request, head, t, channel] = BFloat16(s_k[t, channel])
+
+        self.per_channel(write)
 
     @cute.jit
     def fold_page(self, state, ring, slot, head):
@@ -211,19 +180,9 @@ class KdaReplay(KdaWide):
                     d4 = ld_shared_f32x4(d0 + offset)
                     k4 = ld_shared_f32x4(k0 + offset)
                     for r in cutlass.range_constexpr(2):
-                        h = rows[2 * g + r][1]
-                        for p in cutlass.range_constexpr(2):
-                            two = slice(2 * p, 2 * p + 2)
-                            pair = self.apply_pair(h[two], d4[two], k4[two], v_row[r])
-                            h[2 * p], h[2 * p + 1] = pair[0], pair[1]
+                        dev.apply_record(rows[2 * g + r][1], d4, k4, v_row[r], self.packed)
             for at, h in rows:
                 st_global_f32x4(at, tuple(h))
-
-    def apply_pair(self, h, d, k, v_new):
-        """One record on two keys of a row: ``S * decay`` then ``fma(k^, v_new, .)``
-        (KdaRecover's order)."""
-        pair = dev.mul2(h, d, self.packed)
-        return dev.fma2(k, (v_new, v_new), pair, self.packed)
 
     @cute.jit
     def suffix_chain(self, ring, shared, t, x, entries, partials, scaled):
@@ -263,8 +222,7 @@ class KdaReplay(KdaWide):
         """Per token: alpha partials and D k^ (threads 0-127, with the k^ . q^ partials),
         gamma partials and D q^ (threads 128-255)."""
         tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
+        lane, warp, channel, section = dev.thread_layout(tid)
         s_q, s_k, s_decay = shared
         p_alpha, p_gamma, p_kq, s_dk, s_dq = parts
         if section == 0:
@@ -292,6 +250,11 @@ class KdaReplay(KdaWide):
         offset = (base_row + 64 * i) * HEAD_DIM + 4 * (lane_in + LANES * c)
         return ld_global_f32x4(source + Int64(offset) * 4)
 
+    def fma_into(self, acc, j, pair, x):
+        """Trace-time helper: ``acc``'s pair ``j`` += ``pair * x`` (two keys, fma2)."""
+        out = dev.fma2(pair, (x[0], x[1]), (acc[2 * j], acc[2 * j + 1]), self.packed)
+        acc[2 * j], acc[2 * j + 1] = out[0], out[1]
+
     @cute.jit
     def replay_rows(self, op, staged, ring, parts, s_v, s_beta, s_o, entries, slot, head):
         """Per token and value row: C (D k^) and C (D q^) from the page (re-read per token
@@ -302,7 +265,6 @@ class KdaReplay(KdaWide):
         base_row, lane_in = tid // LANES, tid % LANES
         _, _, r_v, _ = ring
         p_alpha, p_gamma, p_kq, s_dk, s_dq = parts
-        packed = self.packed
         dk0, dq0 = Int32(s_dk.iterator.toint()), Int32(s_dq.iterator.toint())
         alpha0, gamma0 = Int32(p_alpha.iterator.toint()), Int32(p_gamma.iterator.toint())
         kq0 = Int32(p_kq.iterator.toint())
@@ -328,20 +290,8 @@ class KdaReplay(KdaWide):
                         for p in cutlass.range_constexpr(2):
                             j = (2 * c + p) % PAIRS
                             pair = (h[2 * p], h[2 * p + 1])
-                            acc = dev.fma2(
-                                pair,
-                                (dk4[2 * p], dk4[2 * p + 1]),
-                                (sk[i][2 * j], sk[i][2 * j + 1]),
-                                packed,
-                            )
-                            sk[i][2 * j], sk[i][2 * j + 1] = acc[0], acc[1]
-                            acc = dev.fma2(
-                                pair,
-                                (dq4[2 * p], dq4[2 * p + 1]),
-                                (sq[i][2 * j], sq[i][2 * j + 1]),
-                                packed,
-                            )
-                            sq[i][2 * j], sq[i][2 * j + 1] = acc[0], acc[1]
+                            self.fma_into(sk[i], j, pair, dk4[2 * p : 2 * p + 2])
+                            self.fma_into(sq[i], j, pair, dq4[2 * p : 2 * p + 2])
             kq = dev.quad_sum(ld_shared_f32x4(kq0 + t * 16))
             beta_t = s_beta[t]
             s_k = [xor_sum(dev.tree_sum(sk[i]), LANES) for i in rows]
@@ -378,9 +328,8 @@ class KdaReplay(KdaWide):
         R, T = self.size, self.tokens
         tid, _, _ = cute.arch.thread_idx()
         head, request, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
-        dim = self.heads * HEAD_DIM
+        thread = dev.thread_layout(tid)  # (lane, warp, channel, section)
+        section = thread[3]
         token = request * T
         # The state and conv slot; the conv window's offset (a verify step's: accepted - 1).
         if cutlass.const_expr(T == 1):
@@ -388,17 +337,11 @@ class KdaReplay(KdaWide):
         else:
             slot, offset = Int32(op.slots[request, 0]), Int32(op.accepted[request]) - 1
         if slot <= 0:
-            cute.arch.griddepcontrol_wait()
-            if tid < HEAD_DIM:
-                for t in cutlass.range_constexpr(T):
-                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
-            cute.arch.griddepcontrol_launch_dependents()
+            self.write_padding(op.output, token, head, tid, tid, HEAD_DIM)
         else:
             smem = cutlass.memory.SmemAllocator()
-            s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            # q, k, v, o of the item's tokens
+            s_q, s_k, s_v, s_o = [smem_tensor(smem, Float32, (T, HEAD_DIM)) for _ in range(4)]
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
             s_beta = smem_tensor(smem, Float32, (8,))
             sums = smem_tensor(smem, Float32, (T, 2, 8))
@@ -459,27 +402,11 @@ class KdaReplay(KdaWide):
                 prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
             self.copy_entries(op, r_raw, r_v, held, slot, head)
             cute.arch.cp_async_commit_group()
-            parts_in = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
-            columns = [parts_in[s] * dim + head * HEAD_DIM + channel for s in range(2)]
-            taps, coeff, bias = self.conv_operands(
-                op.conv_state,
-                op.conv_weight,
-                op.conv_bias,
-                slot,
-                offset,
-                columns,
-                parts_in,
-                [head * HEAD_DIM + channel] * 2,
-            )
-            nw = Float32(op.norm_weight[channel])
-            a, dt, weights = self.gate_operands(op, head, warp, lane)
-            inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
+            conv, nw, gate = self.item_operands(op, thread, slot, offset, s_beta, token, head)
 
             records = ring_entry(op.ring_kg, slot, entry, self.heads, R)
-            self.conv_phase_unrecorded(
-                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, records, request, head
-            )
-            self.write_conv(op.conv_state, slot, head, taps, inputs)
+            self.conv_phase_unrecorded(*conv, (s_q, s_k, s_v), sums, records, request, head)
+            self.write_conv(op.conv_state, slot, head, conv[0], conv[3])
             gate_op = SimpleNamespace(
                 f_a=op.f_a,
                 f_b=op.f_b,
@@ -493,7 +420,7 @@ class KdaReplay(KdaWide):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             self.write_k_record(s_k, records, request, head)
-            self.gate_phase(gate_op, weights, activations, a, dt, s_decay, request, head)
+            self.gate_phase(gate_op, *gate, s_decay, request, head)
             self.stage_entries(op, held, ring, r_raw, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)

@@ -40,7 +40,7 @@ from tpcomm.cuteutil import (
 
 from ..dispatch import CLUSTERS
 from . import device as dev
-from .device import ACCUMULATORS, HEAD_DIM, THREADS
+from .device import HEAD_DIM, THREADS
 from .wide import KdaWide
 
 GROUP = 16  # channels per butterfly group of the per-head sums
@@ -53,19 +53,8 @@ class KdaSplit(KdaWide):
 
     settle_batch = 4  # gate mode 3: four undecided raw gates per round (faster here)
 
-    def __init__(
-        self,
-        heads,
-        tokens=1,
-        record=False,
-        gate_mode=3,
-        has_bias=False,
-        cluster=2,
-        *,
-        arch="sm_90a",
-        pdl=False,
-    ):
-        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
+    def __init__(self, heads, tokens=1, record=False, gate_mode=3, has_bias=False, cluster=2, **kw):
+        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, **kw)  # arch, pdl
         if cluster not in CLUSTERS:
             raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
         self.cluster = cluster
@@ -142,49 +131,38 @@ class KdaSplit(KdaWide):
 
     @cute.jit
     def recurrence_rows(self, op, history, shared, s_beta, s_o, slot, request, head, rank):
-        """KdaWide's delta rule on the CTA's R rows (one row per thread group of 2 C
-        lanes); o (bf16) into ``s_o[t, local row]``; the rows' state stored after token t
-        (not in record mode)."""
-        slots, state, v_records = op.slots, op.state, op.v_records
+        """``dev.delta_rule`` on the CTA's R rows (one row per thread group of 2 C lanes);
+        o (bf16) into ``s_o[t, local row]``; the rows' state stored after token t (not in
+        record mode)."""
         tid, _, _ = cute.arch.thread_idx()
         row, lane_in = tid // self.lanes, tid % self.lanes
         value_row = rank * self.rows + row
-        s_q, s_k, s_v, s_decay = shared
-        packed = self.packed
-        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
-        d0 = Int32(s_decay.iterator.toint())
-        state0 = Int64(state.iterator.toint())
-        for t in cutlass.range_constexpr(self.tokens):
-            chunk_offset = [
-                (t * HEAD_DIM + 4 * (lane_in + self.lanes * c)) * 4 for c in range(self.chunks)
-            ]
-            dots = [Float32(0.0)] * (2 * ACCUMULATORS)
-            for c in cutlass.range_constexpr(self.chunks):
-                d4 = ld_shared_f32x4(d0 + chunk_offset[c])
-                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
-                dev.decay_and_dot(history[c], dots, c, d4, k4, packed)
-            dot = xor_sum(dev.tree_sum(dots), self.lanes)
-            v_new = (s_v[t, row] - dot) * s_beta[t]
-            if cutlass.const_expr(self.record):  # noqa: SIM102
-                if lane_in == 0:
-                    v_records[request, head, t, value_row] = v_new
-            outs = [Float32(0.0)] * (2 * ACCUMULATORS)
-            for c in cutlass.range_constexpr(self.chunks):
-                k4 = ld_shared_f32x4(k0 + chunk_offset[c])
-                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
-                dev.update_and_out(history[c], outs, c, k4, q4, v_new, packed)
-            o = xor_sum(dev.tree_sum(outs), self.lanes)
-            if lane_in == 0:
-                s_o[t, row] = dev.to_bf16_f32(o)
-            if cutlass.const_expr(not self.record):
-                target = slot
-                if cutlass.const_expr(self.tokens > 1):
-                    target = Int32(slots[request, t])
-                if target > 0:
-                    page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                    for c in cutlass.range_constexpr(self.chunks):
-                        offset = value_row * HEAD_DIM + 4 * (lane_in + self.lanes * c)
-                        st_global_f32x4(state0 + (page + offset) * 4, history[c])
+        dev.delta_rule(
+            [history],
+            shared,
+            s_beta,
+            s_o,
+            op.state,
+            lane_in,
+            self.lanes,
+            lambda i: row,
+            self.tokens,
+            self.packed,
+            write_v=self.v_writer(op.v_records, request, head, lane_in, value_row),
+            target=self.state_target(op.slots, slot, request),
+            store=lambda state0, target: self.store_token(state0, target, head, history),
+            beta_first=False,
+        )
+
+    @cute.jit
+    def store_state(self, state0, page, history):
+        """The thread's chunks of its value row to page ``page``."""
+        tid, _, _ = cute.arch.thread_idx()
+        row, lane_in = tid // self.lanes, tid % self.lanes
+        value_row = cute.arch.block_idx_in_cluster() * self.rows + row
+        for c in cutlass.range_constexpr(self.chunks):
+            offset = value_row * HEAD_DIM + 4 * (lane_in + self.lanes * c)
+            st_global_f32x4(state0 + (page + offset) * 4, history[c])
 
     @cute.jit
     def write_conv_channel(self, conv_state, conv_slot, column, taps, inputs):
@@ -213,10 +191,7 @@ class KdaSplit(KdaWide):
         lane = cute.arch.lane_idx()
         group, quarter = lane // 4, lane % 4
         first = 16 * (tile % (self.rows // 16))  # the tile's first local feature
-        if cutlass.const_expr(self.gate_mode == 3):
-            acc, bound = dev.gate_projection_bounded(weights, activations)
-        else:
-            acc = dev.gate_projection(weights, activations, self.gate_mode)
+        acc, bound = self.project_gate(weights, activations)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             raw_g = dev.to_bf16_f32(acc[e])
@@ -227,21 +202,8 @@ class KdaSplit(KdaWide):
                     feature = 16 * tile + group + 8 * (e // 2)
                     op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(
-                op,
-                acc,
-                bound,
-                a,
-                dt,
-                s_gate,
-                first,
-                tile,
-                request,
-                head,
-                self.tokens,
-                self.record,
-                self.settle_batch,
-            )
+            where = self.settling(s_gate, first, tile, request, head)
+            dev.settle_gate(op, acc, bound, a, dt, where)
         # each lane reads back only what it wrote itself
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
@@ -256,8 +218,7 @@ class KdaSplit(KdaWide):
         butterflies, pairs of groups, then ``(p0 + p1) + (p2 + p3)``: the pairwise tree over
         the eight groups) and q^ = q rsqrt(sum + 1e-6) scale, k^ = k rsqrt(sum + 1e-6)."""
         tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % HEAD_DIM, tid // HEAD_DIM
+        lane, warp, channel, section = dev.thread_layout(tid)
         qk = []
         for t in cutlass.range_constexpr(self.tokens):
             value = Float32(cutlass.select_(section == 0, s_q[t, channel], s_k[t, channel]))
@@ -289,11 +250,7 @@ class KdaSplit(KdaWide):
         own_row = rank * R + tid % R  # the v row / output row of threads tid < R
         slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
-            cute.arch.griddepcontrol_wait()
-            if tid < R:
-                for t in cutlass.range_constexpr(T):
-                    op.output[token + t, head * HEAD_DIM + own_row] = BFloat16(0.0)
-            cute.arch.griddepcontrol_launch_dependents()
+            self.write_padding(op.output, token, head, tid, own_row, R)
         else:
             smem = cutlass.memory.SmemAllocator()
             bars = smem.allocate_array(Int64, 2, byte_alignment=8)

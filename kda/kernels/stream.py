@@ -26,15 +26,12 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from tpcomm.cuteutil import (
     cp_async_16,
-    launch,
     ld_shared_b32x2,
-    ld_shared_f32x4,
     smem_tensor,
-    xor_sum,
 )
 
 from . import device as dev
-from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 from .wide import KdaWide
 
 GRANULE = 16  # bytes per cp.async
@@ -50,23 +47,20 @@ def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
     return conv + staged + inputs + work
 
 
+def volatile_asm(result, operands, text, constraints, loc, ip):
+    """``llvm.inline_asm`` with side effects: ptxas neither merges it with another nor
+    moves it across one."""
+    return llvm.inline_asm(
+        result, operands, text, constraints, has_side_effects=True, asm_dialect=0, loc=loc, ip=ip
+    )
+
+
 @dsl_user_op
 def fresh_index(register: str = "%tid.x", *, loc=None, ip=None) -> Int32:
     """``%tid.x`` (or ``%ctaid.x``) through a volatile asm: what is derived from it is
     computed per item, not hoisted out of the item loop and held in registers across the
     recurrence."""
-    return Int32(
-        llvm.inline_asm(
-            IR.i32(),
-            [],
-            f"mov.u32 $0, {register};",
-            "=r",
-            has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return Int32(volatile_asm(IR.i32(), [], f"mov.u32 $0, {register};", "=r", loc, ip))
 
 
 @dsl_user_op
@@ -74,15 +68,8 @@ def opaque(value: Int32, *, loc=None, ip=None) -> Int32:
     """``value`` through a volatile asm: an expression of it is recomputed where used,
     not merged with an earlier one and held in registers."""
     return Int32(
-        llvm.inline_asm(
-            IR.i32(),
-            [Int32(value).ir_value(loc=loc, ip=ip)],
-            "mov.b32 $0, $1;",
-            "=r,r",
-            has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
+        volatile_asm(
+            IR.i32(), [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r", loc, ip
         )
     )
 
@@ -97,15 +84,13 @@ def reload_shared_f32x4(shared: Int32, *, loc=None, ip=None):
     """A 16-byte shared load that ptxas neither merges with an earlier load of the same
     address nor moves across another (volatile): the recurrence reads k twice rather than
     holding 32 keys in registers."""
-    result = llvm.inline_asm(
+    result = volatile_asm(
         llvm.StructType.get_literal([Float32.mlir_type] * 4),
         [Int32(shared).ir_value(loc=loc, ip=ip)],
         "ld.volatile.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
         "=f,=f,=f,=f,r",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
     return tuple(
         Float32(llvm.extractvalue(Float32.mlir_type, result, [e], loc=loc, ip=ip)) for e in range(4)
@@ -120,15 +105,13 @@ def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=No
         Float32(value).ir_value(loc=loc, ip=ip),
         Int32(lane).ir_value(loc=loc, ip=ip),
     ]
-    llvm.inline_asm(
+    volatile_asm(
         None,
         operands,
         "{ .reg .pred p; setp.eq.s32 p, $2, 0; @p st.global.f32 [$0], $1; }",
         "l,f,r",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
 
 
@@ -140,17 +123,15 @@ def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, i
     operands = [Int64(address).ir_value(loc=loc, ip=ip)]
     operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
     operands.append(Int32(target).ir_value(loc=loc, ip=ip))
-    llvm.inline_asm(
+    volatile_asm(
         None,
         operands,
         "{ .reg .pred p; .reg .b32 z, a, b, c, d; setp.gt.s32 p, $5, 0; shr.s32 z, $5, 31; "
         "xor.b32 a, $1, z; xor.b32 b, $2, z; xor.b32 c, $3, z; xor.b32 d, $4, z; "
         "@p st.global.v4.b32 [$0], {a, b, c, d}; }",
         "l,f,f,f,f,r",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
 
 
@@ -185,17 +166,9 @@ class KdaStream(KdaWide):
             )
         self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
 
-    def launch_grid(self, call, requests, stream):
-        """``ctas`` persistent CTAs, two per SM."""
-        launch(
-            call,
-            (self.ctas, 1, 1),
-            (THREADS, 1, 1),
-            stream,
-            use_pdl=self.pdl,
-            min_blocks_per_mp=CTAS_PER_SM,
-            carveout=100,  # all shared: two CTAs of ~85-110 KB per SM
-        )
+    def grid(self, requests):
+        """``ctas`` persistent CTAs (two per SM)."""
+        return (self.ctas, 1, 1)
 
     @cute.jit
     def stage_conv(self, conv_state, convs, head, conv_slot, offset):
@@ -268,66 +241,46 @@ class KdaStream(KdaWide):
         return dev.sigmoid(Float32(rows[parity, t, channel]))
 
     def thread_index(self):
-        """Read per use (``fresh_tid``): KdaWide's ``stage_state`` then holds no thread
-        index across the item loop."""
+        """Read per use (``fresh_tid``): KdaWide's ``stage_state`` and ``recurrence`` then
+        hold no thread index across the item loop."""
         return fresh_tid()
 
+    # KdaWide's recurrence (``dev.delta_rule``) with fewer registers live: d and k read
+    # with ``reload_shared_f32x4`` (k again for the second pass) and the state after token t
+    # streamed to its page chunk by chunk as the second pass updates it (a predicated store;
+    # the page's slot is read before that pass).
+    streamed = True
+
+    def load_chunk(self, shared):
+        """Volatile (``reload_shared_f32x4``): d and k are not held in registers."""
+        return reload_shared_f32x4(shared)
+
+    def state_store(self, head, history):
+        """The page address of token t's ``target``, before the second pass; each
+        updated chunk then stored (when ``target`` > 0) by ``chunk_writer``'s writer."""
+        return lambda state0, target: self.chunk_writer(state0, target, head)
+
     @cute.jit
-    def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
-        """KdaWide's delta rule, element for element (same operations, same order), with
-        fewer registers live: k is read again for the second pass (``reload_shared_f32x4``)
-        and the state after token t goes to its page chunk by chunk as the second pass
-        updates it (a predicated store; the page's slot is read before that pass)."""
-        slots, state, v_records = op.slots, op.state, op.v_records
-        rows = tuple(range(ROWS))
-        tid = fresh_tid()
-        base_row, lane_in = tid // LANES, tid % LANES
-        s_q, s_k, s_v, s_decay = shared
-        packed = self.packed
-        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
-        d0 = Int32(s_decay.iterator.toint())
-        state0 = Int64(state.iterator.toint())
-        for t in cutlass.range_constexpr(self.tokens):
-            chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
-            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                d4 = reload_shared_f32x4(d0 + chunk_offset[c])
-                k4 = reload_shared_f32x4(k0 + chunk_offset[c])
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
-            beta_t = s_beta[t]
-            v_new = []
-            for i, r in enumerate(rows):
-                dot = xor_sum(dev.tree_sum(dots[i]), LANES)
-                value_row = base_row + 64 * r
-                v = (s_v[t, value_row] - dot) * beta_t
-                v_new.append(v)
-                if cutlass.const_expr(self.record):
-                    # one lane per row writes v: a predicated store, no branch
-                    index = cute.crd2idx((request, head, t, value_row), v_records.layout)
-                    address = Int64(v_records.iterator.toint()) + Int64(index) * 4
-                    st_global_f32_if_zero(address, v, lane_in)
-            if cutlass.const_expr(not self.record):
-                target = slot
-                if cutlass.const_expr(self.tokens > 1):
-                    target = Int32(slots[request, t])
-                tid_t = fresh_tid()
-                page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
-                key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
-                row0 = state0 + (page + Int64(key0)) * 4
-            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                k4 = reload_shared_f32x4(k0 + chunk_offset[c])
-                q4 = ld_shared_f32x4(q0 + chunk_offset[c])
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
-                    if cutlass.const_expr(not self.record):
-                        offset = (64 * rows[i] * HEAD_DIM + 4 * LANES * c) * 4
-                        st_global_f32x4_masked(row0 + offset, history[i][c], target)
-            for i, r in enumerate(rows):
-                o = xor_sum(dev.tree_sum(outs[i]), LANES)
-                if lane_in == 0:
-                    s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
+    def write_v(self, v_records, request, head, t, row, v, lane_in):
+        """The v record by one lane of the row: a predicated store, no branch."""
+        index = cute.crd2idx((request, head, t, row), v_records.layout)
+        address = Int64(v_records.iterator.toint()) + Int64(index) * 4
+        st_global_f32_if_zero(address, v, lane_in)
+
+    def chunk_writer(self, state0, target, head):
+        """Trace-time helper: the thread's page address of ``target`` (from fresh
+        registers), and the writer of chunk ``c`` of row ``i`` (stored when ``target`` >
+        0)."""
+        tid_t = fresh_tid()
+        page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
+        key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
+        row0 = state0 + (page + Int64(key0)) * 4
+
+        def write(i, c, values):
+            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * 4
+            st_global_f32x4_masked(row0 + offset, values, target)
+
+        return write
 
     @cute.jit
     def stage_item(self, op, buffers, head, request, parity, with_inputs):
@@ -364,8 +317,7 @@ class KdaStream(KdaWide):
         T, H = self.tokens, self.heads
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
+        lane, warp, channel, section = dev.thread_layout(tid)
         group, quarter = lane // 4, lane % 4
         dim = H * HEAD_DIM
         requests = op.output.shape[0] // T
@@ -381,10 +333,8 @@ class KdaStream(KdaWide):
         xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
         gs = smem_tensor(smem, BFloat16, (2, T, HEAD_DIM), align=16)  # parity-buffered
         fas = smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)
-        s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
-        s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
-        s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
-        s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+        # q, k, v, o of the item's tokens
+        s_q, s_k, s_v, s_o = [smem_tensor(smem, Float32, (T, HEAD_DIM)) for _ in range(4)]
         s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
         s_beta = smem_tensor(smem, Float32, (2, 8))
         sums = smem_tensor(smem, Float32, (T, 2, 8))
@@ -409,8 +359,7 @@ class KdaStream(KdaWide):
             # Everything per item is derived afresh from the item, %tid.x and %ctaid.x:
             # nothing else is carried in registers across the recurrence.
             tid = fresh_tid()
-            lane, warp = tid % 32, tid // 32
-            channel, section = tid % 128, tid // 128
+            lane, warp, channel, section = dev.thread_layout(tid)
             group, quarter = lane // 4, lane % 4
             parts = (2 * section, 1)
             parity = (item - (fresh_index("%ctaid.x") * total) // self.ctas) % 2

@@ -25,12 +25,11 @@ from tpcomm.cuteutil import (
     smem_tensor,
     st_global_f32x4,
     warp_sum,
-    xor_sum,
 )
 
 from ..operands import KernelOperands
 from . import device as dev
-from .device import ACCUMULATORS, CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .device import CTAS_PER_SM, HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 
 STATE_PAGE_BYTES = HEAD_DIM * HEAD_DIM * 4
 
@@ -81,16 +80,22 @@ class KdaWide:
         """Launch on ``stream`` (``op``: ``kda.operands.KernelOperands``)."""
         self.launch_grid(self.kernel(op), op.output.shape[0] // self.tokens, stream)
 
+    ctas_per_sm = CTAS_PER_SM  # two CTAs of ~85-110 KB of shared memory per SM
+
+    def grid(self, requests):
+        """One CTA per (head, request) item (KdaStream: its persistent CTAs)."""
+        return (self.heads, requests, 1)
+
     def launch_grid(self, call, requests, stream):
-        """One CTA per (head, request) item, two per SM (KdaStream, KdaSplit: their grids)."""
+        """``grid``, ``ctas_per_sm`` CTAs per SM, all shared memory (KdaSplit: clusters)."""
         launch(
             call,
-            (self.heads, requests, 1),
+            self.grid(requests),
             (THREADS, 1, 1),
             stream,
             use_pdl=self.pdl,
-            min_blocks_per_mp=CTAS_PER_SM,
-            carveout=100,  # all shared: two CTAs of ~85-110 KB per SM
+            min_blocks_per_mp=self.ctas_per_sm,
+            carveout=100,
         )
 
     # ---------------------------------------------------------------- device side
@@ -187,8 +192,7 @@ class KdaWide:
         """q, k (threads 0-127) and v (128-255) into shared memory; per-warp sums of q^2
         and k^2; the k record."""
         tid, _, _ = cute.arch.thread_idx()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
+        lane, warp, channel, section = dev.thread_layout(tid)
         s_q, s_k, s_v = shared
         first = self.convolve(taps[0], coeff[0], bias[0], inputs[0])
         second = self.convolve(taps[1], coeff[1], bias[1], inputs[1])
@@ -214,10 +218,7 @@ class KdaWide:
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
-        if cutlass.const_expr(self.gate_mode == 3):
-            acc, bound = dev.gate_projection_bounded(weights, activations)
-        else:
-            acc = dev.gate_projection(weights, activations, self.gate_mode)
+        acc, bound = self.project_gate(weights, activations)
         for e in cutlass.range_constexpr(4):
             t = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
@@ -228,88 +229,113 @@ class KdaWide:
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            dev.settle_gate(
-                op,
-                acc,
-                bound,
-                a,
-                dt,
-                s_decay,
-                16 * warp,
-                warp,
-                request,
-                head,
-                self.tokens,
-                self.record,
-                self.settle_batch,
-            )
+            where = self.settling(s_decay, 16 * warp, warp, request, head)
+            dev.settle_gate(op, acc, bound, a, dt, where)
+
+    def project_gate(self, weights, activations):
+        """Trace-time helper: the warp's raw gate tile on mma.sync (``dev.gate_projection``;
+        gate mode 3 with its error bounds). Returns (accumulators, bounds or None)."""
+        if self.gate_mode == 3:
+            return dev.gate_projection_bounded(weights, activations)
+        return dev.gate_projection(weights, activations, self.gate_mode), None
+
+    def settling(self, s_gate, first, tile, request, head):
+        """Trace-time helper: ``dev.settle_gate``'s ``where`` of a gate tile."""
+        return dev.GateTile(
+            s_gate, first, tile, request, head, self.tokens, self.record, self.settle_batch
+        )
 
     @cute.jit
-    def normalize_qk(self, s_q, s_k, sums, scale):
-        """q^ = q * rsqrt(sum q^2 + 1e-6) * scale, k^ = k * rsqrt(sum k^2 + 1e-6)."""
+    def per_channel(self, body):
+        """``body(t, channel)`` per token on threads 0-127 (channel ``tid``)."""
         tid, _, _ = cute.arch.thread_idx()
         channel, section = tid % 128, tid // 128
         if section == 0:
             for t in cutlass.range_constexpr(self.tokens):
-                fq = dev.rsqrt_f32(dev.quad_sum([sums[t, 0, w] for w in range(4)]) + 1.0e-6)
-                fk = dev.rsqrt_f32(dev.quad_sum([sums[t, 1, w] for w in range(4)]) + 1.0e-6)
-                s_q[t, channel] = (s_q[t, channel] * fq) * scale
-                s_k[t, channel] = s_k[t, channel] * fk
+                body(t, channel)
+
+    def normalize_qk(self, s_q, s_k, sums, scale):
+        """q^ = q * rsqrt(sum q^2 + 1e-6) * scale, k^ = k * rsqrt(sum k^2 + 1e-6)."""
+
+        def normalize(t, channel):
+            fq = dev.rsqrt_f32(dev.quad_sum([sums[t, 0, w] for w in range(4)]) + 1.0e-6)
+            fk = dev.rsqrt_f32(dev.quad_sum([sums[t, 1, w] for w in range(4)]) + 1.0e-6)
+            s_q[t, channel] = (s_q[t, channel] * fq) * scale
+            s_k[t, channel] = s_k[t, channel] * fk
+
+        self.per_channel(normalize)
 
     @cute.jit
     def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
-        """The delta rule per token on the register state; o (bf16) into s_o; the state
-        after token t stored to its page (not in record mode)."""
-        slots, state, v_records = op.slots, op.state, op.v_records
-        rows = tuple(range(ROWS))
-        tid, _, _ = cute.arch.thread_idx()
+        """``dev.delta_rule`` on the register state (rows ``tid // LANES`` and + 64); the
+        state after token t stored to its page (not in record mode; ``state_store``)."""
+        tid = self.thread_index()
         base_row, lane_in = tid // LANES, tid % LANES
-        s_q, s_k, s_v, s_decay = shared
-        packed = self.packed
-        q0, k0 = Int32(s_q.iterator.toint()), Int32(s_k.iterator.toint())
-        d0 = Int32(s_decay.iterator.toint())
-        state0 = Int64(state.iterator.toint())
-        for t in cutlass.range_constexpr(self.tokens):
-            chunk_offset = [(t * HEAD_DIM + 4 * (lane_in + LANES * c)) * 4 for c in range(KCHUNKS)]
-            dots = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                d4 = self.load_chunk(d0, chunk_offset, t, c)
-                k4 = self.load_chunk(k0, chunk_offset, t, c)
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.decay_and_dot(history[i][c], dots[i], c, d4, k4, packed)
-            beta_t = s_beta[t]
-            v_new = []
-            for i, r in enumerate(rows):
-                dot = xor_sum(dev.tree_sum(dots[i]), LANES)
-                value_row = base_row + 64 * r
-                v = (s_v[t, value_row] - dot) * beta_t
-                v_new.append(v)
-                if cutlass.const_expr(self.record):  # noqa: SIM102
-                    if lane_in == 0:
-                        v_records[request, head, t, value_row] = v
-            outs = [[Float32(0.0)] * (2 * ACCUMULATORS) for _ in rows]
-            for c in cutlass.range_constexpr(KCHUNKS):
-                k4 = self.load_chunk(k0, chunk_offset, t, c)
-                q4 = self.load_chunk(q0, chunk_offset, t, c)
-                for i in cutlass.range_constexpr(len(rows)):
-                    dev.update_and_out(history[i][c], outs[i], c, k4, q4, v_new[i], packed)
-            for i, r in enumerate(rows):
-                o = xor_sum(dev.tree_sum(outs[i]), LANES)
-                if lane_in == 0:
-                    s_o[t, base_row + 64 * r] = dev.to_bf16_f32(o)
-            if cutlass.const_expr(not self.record):
-                target = slot
-                if cutlass.const_expr(self.tokens > 1):
-                    target = Int32(slots[request, t])
-                if target > 0:
-                    page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                    self.store_state(state0, page, history)
+        dev.delta_rule(
+            history,
+            shared,
+            s_beta,
+            s_o,
+            op.state,
+            lane_in,
+            LANES,
+            lambda i: base_row + 64 * i,
+            self.tokens,
+            self.packed,
+            write_v=self.v_writer(op.v_records, request, head, lane_in),
+            target=self.state_target(op.slots, slot, request),
+            store=self.state_store(head, history),
+            streamed=self.streamed,
+            load=self.load_chunk,
+        )
+
+    # dev.delta_rule's state store: after the token's outputs (KdaStream: during the
+    # second pass)
+    streamed = False
+
+    def load_chunk(self, shared):
+        """Trace-time hook: ``dev.delta_rule``'s d and k loader (KdaStream: volatile)."""
+        return ld_shared_f32x4(shared)
+
+    def state_store(self, head, history):
+        """Trace-time hook: ``dev.delta_rule``'s state store, the page of token t's
+        ``target`` written after the token's outputs when ``target`` > 0."""
+        return lambda state0, target: self.store_token(state0, target, head, history)
+
+    def v_writer(self, v_records, request, head, lane_in, value_row=None):
+        """Trace-time helper: ``dev.delta_rule``'s v-record writer (lane 0 of a row), None
+        outside record mode; ``value_row``: the record's row where it is not ``s_v``'s
+        (KdaSplit's local rows)."""
+        if not self.record:
+            return None
+
+        def write(t, row, v):
+            row = row if value_row is None else value_row
+            self.write_v(v_records, request, head, t, row, v, lane_in)
+
+        return write
 
     @cute.jit
-    def load_chunk(self, base, chunk_offset, t, c):
-        """Key chunk ``c`` of token ``t`` (four fp32) of a [T, 128] shared vector at
-        ``base``; ``chunk_offset[c]``: its byte offset for this thread."""
-        return ld_shared_f32x4(base + chunk_offset[c])
+    def write_v(self, v_records, request, head, t, row, v, lane_in):
+        """The v record of value row ``row`` of token ``t`` (lane 0 of the row)."""
+        if lane_in == 0:
+            v_records[request, head, t, row] = v
+
+    def state_target(self, slots, slot, request):
+        """Trace-time helper: ``dev.delta_rule``'s ``target``, the slot of the state after
+        token t (``slot`` at T = 1, else ``slots[request, t]``); None in record mode."""
+        if self.record:
+            return None
+        if self.tokens == 1:
+            return lambda t: slot
+        return lambda t: Int32(slots[request, t])
+
+    @cute.jit
+    def store_token(self, state0, target, head, history):
+        """The thread's rows of the state to page ``target`` when it is > 0."""
+        if target > 0:
+            page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+            self.store_state(state0, page, history)
 
     @cute.jit
     def store_state(self, state0, page, history):
@@ -367,6 +393,31 @@ class KdaWide:
         tid, _, _ = cute.arch.thread_idx()  # read here: KdaStream's own lane here spilled
         return a, dt, self.load_gate_weights(op.f_b, head, tid // 32, tid % 32)
 
+    def item_operands(self, op, thread, conv_slot, offset, s_beta, token, head):
+        """Trace-time helper: an item's operands of the conv and gate phases, in this
+        order: the conv window, weights and bias of the thread's two channels, the norm
+        weight and the gate's parameters (predecessor-independent), then ``read_inputs``.
+        ``thread``: (lane, warp, channel, section) of the thread. Returns (conv, nw, gate):
+        conv (taps, coeff, bias, inputs), gate (weights, activations, a, dt)."""
+        lane, warp, channel, section = thread
+        dim = self.heads * HEAD_DIM
+        parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
+        columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
+        taps, coeff, bias = self.conv_operands(
+            op.conv_state,
+            op.conv_weight,
+            op.conv_bias,
+            conv_slot,
+            offset,
+            columns,
+            parts,
+            [head * HEAD_DIM + channel] * 2,
+        )
+        nw = Float32(op.norm_weight[channel])
+        a, dt, weights = self.gate_operands(op, head, warp, lane)
+        inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
+        return (taps, coeff, bias, inputs), nw, (weights, activations, a, dt)
+
     def read_inputs(self, op, s_beta, columns, token, head):
         """Trace-time helper: after ``griddepcontrol.wait``, x at the thread's two
         ``columns``, sigmoid(beta) into ``s_beta``, the thread's f_a fragments; then releases
@@ -391,19 +442,18 @@ class KdaWide:
         KdaStream reads it from its staged rows)."""
         return dev.sigmoid(Float32(gate[token + t, head * HEAD_DIM + channel]))
 
-    @cute.jit
     def write_output(self, s_o, out_sums, gate, nw, eps, output, token, head):
         """Gated RMSNorm of each token's o (threads 0-127)."""
-        tid, _, _ = cute.arch.thread_idx()
-        channel, section = tid % 128, tid // 128
-        if section == 0:
-            for t in cutlass.range_constexpr(self.tokens):
-                sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
-                rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
-                result = ((s_o[t, channel] * rstd) * nw) * self.output_gate(
-                    gate, token, t, head, channel
-                )
-                output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
+
+        def write(t, channel):
+            sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
+            rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + eps)
+            result = ((s_o[t, channel] * rstd) * nw) * self.output_gate(
+                gate, token, t, head, channel
+            )
+            output[token + t, head * HEAD_DIM + channel] = BFloat16(result)
+
+        self.per_channel(write)
 
     @cute.jit
     def write_conv(self, conv_state, conv_slot, head, taps, inputs):
@@ -422,6 +472,16 @@ class KdaWide:
                     conv_state[Int64(conv_slot), ch, 2 + t] = conv_type(inputs[s][t])
 
     @cute.jit
+    def write_padding(self, output, token, head, tid, row, rows):
+        """A padding item: zero output rows (threads ``tid`` < ``rows``, value row ``row``)
+        between the PDL wait and the release; nothing else read or written."""
+        cute.arch.griddepcontrol_wait()
+        if tid < rows:
+            for t in cutlass.range_constexpr(self.tokens):
+                output[token + t, head * HEAD_DIM + row] = BFloat16(0.0)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
     def prefetch_next(self, slots, accepted, state, head, request, requests):
         """L2 prefetch of the state page of the item ``ahead`` CTAs on."""
         item = head + self.heads * request + self.ahead
@@ -438,24 +498,17 @@ class KdaWide:
         tid, _, _ = cute.arch.thread_idx()
         head, request, _ = cute.arch.block_idx()
         _, requests, _ = cute.arch.grid_dim()
-        lane, warp = tid % 32, tid // 32
-        channel, section = tid % 128, tid // 128
-        dim = self.heads * HEAD_DIM
+        thread = dev.thread_layout(tid)  # (lane, warp, channel, section)
+        section = thread[3]
         token = request * T
         slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         if slot <= 0:
-            cute.arch.griddepcontrol_wait()
-            if tid < HEAD_DIM:
-                for t in cutlass.range_constexpr(T):
-                    op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
-            cute.arch.griddepcontrol_launch_dependents()
+            self.write_padding(op.output, token, head, tid, tid, HEAD_DIM)
         else:
             smem = cutlass.memory.SmemAllocator()
             staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
-            s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_v = smem_tensor(smem, Float32, (T, HEAD_DIM))
-            s_o = smem_tensor(smem, Float32, (T, HEAD_DIM))
+            # q, k, v, o of the item's tokens
+            s_q, s_k, s_v, s_o = [smem_tensor(smem, Float32, (T, HEAD_DIM)) for _ in range(4)]
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
             s_beta = smem_tensor(smem, Float32, (8,))
             smem_tensor(smem, BFloat16, (T, HEAD_DIM), align=16)  # unused (was gate mode 2's)
@@ -469,28 +522,12 @@ class KdaWide:
             # Predecessor-independent: the state page (cp.async), the conv window, weights.
             self.stage_state(op.state, staged, head, slot)
             cute.arch.cp_async_commit_group()
-            parts = (2 * section, 1)  # s = 0: q or v; s = 1: k (used by threads 0-127)
-            columns = [parts[s] * dim + head * HEAD_DIM + channel for s in range(2)]
-            taps, coeff, bias = self.conv_operands(
-                op.conv_state,
-                op.conv_weight,
-                op.conv_bias,
-                conv_slot,
-                offset,
-                columns,
-                parts,
-                [head * HEAD_DIM + channel] * 2,
-            )
-            nw = Float32(op.norm_weight[channel])
-            a, dt, weights = self.gate_operands(op, head, warp, lane)
-            inputs, activations = self.read_inputs(op, s_beta, columns, token, head)
+            conv, nw, gate = self.item_operands(op, thread, conv_slot, offset, s_beta, token, head)
 
-            self.conv_phase(
-                taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
-            )
+            self.conv_phase(*conv, (s_q, s_k, s_v), sums, op.kg_records, request, head)
             # The conv page now: frees the taps' and inputs' registers for the recurrence.
-            self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
-            self.gate_phase(op, weights, activations, a, dt, s_decay, request, head)
+            self.write_conv(op.conv_state, conv_slot, head, conv[0], conv[3])
+            self.gate_phase(op, *gate, s_decay, request, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)
             cute.arch.barrier()
