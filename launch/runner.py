@@ -131,7 +131,7 @@ class Runner:
             for r, L, w in ranks
         ]
         # "both": every rank's o-projection as one producer and one consumer launch
-        self.all_ranks = AllRanksStep(self.decode_layers, self.w_os) if mode == "both" else None
+        self.all_ranks_step = AllRanksStep(self.decode_layers, self.w_os) if mode == "both" else None
         self.moe = MoeWaiters(xmoe, self.device, self.ranks, every_rank=mode == "both")
 
     # --- buffers ---------------------------------------------------------------------------
@@ -231,10 +231,10 @@ class Runner:
             self.decode_layers[i].consume(bk.prefix[i], bk.blocks, bk.output[i], parity, x)
 
     def _produce_all(self, bk: Bucket, parity: int) -> None:
-        self.all_ranks.produce(bk.attn, parity)
+        self.all_ranks_step.produce(bk.attn, parity)
 
     def _consume_all(self, bk: Bucket, parity: int) -> None:
-        self.all_ranks.consume(bk.prefix, bk.blocks, bk.output, parity, bk.xmoe)
+        self.all_ranks_step.consume(bk.prefix, bk.blocks, bk.output, parity, bk.xmoe)
 
     def _on_ranks(self, ranks, *phases, join=False) -> None:
         """Fork the rank streams from the current stream, run each phase ``fn(r)`` for
