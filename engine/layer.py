@@ -1,6 +1,6 @@
 """``DecodeLayer``: one TP rank's decode step of a KDA layer, as an engine calls it.
 
-Built from the rank's weight shard (``kda.synthetic.Layer``'s fields: conv, gate and norm
+Built from the rank's weight shard (``kda.layer.Layer``'s fields: conv, gate and norm
 weights, the state and conv pools; the rank's ``w_o`` columns), the o-projection
 all-reduces of the symmetric backend, one per rows bucket (``all_reduces``: tokens per
 step, requests x tokens; an engine pads a batch up to a bucket) and the AttnRes weights.
