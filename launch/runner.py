@@ -131,7 +131,8 @@ class Runner:
             for r, L, w in ranks
         ]
         # "both": every rank's o-projection as one producer and one consumer launch
-        self.all_ranks_step = AllRanksStep(self.decode_layers, self.w_os) if mode == "both" else None
+        both = mode == "both"
+        self.all_ranks_step = AllRanksStep(self.decode_layers, self.w_os) if both else None
         self.moe = MoeWaiters(xmoe, self.device, self.ranks, every_rank=mode == "both")
 
     # --- buffers ---------------------------------------------------------------------------
