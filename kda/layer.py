@@ -11,10 +11,12 @@ tables. ``shard_layer`` / ``shard_step`` take heads ``first .. first+count-1``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from .operands import DecodeOperands
 from .validate import HEAD_DIM
 
 LOWER_BOUND = -5.0
@@ -131,3 +133,13 @@ def shard_step(step: Step, heads_total, first, count) -> Step:
         slots=step.slots,
         accepted=step.accepted,
     )
+
+
+def step_operands(layer: Layer, step: Step, *, lower_bound=LOWER_BOUND, scale=SCALE, eps=EPS):
+    """``step`` on ``layer`` as keywords of ``kda.decode`` / ``kda.reference.decode`` (and of
+    the replay entries, with ``ring=``): ``DecodeOperands``' fields from the layer or the
+    step, ``accepted``, the conv layout and the scalars."""
+    names = [f.name for f in dataclasses.fields(DecodeOperands) if not f.kw_only]
+    named = {name: getattr(layer if hasattr(layer, name) else step, name) for name in names}
+    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps)
+    return named | scalars | dict(accepted=step.accepted, conv_dim_first=layer.conv_dim_first)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .layer import EPS, LOWER_BOUND, SCALE, Layer, Step, step_to
+from .layer import EPS, LOWER_BOUND, SCALE, Layer, Step, step_operands, step_to
 from .validate import GATE_RANK, HEAD_DIM
 
 
@@ -109,24 +109,5 @@ def run_reference(
     ``outputs``: its ``o_fp32``, ``o_abs``, ``raw_gate``."""
     from .reference import decode
 
-    scalars = {"lower_bound": lower_bound, "scale": scale, "eps": eps}
-    return decode(
-        step.x,
-        layer.conv_weight,
-        layer.conv_bias,
-        layer.conv_state,
-        step.f_a,
-        step.beta,
-        layer.a_log,
-        layer.dt_bias,
-        step.slots,
-        layer.state,
-        step.gate,
-        layer.norm_weight,
-        layer.f_b,
-        accepted=step.accepted,
-        conv_dim_first=layer.conv_dim_first,
-        records=records,
-        **scalars,
-        **outputs,
-    )
+    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps)
+    return decode(**step_operands(layer, step, **scalars), records=records, **outputs)

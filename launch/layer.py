@@ -402,28 +402,7 @@ def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step) -> torch.Tensor:
 def run_replay(layer: kl.Layer, ring: Ring, step: kl.Step, o_out=None) -> torch.Tensor:
     """One replay step (``kda.reference.replay_decode``) on ``layer``'s checkpoint pool and
     ``ring``; ``o_out`` ([N, D] fp32, optional) receives the fp32 ``o``."""
-    return kref.replay_decode(
-        step.x,
-        layer.conv_weight,
-        layer.conv_bias,
-        layer.conv_state,
-        step.f_a,
-        step.beta,
-        layer.a_log,
-        layer.dt_bias,
-        step.slots,
-        layer.state,
-        step.gate,
-        layer.norm_weight,
-        layer.f_b,
-        lower_bound=kl.LOWER_BOUND,
-        scale=kl.SCALE,
-        eps=kl.EPS,
-        accepted=step.accepted,
-        conv_dim_first=layer.conv_dim_first,
-        ring=ring,
-        o_out=o_out,
-    )
+    return kref.replay_decode(**kl.step_operands(layer, step), ring=ring, o_out=o_out)
 
 
 def ring_folds(ring: Ring, step: kl.Step) -> int:

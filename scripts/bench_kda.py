@@ -96,21 +96,6 @@ def setup(H, B, T, rotations, seed=0, device="cuda"):
     return layer, steps
 
 
-CONSTANTS = dict(lower_bound=kl.LOWER_BOUND, scale=kl.SCALE, eps=kl.EPS)
-
-
-def operands(layer, step):
-    """``kda.decode``'s operands of ``step`` on ``layer``, as keywords: each positional field
-    of ``DecodeOperands`` from the layer or the step, then ``accepted`` and the constants."""
-    import dataclasses
-
-    from kda.operands import DecodeOperands
-
-    names = [f.name for f in dataclasses.fields(DecodeOperands) if not f.kw_only]
-    named = {n: getattr(layer if hasattr(layer, n) else step, n) for n in names}
-    return named | dict(accepted=step.accepted, **CONSTANTS)
-
-
 def ours(layer, steps, kernel, gate_mode=3, cluster=None):
     import kda
 
@@ -119,7 +104,9 @@ def ours(layer, steps, kernel, gate_mode=3, cluster=None):
 
     def fn():
         for s in steps:
-            kda.decode(**operands(layer, s), kernel=kernel, out=out, gate_mode=gate_mode, **extra)
+            kda.decode(
+                **kl.step_operands(layer, s), kernel=kernel, out=out, gate_mode=gate_mode, **extra
+            )
 
     return fn
 
@@ -181,7 +168,11 @@ def replay(layer, steps, ring, gate_mode=3, kernel="auto"):
         for _ in range(ring.size):
             for s in steps:
                 kda.replay_decode(
-                    **operands(layer, s), ring=ring, gate_mode=gate_mode, kernel=kernel, out=out
+                    **kl.step_operands(layer, s),
+                    ring=ring,
+                    gate_mode=gate_mode,
+                    kernel=kernel,
+                    out=out,
                 )
 
     return fn
@@ -299,7 +290,7 @@ def diagnose():
             ]
             ref = kt.run_reference(ref_layer, step, records=rec[0])
             options = dict(records=rec[1], kernel=kernel, gate_mode=gate_mode)
-            out = kda.decode(**operands(layer, step), **options)
+            out = kda.decode(**kl.step_operands(layer, step), **options)
             torch.cuda.synchronize()
             rk, gk = rec[0][1], rec[1][1]
             k_bad = (rk[..., :128] != gk[..., :128]).any(-1).any(-1)
