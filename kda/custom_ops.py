@@ -146,6 +146,7 @@ def _decode_fake(**a) -> None:
     op = _operands(a, _records(a))
     checks.check_options(a["kernel"], a["cluster"], a["gate_mode"], a["pdl"], a["validate"])
     checks.check_out(a["out"], checks.check_decode(op, check_values=False), a["state"].device)
+    checks.check_kernel_state(a["state"], "kda.decode")
 
 
 def _recover_operands(a) -> RecoverOperands:
@@ -161,6 +162,7 @@ def _recover(**a) -> None:
 def _recover_fake(**a) -> None:
     checks.check_options(pdl=a["pdl"], validate=a["validate"])
     checks.check_recover(_recover_operands(a), check_values=False)
+    checks.check_kernel_state(a["state"], "kda.recover")
 
 
 def _ring(a) -> Ring:
@@ -179,6 +181,7 @@ def _replay_fake(**a) -> None:
     checks.check_replay_kernel(kernel)
     shape, size = checks.check_replay(op, _ring(a), check_values=False)
     checks.check_out(a["out"], shape, a["state"].device)
+    checks.check_kernel_state(a["state"], "kda.replay_decode")
     choose_replay(shape.requests, shape.heads, shape.tokens, size, kernel=kernel)
 
 
@@ -250,6 +253,8 @@ def _fold(**a) -> None:
 
 def _fold_fake(**a) -> None:
     check_fold(*_fold_args(a), check_values=False)
+    if a["state"].is_cuda:  # a CPU pool runs the reference, which takes bf16 pages
+        checks.check_kernel_state(a["state"], "kda.fold")
 
 
 _COPY_MUTATES = ("state", "conv_state", "ring_v", "ring_kg", "ring_length")

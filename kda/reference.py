@@ -1,7 +1,15 @@
 """Plain-torch reference of one KDA decode step, in place like the kernels (SPEC "KDA").
 
 Layout: rows are ``B*T`` (request b, token t -> row ``b*T + t``), ``D = H*128`` local
-channels, state pages ``[S, H, 128 value rows, 128 keys]`` fp32.
+channels, state pages ``[S, H, 128 value rows, 128 keys]`` fp32 or bf16.
+
+State pages (``kda.validate.STATE_DTYPES``): the arithmetic is fp32 whatever the pool's
+dtype. A bf16 page is widened to fp32 when loaded (exact) and rounded to nearest-even once
+when stored (``.to(torch.bfloat16)``), at exactly the points where an fp32 pool is stored:
+a decode / verify step's per-token pages, ``recover``'s committed pages, the fold of a
+replay ring into its checkpoint. Within a step the state stays fp32 (a verify step's token
+t + 1 starts from token t's fp32 state, not from its rounded page). Ring entries keep their
+own dtypes (``v_new`` fp32, ``k`` / raw gate bf16) whatever the pool's.
 
 Rounding points, exactly the SPEC's:
 - convolution ``acc = fma(w[t+i], coeff[i], acc)`` in fp32, then ``silu`` rounded to bf16;
@@ -34,6 +42,7 @@ from tpcomm.checks import check_tensor
 from .operands import DecodeOperands, RecoverOperands, Ring, takes
 from .validate import (
     HEAD_DIM,
+    STATE_DTYPES,
     check_decode,
     check_recover,
     check_replay,
@@ -77,6 +86,16 @@ def _rsqrt(t):
 
 def _bf16(t):
     return t.to(torch.bfloat16).float()
+
+
+def _load(pages):
+    """State pages as fp32 (a bf16 page widened exactly; an fp32 one copied)."""
+    return pages.to(torch.float32, copy=True)
+
+
+def _store(pool, index, S) -> None:
+    """``pool[index] = S`` (fp32): the single rounding of a bf16 pool (nearest-even)."""
+    pool[index] = S.to(pool.dtype)
 
 
 def _decay(raw_g, a_log, dt_bias, lower_bound):
@@ -175,6 +194,7 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, raw_gate=None, **kwarg
     reduction order may flip that rounding (within the sum's error bound of a midpoint).
     ``raw_gate`` ([B*T, H*128] bf16, optional) is used instead of ``bf16(f_a . f_b)``: tests
     of the seed-order gate modes feed a kernel's own raw gate (its ``kg_records``).
+    ``state``: fp32 or bf16 pages (module docstring: one rounding per stored page).
     """
     full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
@@ -196,7 +216,7 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, raw_gate=None, **kwarg
     q_hat, k_hat, v, k, raw_g, decay, beta_t = pre[:7]
 
     # 3. The recurrence, token by token.
-    S = state[slot_l].clone()  # [L, H, 128 rows, 128 keys]
+    S = _load(state[slot_l])  # [L, H, 128 rows, 128 keys] fp32
     o = torch.empty(T, L, H, HEAD_DIM, device=device)
     targets = None
     if records is None:
@@ -214,7 +234,7 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, raw_gate=None, **kwarg
         o[t] = _bf16(o_t)
         if records is None:
             keep = targets[:, t] > 0
-            state[targets[keep, t]] = S[keep]
+            _store(state, targets[keep, t], S[keep])
         else:
             v_rec, kg_rec = records
             v_rec[lv, :, t] = v_new
@@ -245,7 +265,8 @@ def recover(*args, validate=None, **kwargs):
     from ``slots[b, checkpoint[b] - 1]``; that state gets the tokens' updates (decay from the
     recorded raw gate, k^ from the recorded k, the recorded ``v_new``), and the state after
     token t goes to ``slots[b, t]`` when > 0, as a plain verify step writes it. Requests whose
-    checkpoint slot is <= 0 (padding) are left alone.
+    checkpoint slot is <= 0 (padding) are left alone. ``state``: fp32 or bf16 pages (the
+    tokens are applied in fp32; each stored page rounded once).
     """
     full = mode(validate) == "full"
     op = RecoverOperands(*args, **kwargs)
@@ -262,14 +283,14 @@ def recover(*args, validate=None, **kwargs):
     lv = live.to(device)
     n = accepted.to(torch.int64)[lv]
     targets = s[live].to(device)
-    S = state[source[live].to(device)].clone()
+    S = _load(state[source[live].to(device)])
     for t in range(T):
         kg, v_new = kg_records[lv, :, t], v_records[lv, :, t]
         nxt = apply_record(S, kg, v_new, a_log, dt_bias, lower_bound)
         active = n > t
         S = torch.where(active[:, None, None, None], nxt, S)
         keep = active & (targets[:, t] > 0)
-        state[targets[keep, t]] = S[keep]
+        _store(state, targets[keep, t], S[keep])
 
 
 @takes(
@@ -298,7 +319,9 @@ def replay_decode(*args, ring: Ring, o_out=None, o_abs=None, v_abs=None, validat
     committed ones into the checkpoint when ``committed + T > R``, then writes its T
     entries after them; a T = 1 entry is committed at once, a verify step's stay pending
     until the next step. ``validate`` as ``decode``'s (the checked mode also scans the
-    live slots' pages and ring entries); live slots must be unique across requests."""
+    live slots' pages and ring entries); live slots must be unique across requests.
+    ``state``: fp32 or bf16 checkpoint pages (read widened; a fold rounds each folded page
+    once); the ring's dtypes do not follow it (``kda.validate.check_ring``)."""
     full = mode(validate) == "full"
     op = DecodeOperands(*args, **kwargs)
     shape, size = check_replay(op, ring, full=full)
@@ -325,7 +348,7 @@ def replay_decode(*args, ring: Ring, o_out=None, o_abs=None, v_abs=None, validat
         _fold(op.state, ring, slot_l[full], n[full], op.a_log, op.dt_bias, op.lower_bound)
         n = torch.where(full, 0, n)
 
-    C = op.state[slot_l]  # [L, H, 128, 128]
+    C = _load(op.state[slot_l])  # [L, H, 128, 128] fp32
     o = torch.empty(T, live.numel(), H, HEAD_DIM, device=device)
     sums = torch.empty(2, T, live.numel(), H, HEAD_DIM, device=device)
     for t in range(T):
@@ -387,11 +410,11 @@ def _replay_token(C, ring, slot_l, kept, pre, t, op, v_abs_before):
 def _fold(state, ring, slots, counts, a_log, dt_bias, lower_bound):
     """Apply the first ``counts[i]`` ring entries of ``slots[i]`` to its checkpoint and
     empty its ring."""
-    S = state[slots]
+    S = _load(state[slots])
     for j in range(int(counts.max()) if counts.numel() else 0):
         nxt = apply_record(S, ring.kg[slots, j], ring.v[slots, j], a_log, dt_bias, lower_bound)
         S = torch.where((counts > j)[:, None, None, None], nxt, S)
-    state[slots] = S
+    _store(state, slots, S)
     ring.length[slots] = 0
 
 
@@ -399,7 +422,9 @@ def materialize(state, ring: Ring, a_log, dt_bias, *, lower_bound, slots=None, a
     """Fold the committed ring entries of ``slots`` (default: every page but 0) into their
     checkpoint pages and empty those rings; ``accepted`` (per slot) first commits that many
     pending entries, the rest are dropped. Afterwards ``state`` holds the plain per-step
-    state (for prefix caching, migration or ``recover``)."""
+    state (for prefix caching, migration or ``recover``). ``state``: fp32 or bf16 pages (a
+    bf16 page is rounded once, after all its entries are applied in fp32)."""
+    check_tensor("state", state, STATE_DTYPES, ndim=4)
     check_ring(ring, state)
     pages = state.shape[0]
     if slots is None:

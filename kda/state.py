@@ -22,9 +22,10 @@ import torch
 from tpcomm.checks import check_is_tensor, check_real, check_tensor
 
 from .operands import Ring
-from .validate import HEAD_DIM, check_ring
+from .validate import HEAD_DIM, STATE_DTYPES, check_ring
 
-STATE_DTYPES = (torch.float32, torch.bfloat16)  # bf16 pages: copied as words like fp32
+# STATE_DTYPES: fp32 or bf16 pages; KdaCopy moves either as words, KdaFold takes fp32 only
+# so far (its launcher refuses bf16; a CPU pool folds in the reference, either dtype).
 CONV_DTYPES = (torch.bfloat16, torch.float32)
 
 __all__ = ["check_copy", "check_fold", "copy_state", "fold", "STATE_DTYPES"]
@@ -42,9 +43,7 @@ def _check_pools(state, conv_state, ring) -> None:
             f"conv_state must be [{pages}, {channels}, W] or [{pages}, W, {channels}] (the "
             f"state pool's pages and 3*H*128 channels); got {tuple(conv_state.shape)}"
         )
-    if ring is not None:
-        if state.dtype != torch.float32:
-            raise ValueError("ring: replay rings go with fp32 state pages")
+    if ring is not None:  # the ring's dtypes are fixed whatever the pool's (check_ring)
         check_ring(ring, state)
 
 
@@ -84,7 +83,7 @@ def check_copy(state, conv_state, src, dst, ring=None, live=None, *, check_value
 
 def check_fold(state, ring, a_log, dt_bias, slots, accepted, lower_bound, *, check_values=True):
     """Validate a ``fold`` call (module docstring); returns the ring size R."""
-    check_tensor("state", state, (torch.float32,), ndim=4)
+    check_tensor("state", state, STATE_DTYPES, ndim=4)  # KdaFold: fp32 only (its launcher)
     size = check_ring(ring, state)
     heads, device, pages = state.shape[1], state.device, state.shape[0]
     check_tensor("a_log", a_log, (torch.float32,), shape=(heads,), device=device)
@@ -128,7 +127,8 @@ def fold(state, ring: Ring, a_log, dt_bias, slots, *, lower_bound, accepted=None
     """Fold the rings of ``slots`` ([n] int32 on the pool's device; <= 0: padding) into their
     checkpoint pages and empty them; ``accepted`` ([n] int32) first commits that many pending
     entries per slot, the rest are dropped: ``kda.reference.materialize``, bit for bit.
-    GPU: one KdaFold launch on the current stream, capturable; CPU: the reference."""
+    GPU: one KdaFold launch on the current stream, capturable (fp32 pages only so far: a
+    bf16 pool is refused); CPU: the reference (fp32 or bf16 pages)."""
     tensors = dict(state=state, a_log=a_log, dt_bias=dt_bias, slots=slots, accepted=accepted)
     check_is_tensor(("accepted",), **tensors)
     _check_ring_type(ring)

@@ -25,16 +25,24 @@ CONV_TAPS = 4
 GATE_RANK = 128
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+# State pool dtypes. The reference takes fp32 or bf16 pages (arithmetic in fp32: a bf16 page
+# is widened on load and rounded to nearest-even once where the fp32 path stores, see
+# docs/contract.md "bf16 state pages"); the GPU kernels take fp32 pages only so far.
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_STATE_DTYPES = (torch.float32,)
 __all__ = [
     "CONV_TAPS",
     "GATE_RANK",
     "HEAD_DIM",
+    "KERNEL_STATE_DTYPES",
     "MAX_TOKENS",
+    "STATE_DTYPES",
     "DecodeShape",
     "RecoverShape",
     "capturing",
     "check_decode",
     "check_decode_finite",
+    "check_kernel_state",
     "check_options",
     "check_out",
     "check_pages_shared",
@@ -106,7 +114,7 @@ def check_decode(op: DecodeOperands, *, check_values=True, full=False) -> Decode
     check_scalars(op)
     if not isinstance(conv_dim_first, bool):
         raise ValueError(f"conv_dim_first must be a bool; got {conv_dim_first!r}")
-    _tensor("state", state, (torch.float32,), ndim=4)
+    _tensor("state", state, STATE_DTYPES, ndim=4)
     pages, heads, rows_v, keys = state.shape
     if rows_v != HEAD_DIM or keys != HEAD_DIM:
         raise ValueError(f"state must be [S, H, 128, 128] (head dim 128); got {tuple(state.shape)}")
@@ -187,6 +195,18 @@ def check_decode(op: DecodeOperands, *, check_values=True, full=False) -> Decode
         record=record,
         conv_dim_first=bool(conv_dim_first),
     )
+
+
+def check_kernel_state(state, entry) -> None:
+    """The GPU launchers' pool dtype: fp32 (``KERNEL_STATE_DTYPES``). A bf16 pool, which the
+    reference takes, is refused with a ``ValueError`` naming ``state``; the launchers call
+    this before their CUDA-device check, so a bf16 CPU pool hears about its dtype."""
+    if isinstance(state, torch.Tensor) and state.dtype == torch.bfloat16:
+        raise ValueError(
+            f"state: bf16 state pages: the reference only so far ({entry} runs the GPU "
+            "kernels, which take fp32 pages; kda.reference takes bf16)"
+        )
+    check_tensor("state", state, KERNEL_STATE_DTYPES)
 
 
 def check_options(kernel="auto", cluster=None, gate_mode=3, pdl=False, validate=None) -> bool:
@@ -342,7 +362,7 @@ def check_recover(op: RecoverOperands, *, check_values=True, full=False) -> Reco
     state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
     a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
     check_scalars(op)
-    _tensor("state", state, (torch.float32,), ndim=4)
+    _tensor("state", state, STATE_DTYPES, ndim=4)
     pages, heads = state.shape[0], state.shape[1]
     if state.shape[2:] != (HEAD_DIM, HEAD_DIM):
         raise ValueError(f"state must be [S, H, 128, 128]; got {tuple(state.shape)}")
@@ -389,10 +409,20 @@ def check_recover(op: RecoverOperands, *, check_values=True, full=False) -> Reco
 
 def check_ring(ring, state: torch.Tensor, tokens: int = 1, slots=None) -> int:
     """Validate ``ring`` against the state pool (and, with ``slots``, the live slots'
-    counters: equal across heads, committed + pending <= R, slots unique); returns R."""
+    counters: equal across heads, committed + pending <= R, slots unique); returns R.
+
+    The ring's dtypes are fixed whatever the pool's (fp32 or bf16): ``ring.v`` fp32 (the
+    step's fp32 ``v_new``, never rounded to the pool's dtype), ``ring.kg`` bf16, ``ring.length``
+    int32. A ring in the pool's dtype (``ring.v`` bf16 beside a bf16 pool) is refused."""
     if not isinstance(ring, Ring):
         raise ValueError(f"ring must be a kda.operands.Ring; got {type(ring).__name__}")
     pages, heads = state.shape[:2]
+    v_dtype = getattr(ring.v, "dtype", None)
+    if isinstance(ring.v, torch.Tensor) and v_dtype != torch.float32:
+        raise ValueError(
+            f"ring.v must be float32 whatever the state pool's dtype ({state.dtype}); got "
+            f"{v_dtype} (only the checkpoint pages take the pool's dtype)"
+        )
     check_tensor("ring.v", ring.v, (torch.float32,), ndim=4, device=state.device)
     size = ring.v.shape[1]
     if not MIN_RING <= size <= MAX_RING:

@@ -3,7 +3,10 @@
 ``kda.custom_ops`` registers ``kimi::kda_decode``, ``kimi::kda_replay_decode`` and
 ``kimi::kda_recover`` with these functions as their bodies; the public entries
 (``kda.decode``, ``kda.replay_decode``, ``kda.recover``) only call the ops, so a step goes
-one way: entry -> op -> launcher -> kernel. Each launcher checks its operands again, values
+one way: entry -> op -> launcher -> kernel. The kernels take fp32 state pages only so far:
+decode, replay, recover and fold refuse a bf16 pool (``kda.validate.check_kernel_state``,
+before the CUDA-device check); copy moves pages as words, whatever their dtype. Each
+launcher checks its operands again, values
 included unless the stream is capturing a CUDA graph (``validate="full"`` adds the non-finite
 scan and is refused while capturing), raises ``ValueError`` before any launch, compiles a
 kernel once per (kernel, configuration, dtypes, arch) and launches it on
@@ -20,6 +23,7 @@ from ..state import check_copy, check_fold
 from ..validate import (
     capturing,
     check_decode,
+    check_kernel_state,
     check_options,
     check_out,
     check_recover,
@@ -137,6 +141,7 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
 
     full = check_options(kernel, cluster, gate_mode, pdl, validate)
     shape = check_decode(op, check_values=not capturing(op.state, full), full=full)
+    check_kernel_state(op.state, "kda.decode")  # bf16 pages: before the device check
     device = _on_cuda(op.state, "kda.decode")
     check_out(out, shape, device)
     B, T, H = shape.requests, shape.tokens, shape.heads
@@ -203,6 +208,7 @@ def launch_replay(
     full = check_options(gate_mode=gate_mode, pdl=pdl, validate=validate)
     check_replay_kernel(kernel)
     shape, size = check_replay(op, ring, check_values=not capturing(op.state, full), full=full)
+    check_kernel_state(op.state, "kda.replay_decode")
     device = _on_cuda(op.state, "kda.replay_decode")
     check_out(out, shape, device)
     H, T = shape.heads, shape.tokens
@@ -233,6 +239,7 @@ def launch_recover(op: RecoverOperands, *, pdl, validate=None) -> None:
 
     full = check_options(pdl=pdl, validate=validate)
     shape = check_recover(op, check_values=not capturing(op.state, full), full=full)
+    check_kernel_state(op.state, "kda.recover")
     device = _on_cuda(op.state, "kda.recover")
     names = RecoverKernelOperands._fields[:-1]  # the tensors; lower_bound last
     tensors = {name: getattr(op, name) for name in names}
@@ -288,6 +295,7 @@ def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound)
 
     args = (state, ring, a_log, dt_bias, slots, accepted, lower_bound)
     size = check_fold(*args, check_values=not capturing(state))
+    check_kernel_state(state, "kda.fold")  # KdaFold computes in the pages: fp32 only so far
     device = _on_cuda(state, "kda.fold")
     if slots.numel() == 0:
         return
