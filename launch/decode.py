@@ -38,10 +38,13 @@ MAX_STEPS = 10**6
 DEFAULT_TRACE = 20  # --trace without a count: traced steps
 MAX_TRACE = 500  # traced steps are enqueued behind one ~20 ms sleep
 REFUSAL_TICK_S = 2.0  # refusing ranks of a job exit together on this clock's ticks
-# Rank 0 prints the refusal and leaves on its next tick; the others wait up to this many
-# ticks for it (the launcher stops them, status 2, once rank 0 leaves), so a rank 0 that
-# started late is not stopped before it speaks (a 4-rank job under load lost its line).
-QUIET_TICKS = 3
+# Rank 0 prints the refusal and leaves on its SPEAKER_TICKS-th tick, so that ranks still
+# importing reach their own wait (status 2 on SIGTERM) first (a 4-rank refusal on a loaded
+# two-core machine lost a rank that way); the others wait up to QUIET_TICKS ticks for it
+# (the launcher stops them, status 2, once rank 0 leaves), so a rank 0 that started late is
+# not stopped before it speaks (a 4-rank job under load lost its line).
+SPEAKER_TICKS = 2
+QUIET_TICKS = 4
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,8 +59,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def refusal_ticks() -> int:
-    """Ticks a refusing rank waits before it leaves: 1 for rank 0 (which speaks)."""
-    return 1 if env_rank() == 0 else QUIET_TICKS
+    """Ticks a refusing rank waits before it leaves: fewer for rank 0 (which speaks)."""
+    return SPEAKER_TICKS if env_rank() == 0 else QUIET_TICKS
 
 
 def ranged(kind, low, high=None):
