@@ -287,25 +287,7 @@ def run_step(layer, step, attend):
     S = layer.shard
     fn = ref.decode if layer.ring is None else ref.replay_decode
     extra = {} if layer.ring is None else dict(ring=layer.ring)
-    return fn(
-        step.x,
-        S.conv_weight,
-        S.conv_bias,
-        S.conv_state,
-        step.f_a,
-        step.beta,
-        S.a_log,
-        S.dt_bias,
-        step.slots,
-        S.state,
-        step.gate,
-        S.norm_weight,
-        S.f_b,
-        accepted=step.accepted,
-        conv_dim_first=S.conv_dim_first,
-        **SCALARS,
-        **extra,
-    )
+    return fn(**kl.step_operands(S, step, **SCALARS), **extra)
 
 
 def prefix_cache_scenario(kda_state, device="cpu", attend=False, heads=H):

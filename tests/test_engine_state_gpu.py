@@ -236,26 +236,8 @@ def test_fold_after_replay_steps(tokens):
             seed=40 + n,
             device=DEV,
         )
-        ref.replay_decode(
-            step.x,
-            S.conv_weight,
-            S.conv_bias,
-            S.conv_state,
-            step.f_a,
-            step.beta,
-            S.a_log,
-            S.dt_bias,
-            step.slots,
-            S.state,
-            step.gate,
-            S.norm_weight,
-            S.f_b,
-            lower_bound=layer.lower_bound,
-            scale=layer.scale,
-            eps=layer.eps,
-            accepted=step.accepted,
-            ring=layer.ring,
-        )
+        scalars = dict(lower_bound=layer.lower_bound, scale=layer.scale, eps=layer.eps)
+        ref.replay_decode(**kl.step_operands(S, step, **scalars), ring=layer.ring)
     assert bool((layer.ring.length[1:5].sum(-1) > 0).all()), "a ring with nothing to fold"
     accepted = i32(1, 2, 3, 1, device=DEV) if tokens > 1 else None
     check_fold(layer, i32(1, 2, 3, 4, device=DEV), accepted, "replayed ring")

@@ -45,27 +45,7 @@ def rounded(state):
 
 
 def call(fn, layer, step, **kw):
-    return fn(
-        step.x,
-        layer.conv_weight,
-        layer.conv_bias,
-        layer.conv_state,
-        step.f_a,
-        step.beta,
-        layer.a_log,
-        layer.dt_bias,
-        step.slots,
-        layer.state,
-        step.gate,
-        layer.norm_weight,
-        layer.f_b,
-        lower_bound=kl.LOWER_BOUND,
-        scale=kl.SCALE,
-        eps=kl.EPS,
-        accepted=step.accepted,
-        conv_dim_first=layer.conv_dim_first,
-        **kw,
-    )
+    return fn(**kl.step_operands(layer, step), **kw)
 
 
 def test_single_token_steps_round_once_per_stored_page():
