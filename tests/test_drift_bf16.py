@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "drift_bf16.py")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import drift_bf16  # noqa: E402
+
 SERIES = set(drift_bf16.SERIES)
 
 
