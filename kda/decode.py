@@ -1,7 +1,7 @@
 """Host entry of the KDA decode kernels: ``kda.decode(...)``.
 
 ``kda.reference.decode``'s arguments plus ``kernel`` ("auto": ``kda.dispatch.choose``,
-"wide", "stream", "split"), ``cluster`` (KdaSplit's CTAs per item: 2, 4, 8), ``gate_mode``
+"wide", "stream", "split", "pipe"), ``cluster`` (KdaSplit's CTAs per item: 2, 4, 8), ``gate_mode``
 (raw gate reduction: 3, the default, the mma.sync chain with an error bound and an exact
 recompute of the rare values the bound leaves undecided, bitwise the reference's raw gate;
 0 / 1 the seed's mma.sync chains, which may flip a raw gate's bf16 rounding now and then),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KERNELS = ("auto", "wide", "stream", "split")
+KERNELS = ("auto", "wide", "stream", "split", "pipe")
 CLUSTERS = (2, 4, 8)
 GATE_MODES = (0, 1, 3)  # raw gate: 0/1 seed mma orders, 3 bounded + exact (default)
 # Gate mode 3's bound on the mma chain's error (derivation: kda.kernels.device, above
@@ -29,8 +29,8 @@ PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 
 @dataclass(frozen=True)
 class Choice:
-    kernel: str  # "wide", "stream" or "split"
-    ctas: int  # CTAs launched (grid size for wide / split, persistent CTAs for stream)
+    kernel: str  # "wide", "stream", "split" or "pipe"
+    ctas: int  # CTAs launched (grid size for wide / split, persistent CTAs for stream / pipe)
     ahead: int  # wide only: L2 prefetch distance in items (0: off)
     reason: str
     cluster: int = 1  # split only: CTAs per (request, head) item (2, 4 or 8)
@@ -99,10 +99,12 @@ def choose(
         elif items <= resident:
             kernel, why = "wide", f"{items} items fit one wave of {resident} resident CTAs: wide"
         elif tokens <= STREAM_MAX_TOKENS:
-            kernel = "stream"
+            kernel = "pipe"
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens}: "
-                "stream overlaps each next item's state load with the current recurrence"
+                "pipe (one CTA per SM: one warp group prepares the next item's vectors while "
+                "the other runs the recurrence, two pages in flight; stream where pipe cannot "
+                "run: record mode, bf16 pages, a window past its shared memory)"
             )
         else:
             kernel = "wide"
@@ -119,6 +121,8 @@ def choose(
     if kernel == "wide":
         ahead = resident if items > resident else 0
         return Choice("wide", items, ahead, why)
+    if kernel == "pipe":
+        return Choice("pipe", min(items, sms), 0, why)
     return Choice("stream", min(items, resident), 0, why)
 
 

@@ -134,7 +134,7 @@ def parse_args(argv=None):
         help="ranks per load/store (NVLink) domain, a divisor of the TP ranks; peers in other "
         "domains get each partial by put-with-signal (default: what the backend reaches by "
         "load/store; host and loopback: every rank)")
-    gpu("--kernel", choices=("auto", "wide", "stream", "split"), default="auto",
+    gpu("--kernel", choices=("auto", "wide", "stream", "split", "pipe"), default="auto",
         help="KDA kernel (auto: kda.dispatch's choice; replay: only auto, the replay "
         "dispatcher's)")
     gpu("--gate-mode", type=int, choices=(0, 1, 3), default=3,

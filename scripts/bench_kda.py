@@ -465,7 +465,7 @@ def main(argv=None):
     if shapes:
         header = (
             f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} "
-            f"{'%copy':>6} {'wide':>8} {'stream':>8} {'fla rec':>8} {'x rec':>6} "
+            f"{'%copy':>6} {'wide':>8} {'stream':>8} {'pipe':>8} {'fla rec':>8} {'x rec':>6} "
             f"{'fla comp':>9} {'x comp':>6}"
         )
         print(header)
@@ -477,9 +477,12 @@ def main(argv=None):
         choice = plan(B, H, T, "cuda")
         result = dict(H=H, B=B, T=T, kernel=choice.kernel, reason=choice.reason)
         result.update(rotations=rotations, state_bytes=per_launch)
-        for name in ("auto", "wide", "stream"):
-            fn = ours(layer, steps, name, args.gate_mode)
-            result[f"{name}_us"] = time_graph(fn, inner=rotations)
+        for name in ("auto", "wide", "stream", "pipe"):
+            try:
+                fn = ours(layer, steps, name, args.gate_mode)
+                result[f"{name}_us"] = time_graph(fn, inner=rotations)
+            except ValueError as error:  # a kernel that refuses the shape: report, keep going
+                result[f"{name}_us"], result[f"{name}_error"] = None, repr(error)[:200]
         if args.small or args.splits:
             for cluster in (2, 4, 8):
                 try:
@@ -488,7 +491,7 @@ def main(argv=None):
                 except Exception as error:  # report, keep going
                     result[f"split{cluster}_us"] = None
                     result[f"split{cluster}_error"] = repr(error)[:200]
-        named = ("wide", "stream", "split2", "split4", "split8")
+        named = ("wide", "stream", "pipe", "split2", "split4", "split8")
         kernels = {
             k[:-3]: v for k, v in result.items() if k.endswith("_us") and v and k[:-3] in named
         }
@@ -517,6 +520,7 @@ def main(argv=None):
         line = (
             f"{H:>3} {B:>4} {T:>2} {choice.kernel:>7} {f(us)} {f(result['state_tbs'], 6, 2)} "
             f"{f(result['pct_copy'], 6)} {f(result['wide_us'])} {f(result['stream_us'])} "
+            f"{f(result['pipe_us'])} "
             f"{f(fla)} {f(result['speedup_fla'], 6, 2)} {f(comp, 9)} "
             f"{f(result['speedup_composed'], 6, 2)}"
         )

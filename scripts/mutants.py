@@ -9,8 +9,8 @@ of them fails. Survivors are bugs the suite cannot see.
     python scripts/mutants.py --list          # what is checked, no run
     python scripts/mutants.py -k eps -j 4     # a subset, 4 at a time
 
-The mutants are listed in ``scripts/mutants_table.py``. Exit status 0 only when every
-selected mutant is killed.
+The mutants are listed in ``scripts/mutants_table.py`` and ``scripts/mutants_kda.py``. Exit
+status 0 only when every selected mutant is killed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ import sys
 import tempfile
 import time
 
-from mutants_table import MUTANTS, M, Mutant
+from mutants_kda import KDA_MUTANTS
+from mutants_table import MUTANTS as TABLE
+from mutants_table import M, Mutant
+
+MUTANTS = TABLE + KDA_MUTANTS
 
 __all__ = ["MUTANTS", "M", "Mutant", "apply", "main", "run"]  # M, Mutant: the table's
 

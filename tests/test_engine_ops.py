@@ -266,7 +266,7 @@ def test_decode_layer_checks():
     with pytest.raises(ValueError, match="w_o"):
         DecodeLayer(L.shard, L.w_o[:, :128], L.comms, rank=0, norm=L.norm, query=L.query,
                     out_norm=L.out_norm)  # fmt: skip
-    assert L.choice(B, T).kernel in ("wide", "stream", "split")
+    assert L.choice(B, T).kernel in ("wide", "stream", "split", "pipe")
 
 
 def test_all_ranks_step_checks():

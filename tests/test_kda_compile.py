@@ -103,3 +103,24 @@ def test_packed_fma_switch():
 
     assert dispatch.has_packed_fma("sm_100a")
     assert not dispatch.has_packed_fma("sm_90a")
+
+
+PIPE_CASES = [
+    # heads, tokens, gate_mode, has_bias, conv_dim_first, window
+    (2, 1, 3, True, True, 3),
+    (3, 1, 0, False, False, 4),
+    (2, 2, 3, False, False, 5),
+    (3, 4, 3, True, True, 6),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: "H{}T{}g{}b{}d{}W{}".format(*c))
+def test_pipe_compiles(arch, case):
+    require_dsl()
+    from kda.kernels.pipe import KdaPipe
+
+    heads, tokens, gate_mode, has_bias, dim_first, window = case
+    kernel = KdaPipe(heads, tokens, gate_mode, has_bias, dim_first, window, ctas=8, arch=arch)
+    args = fake_args(heads, tokens, has_bias=has_bias, conv_dim_first=dim_first, window=window)
+    assert compile_for(arch, kernel, *args) is not None

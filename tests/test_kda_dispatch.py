@@ -18,10 +18,10 @@ def test_one_wave_picks_wide():
     assert "one wave" in choice.reason
 
 
-def test_several_waves_pick_stream_for_decode():
+def test_several_waves_pick_pipe_for_decode():
     choice = dispatch.choose(128, 96, 1, sms=132)
-    assert choice.kernel == "stream" and choice.ctas == 264
-    assert "waves" in choice.reason and "stream" in choice.reason
+    assert choice.kernel == "pipe" and choice.ctas == 132  # one CTA per SM
+    assert "waves" in choice.reason and "pipe" in choice.reason
 
 
 def test_several_waves_verify_picks_wide_with_prefetch():
@@ -31,21 +31,22 @@ def test_several_waves_verify_picks_wide_with_prefetch():
 
 
 def test_stream_token_limit_is_the_switch(monkeypatch):
-    """Stream serves several waves up to STREAM_MAX_TOKENS (4, as measured), Wide past it."""
+    """Pipe (stream where pipe cannot run) serves several waves up to STREAM_MAX_TOKENS
+    (4, as measured), Wide past it."""
     assert dispatch.STREAM_MAX_TOKENS == 4
-    assert dispatch.choose(128, 12, 4, sms=132).kernel == "stream"
+    assert dispatch.choose(128, 12, 4, sms=132).kernel == "pipe"
     assert dispatch.choose(128, 12, 5, sms=132).kernel == "wide"
     monkeypatch.setattr(dispatch, "STREAM_MAX_TOKENS", 8)
     for tokens in range(1, 9):
         choice = dispatch.choose(128, 12, tokens, sms=132)
-        assert choice.kernel == "stream" and choice.ctas == 264, tokens
+        assert choice.kernel == "pipe" and choice.ctas == 132, tokens
         assert f"T = {tokens}" in choice.reason
     assert dispatch.choose(8, 12, 4, sms=132).kernel == "wide"  # one wave: still wide
 
 
 def test_boundary_is_resident_ctas():
     assert dispatch.choose(22, 12, 1, sms=132).kernel == "wide"  # 264 items
-    assert dispatch.choose(23, 12, 1, sms=132).kernel == "stream"  # 276 items
+    assert dispatch.choose(23, 12, 1, sms=132).kernel == "pipe"  # 276 items
 
 
 def test_forced_kernels_and_ahead():
@@ -53,6 +54,8 @@ def test_forced_kernels_and_ahead():
     assert wide.kernel == "wide" and wide.ahead == 264 and "requested" in wide.reason
     small = dispatch.choose(1, 6, 1, sms=132, kernel="stream")
     assert small.kernel == "stream" and small.ctas == 6
+    pipe = dispatch.choose(1, 6, 1, sms=132, kernel="pipe")
+    assert pipe.kernel == "pipe" and pipe.ctas == 6
 
 
 @pytest.mark.parametrize(

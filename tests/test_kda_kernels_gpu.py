@@ -228,7 +228,7 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
         got = call_kernel(layer, step, kernel, records=got_records, gate_mode=gate_mode,
                           cluster=cluster, scalars=scalars)  # fmt: skip
     except ValueError as e:  # a window past KdaStream's shared memory: refused, untouched
-        if kernel != "stream" or "shared memory" not in str(e):
+        if kernel not in ("stream", "pipe") or "shared memory" not in str(e):
             raise
         assert torch.equal(layer.state, before) and torch.equal(layer.conv_state, conv_before)
         print(f"H{H} B{B} T{T} stream: refused ({e})")
@@ -273,10 +273,12 @@ CASES = [
     (6, 130, 6, False, True, False, (), 3, torch.float32, False),
     (6, 130, 7, True, False, True, (2,), 3, torch.bfloat16, False),
 ]
-KERNELS = ["wide", "stream"]
+KERNELS = ["wide", "stream", "pipe"]
 # (kernel, cluster) for the tests that every kernel must pass (KdaSplit at each cluster size)
-EVERY_KERNEL = [("wide", None), ("stream", None), ("split", 2), ("split", 4), ("split", 8)]
-EVERY_KERNEL_IDS = ["wide", "stream", "split2", "split4", "split8"]
+EVERY_KERNEL = [
+    ("wide", None), ("stream", None), ("pipe", None), ("split", 2), ("split", 4), ("split", 8)
+]  # fmt: skip
+EVERY_KERNEL_IDS = ["wide", "stream", "pipe", "split2", "split4", "split8"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -289,6 +291,7 @@ EVERY_KERNEL_IDS = ["wide", "stream", "split2", "split4", "split8"]
 def test_decode_matches_reference(kernel, seed, case):
     """The case's index is its seed: window T + 2 + seed % 3, scalars SCALARS[seed % 3]."""
     H, B, T, dim_first, bias, record, padding, gate_mode, conv_dtype, holes = case
+    record = record and kernel != "pipe"  # KdaPipe has no record mode: the step alone
     run_case(H, B, T, dim_first=dim_first, bias=bias, record=record, padding=padding,
              kernel=kernel, gate_mode=gate_mode, conv_dtype=conv_dtype, holes=holes,
              seed=seed)  # fmt: skip

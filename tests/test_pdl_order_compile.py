@@ -56,6 +56,8 @@ KDA_CASES = [  # kernel, heads, tokens, record, gate_mode, has_bias, dim_first
     ("wide", 2, 2, True, 3, True, True),
     ("stream", 2, 1, False, 3, True, False),
     ("split", 2, 3, False, 3, True, True),
+    ("pipe", 2, 1, False, 3, True, True),
+    ("pipe", 3, 3, False, 0, False, False),
 ]
 
 
@@ -70,6 +72,10 @@ def test_kda_reads_step_inputs_after_the_wait(tmp_path, case):
         from kda.kernels.wide import KdaWide
 
         kernel = KdaWide(heads, tokens, record, gate_mode, has_bias, 0, pdl=True)
+    elif kernel_name == "pipe":
+        from kda.kernels.pipe import KdaPipe
+
+        kernel = KdaPipe(heads, tokens, gate_mode, has_bias, dim_first, window, ctas=8, pdl=True)
     elif kernel_name == "stream":
         from kda.kernels.stream import KdaStream
 

@@ -442,6 +442,9 @@ class GateTile(NamedTuple):
     tokens: int
     record: bool
     batch: int
+    # ``rows(t, feature)``: the lane's words of f_a row t and of the head's f_b row
+    # ``feature`` (batched rounds only; None: from global memory; KdaPipe: shared copies)
+    rows: object = None
 
 
 @cute.jit
@@ -469,7 +472,7 @@ def settle_each(op, lane, flags, where: GateTile):
     """``settle_gate`` lane by lane (lowest first), a lane's flagged accumulators in turn:
     each value's f_a and f_b rows loaded and summed alone; the owner reloads a_log and its
     dt_bias (no registers held across the loop)."""
-    s_gate, first, tile, request, head, tokens, record, _ = where
+    s_gate, first, tile, request, head, tokens, record, _, _ = where
     stride = HEAD_DIM * 2  # bytes per f_a / f_b row
     lanes = (flags[0] | flags[1]) | (flags[2] | flags[3])
     while lanes != 0:
@@ -498,7 +501,7 @@ def settle_rounds(op, flags, a, dt, where: GateTile):
     row loads of a round are issued together, the butterflies interleaved, lane ``l``
     computes the decay of the round's value ``l % batch`` (dt_bias shuffled from the
     owner), the owner writes it."""
-    s_gate, first, tile, request, head, tokens, record, batch = where
+    s_gate, first, tile, request, head, tokens, record, batch, shared_rows = where
     lane = cute.arch.lane_idx()
     w0, w1, w2, w3 = flags
     rows_a = Int64(op.f_a.iterator.toint()) + Int64(request * tokens) * (HEAD_DIM * 2)
@@ -518,9 +521,12 @@ def settle_rounds(op, flags, a, dt, where: GateTile):
         rows = [sources[k] // 4 + 8 * (es[k] // 2) for k in range(batch)]
         loaded = []
         for k in cutlass.range_constexpr(batch):
-            words_a = ld_global_b32x2(rows_a + Int64(ts[k] * (HEAD_DIM * 2) + lane * 8))
-            words_b = ld_global_nc_b32x2(rows_b + Int64(rows[k] * (HEAD_DIM * 2) + lane * 8))
-            loaded.append((words_a, words_b))
+            if cutlass.const_expr(shared_rows is not None):
+                loaded.append(shared_rows(ts[k], 16 * tile + rows[k]))
+            else:
+                words_a = ld_global_b32x2(rows_a + Int64(ts[k] * (HEAD_DIM * 2) + lane * 8))
+                words_b = ld_global_nc_b32x2(rows_b + Int64(rows[k] * (HEAD_DIM * 2) + lane * 8))
+                loaded.append((words_a, words_b))
         raws = [to_bf16_f32(x) for x in exact_dots_warp(loaded)]
         mine = lane % batch
         raw_g, e, source = raws[0], es[0], sources[0]

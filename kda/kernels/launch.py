@@ -136,7 +136,7 @@ def _dtypes(tensors: dict) -> tuple:
 
 
 def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, validate=None):
-    """``kimi::kda_decode``: KdaWide, KdaStream or KdaSplit as ``kda.dispatch.choose`` says."""
+    """``kimi::kda_decode``: KdaWide, KdaStream, KdaSplit or KdaPipe (``kda.dispatch.choose``)."""
     from ..operands import KernelOperands
 
     full = check_options(kernel, cluster, gate_mode, pdl, validate)
@@ -154,6 +154,13 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
     tensors["kg_records"] = kg_records if record else _dummy(device, torch.bfloat16)
     _check_aligned(tensors, STEP_ALIGNED)
     has_bias, dim_first = op.conv_bias is not None, bool(op.conv_dim_first)
+    if choice.kernel == "pipe":
+        conv_bytes = op.conv_state.element_size()
+        refusal = pipe_refusal(tensors, record, T, shape.window, conv_bytes, dim_first)
+        if refusal and kernel == "pipe":
+            raise ValueError(f"kernel='pipe': {refusal} (use kernel='stream' or 'wide')")
+        if refusal:  # "auto": KdaStream runs what KdaPipe cannot
+            choice = dispatch.choose(B, H, T, sms=sms(device), kernel="stream")
     config = (
         choice.kernel,
         H,
@@ -180,6 +187,12 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
             from .wide import KdaWide
 
             return KdaWide(H, T, record, gate_mode, has_bias, choice.ahead, **common)
+        if choice.kernel == "pipe":
+            from .pipe import KdaPipe
+
+            window, conv_bytes = shape.window, op.conv_state.element_size()
+            config = (gate_mode, has_bias, dim_first, window, choice.ctas)
+            return KdaPipe(H, T, *config, **common, conv_bytes=conv_bytes)
         from .stream import KdaStream
 
         return KdaStream(
@@ -187,6 +200,37 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
         )
 
     _run((config, _dtypes(tensors)), build, operands, device, arch)
+
+
+# KdaPipe copies a head's parameters and each token's beta word by cp.async, with
+# addresses computed from the row-major shapes: (name, alignment in bytes)
+PIPE_COPIED = (
+    ("conv_weight", 16),
+    ("conv_bias", 16),
+    ("dt_bias", 16),
+    ("f_b", 16),
+    ("a_log", 4),
+    ("beta", 4),
+)
+
+
+def pipe_refusal(tensors: dict, record, tokens, window, conv_bytes, conv_dim_first):
+    """Why KdaPipe cannot run this step (None: it can): record mode, a state pool other
+    than fp32, a window past its shared memory, or a parameter it copies that is not
+    contiguous and aligned."""
+    from .pipe import SMEM_LIMIT, pipe_smem_bytes
+
+    if record:
+        return "no record mode (records=)"
+    if tensors["state"].dtype != torch.float32:
+        return "fp32 state pages only"
+    if pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first) > SMEM_LIMIT:
+        return f"a conv window of {window} at T = {tokens} does not fit its shared memory"
+    for name, align in PIPE_COPIED:
+        t = tensors[name]
+        if not t.is_contiguous() or t.data_ptr() % align:
+            return f"{name} must be contiguous and {align}-byte aligned"
+    return None
 
 
 def _knob(choice):

@@ -211,9 +211,10 @@ class KdaWide:
                 s_v[t, channel] = first[t]
 
     @cute.jit
-    def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head):
+    def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head, rows=None):
         """Raw gate on mma.sync (bf16 rounded; mode 3: ``dev.settle_gate`` recomputes the
-        undecided ones exactly), decay into shared, the raw-gate record."""
+        undecided ones exactly), decay into shared, the raw-gate record; ``rows``: the
+        settle's row loader (``dev.GateTile.rows``; None: global memory)."""
         lower_bound, kg_records = op.lower_bound, op.kg_records
         tid, _, _ = cute.arch.thread_idx()
         lane, warp = tid % 32, tid // 32
@@ -229,7 +230,7 @@ class KdaWide:
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         if cutlass.const_expr(self.gate_mode == 3):
-            where = self.settling(s_decay, 16 * warp, warp, request, head)
+            where = self.settling(s_decay, 16 * warp, warp, request, head, rows)
             dev.settle_gate(op, acc, bound, a, dt, where)
 
     def project_gate(self, weights, activations):
@@ -239,10 +240,10 @@ class KdaWide:
             return dev.gate_projection_bounded(weights, activations)
         return dev.gate_projection(weights, activations, self.gate_mode), None
 
-    def settling(self, s_gate, first, tile, request, head):
+    def settling(self, s_gate, first, tile, request, head, rows=None):
         """Trace-time helper: ``dev.settle_gate``'s ``where`` of a gate tile."""
         return dev.GateTile(
-            s_gate, first, tile, request, head, self.tokens, self.record, self.settle_batch
+            s_gate, first, tile, request, head, self.tokens, self.record, self.settle_batch, rows
         )
 
     @cute.jit

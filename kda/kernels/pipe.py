@@ -1,0 +1,492 @@
+"""KdaPipe: one persistent CTA per SM, warp-specialised, the state pages several items
+ahead.
+
+KdaStream's CTA runs an item's phases one after the other (inputs, conv, gate, norms,
+recurrence, output) with one page staged ahead; at two CTAs per SM an item took ~11 us
+where the SM's share of the copy bandwidth allows ~8. KdaPipe splits the CTA's 512
+threads into two groups that work on different items at once:
+
+- the *prep* group (threads 0-255, KdaWide's thread layout): for item n + 1 the conv +
+  SiLU, the raw gate (mma.sync, gate mode 3 settled as everywhere), the decays, q / k
+  normalised, sigmoid(beta) and the sigmoid of the output gate, into vector slot
+  ``(n + 1) % 2`` of shared memory; the item's conv window and input rows were cp.asynced
+  one item ahead (KdaStream's staging), so its loads are not on this path;
+- the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
+  from its shared stage into registers, the delta rule (``dev.delta_rule``, KdaStream's
+  streamed store), the gated RMSNorm and the output row; each thread cp.asyncs the page
+  of item n + STAGES into the stage it just emptied (thread-private 16-byte slots: no
+  barrier), so STAGES pages are in flight besides the one in registers.
+
+The groups meet at named barriers only: ``FULL[s]`` (prep arrives, state syncs) when slot s
+holds an item's vectors, ``EMPTY[s]`` (state arrives, prep syncs) when the state group is
+done with them; each group has its own barrier for its internal phases. Per item the math
+is KdaWide's call for call (same rounding points and fp32 order: the same raw gates, q, k,
+v, decays, state and outputs bit for bit as KdaStream). Padding items (slot <= 0) write
+zero output rows only. PDL: the first pages and conv window are read before
+``griddepcontrol.wait``, all else after it.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from tpcomm.cuteutil import (
+    cp_async_16,
+    launch,
+    ld_shared_b32x2,
+    ld_shared_f32x4,
+    smem_tensor,
+    warp_sum,
+)
+
+from . import device as dev
+from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .stream import KdaStream, fresh_index, fresh_tid, st_global_f32x4_masked
+
+PIPE_THREADS = 2 * THREADS  # the prep group, then the state group
+SMEM_LIMIT = 227 * 1024  # one CTA per SM (sm_90 / sm_100)
+PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes
+# named barriers (0 is __syncthreads)
+PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 5  # FULL / EMPTY: + slot (0, 1)
+
+
+STAGES = 2  # page stages of the state group (three do not fit beside the head cache)
+# f_b rows of a head (bf16), conv weights and bias (at most fp32), dt_bias, a_log
+HEAD_CACHE = HEAD_DIM * HEAD_DIM * 2 + 15 * HEAD_DIM * 4 + HEAD_DIM * 4 + 16
+
+
+def pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
+    """Shared memory of one KdaPipe CTA (bytes, with 1 KB for alignment)."""
+    conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
+    inputs = 6 * tokens * HEAD_DIM * 2 + 64  # x (3 rows), the output gate, f_a twice; beta
+    vectors = 2 * ((5 * tokens + 8) * HEAD_DIM * 4 + 32) + 8  # two slots
+    sums = tokens * 20 * 4
+    return STAGES * PAGE + HEAD_CACHE + conv + inputs + vectors + sums + 1024
+
+
+def cp_async_4(shared: Int32, source: Int64):
+    """4-byte ``cp.async.ca`` global -> shared."""
+    cute.arch.inline_ptx(
+        "cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", read_only_args=[shared, source]
+    )
+
+
+def local_tid():
+    """The thread's index within its group (``%tid.x`` & 255, read per use)."""
+    return fresh_tid() & Int32(THREADS - 1)
+
+
+class KdaPipe(KdaStream):
+    """KdaStream's operands and semantics (no record mode, fp32 pages); ``ctas``
+    persistent CTAs (one per SM); ``conv_bytes``: the conv cache's element size (its
+    window's share of shared memory)."""
+
+    # gate mode 3: undecided raw gates settled four per round, their rows read from shared
+    # memory (``shared_rows``)
+    settle_batch = 4
+
+    def __init__(
+        self,
+        heads,
+        tokens,
+        gate_mode,
+        has_bias,
+        conv_dim_first,
+        window,
+        ctas,
+        *,
+        arch="sm_90a",
+        pdl=False,
+        conv_bytes=4,
+    ):
+        super().__init__(
+            heads,
+            tokens,
+            False,
+            gate_mode,
+            has_bias,
+            conv_dim_first,
+            window,
+            ctas,
+            arch=arch,
+            pdl=pdl,
+        )
+        self.stages = STAGES
+        need = pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first)
+        if need > SMEM_LIMIT:
+            raise ValueError(
+                f"KdaPipe needs {need} bytes of shared memory for W = {window}, T = {tokens}; "
+                f"at most {SMEM_LIMIT} (use kernel='stream' or 'wide')"
+            )
+
+    def launch_grid(self, call, requests, stream):
+        """``ctas`` CTAs of 512 threads, one per SM, all shared memory."""
+        launch(call, (self.ctas, 1, 1), (PIPE_THREADS, 1, 1), stream, use_pdl=self.pdl)
+
+    # The state group's helpers on its local thread index (KdaWide's layout on tid - 256).
+    def thread_index(self):
+        return local_tid()
+
+    @cute.jit
+    def load_history(self, staged):
+        """The staged page into registers (state group): history[r][c][e]."""
+        tid = local_tid()
+        shared0 = Int32(staged.iterator.toint())
+        history = []
+        for r in cutlass.range_constexpr(ROWS):
+            row = []
+            for c in cutlass.range_constexpr(KCHUNKS):
+                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
+                row.append(list(ld_shared_f32x4(shared)))
+            history.append(row)
+        return history
+
+    def chunk_writer(self, state0, target, head):
+        """KdaStream's streamed writer on the local thread index."""
+        tid_t = local_tid()
+        page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
+        key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
+        row0 = state0 + (page + Int64(key0)) * 4
+
+        def write(i, c, values):
+            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * 4
+            st_global_f32x4_masked(row0 + offset, values, target)
+
+        return write
+
+    @cute.jit
+    def per_channel(self, body):
+        """``body(t, channel)`` per token on the group's threads 0-127."""
+        tid = local_tid()
+        if tid < HEAD_DIM:
+            for t in cutlass.range_constexpr(self.tokens):
+                body(t, tid)
+
+    @cute.jit
+    def norm_sums(self, s_o, out_sums):
+        """Per-warp sums of o^2 (the state group's threads 0-127)."""
+        tid = local_tid()
+        for t in cutlass.range_constexpr(self.tokens):
+            o = s_o[t, tid]
+            total = warp_sum(o * o)
+            if tid % 32 == 0:
+                out_sums[t, tid // 32] = total
+
+    def output_gate(self, gate, token, t, head, channel):
+        """sigmoid(output gate), computed by the prep group into the item's slot."""
+        return gate[t, channel]
+
+    # ------------------------------------------------------------------ the prep group
+    def item_range(self, total):
+        """(first, end) of this CTA's contiguous range of the ``total`` items."""
+        cta = fresh_index("%ctaid.x")
+        return (cta * total) // self.ctas, ((cta + 1) * total) // self.ctas
+
+    @cute.jit
+    def slots_of(self, op, item, end, requests):
+        """(state slot, conv slot, window offset) of ``item``; (0, 0, 0) past ``end``."""
+        slot, conv_slot, offset = Int32(0), Int32(0), Int32(0)
+        if item < end:
+            slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, item % requests)
+        return slot, conv_slot, offset
+
+    @cute.jit
+    def stage_head(self, op, cache, head):
+        """cp.async ``head``'s parameters into a head cache: its 128 f_b rows (16-byte
+        granules XOR-swizzled by row, conflict-free fragment and row reads), conv weights,
+        bias, dt_bias and a_log."""
+        fb, cw, cb, dt, al = cache
+        tid = fresh_tid()
+        dim = self.heads * HEAD_DIM
+        base = Int64(op.f_b.iterator.toint()) + Int64(head * HEAD_DIM * HEAD_DIM) * 2
+        fb0 = Int32(fb.iterator.toint())
+        for j in cutlass.range_constexpr(HEAD_DIM * 16 // THREADS):
+            g = tid + THREADS * j
+            row, granule = g // 16, g % 16
+            swizzled = (granule & 8) | ((granule ^ row) & 7)
+            cp_async_16(fb0 + row * 256 + swizzled * 16, base + Int64(g * 16))
+        # conv weights [part, tap, channel] and bias [part, channel] of the head's channels
+        w_size = op.conv_weight.element_type.width // 8
+        per_row = HEAD_DIM * w_size // 16
+        w0 = Int64(op.conv_weight.iterator.toint())
+        cw0 = Int32(cw.iterator.toint())
+        for j in cutlass.range_constexpr((12 * per_row + THREADS - 1) // THREADS):
+            g = tid + THREADS * j
+            if g < 12 * per_row:
+                row, k = g // per_row, g % per_row
+                source = w0 + Int64((row * dim + head * HEAD_DIM) * w_size + k * 16)
+                cp_async_16(cw0 + row * HEAD_DIM * w_size + k * 16, source)
+        if cutlass.const_expr(self.has_bias):
+            b_size = op.conv_bias.element_type.width // 8
+            b_row = HEAD_DIM * b_size // 16
+            b0 = Int64(op.conv_bias.iterator.toint())
+            cb0 = Int32(cb.iterator.toint())
+            if (tid >= 128) & (tid < 128 + 3 * b_row):
+                row, k = (tid - 128) // b_row, (tid - 128) % b_row
+                source = b0 + Int64((row * dim + head * HEAD_DIM) * b_size + k * 16)
+                cp_async_16(cb0 + row * HEAD_DIM * b_size + k * 16, source)
+        if (tid >= 192) & (tid < 224):
+            k = tid - 192
+            source = Int64(op.dt_bias.iterator.toint()) + Int64(head * HEAD_DIM * 4 + k * 16)
+            cp_async_16(Int32(dt.iterator.toint()) + k * 16, source)
+        if tid == 224:
+            source = Int64(op.a_log.iterator.toint()) + Int64(head * 4)
+            cp_async_4(Int32(al.iterator.toint()), source)
+
+    @cute.jit
+    def stage_rows(self, op, buffers, head, request, parity):
+        """The prep group's cp.asyncs of an item's input rows, f_a rows (into ``parity``)
+        and beta words (the 4-byte word holding each token's beta)."""
+        convs, xs, gs, fas, betas = buffers
+        self.stage_inputs(op.x, op.gate, op.f_a, xs, gs, fas[parity, None, None], head, request, 0)
+        tid = fresh_tid()
+        if tid < self.tokens:
+            size = op.beta.element_type.width // 8
+            offset = ((request * self.tokens + tid) * self.heads + head) * size
+            word = Int64(op.beta.iterator.toint()) + Int64(offset - offset % 4)
+            cp_async_4(Int32(betas.iterator.toint()) + (parity * 8 + tid) * 4, word)
+
+    @cute.jit
+    def advance(self, op, buffers, item, requests, nxt, parity):
+        """After the current item's staged operands are read: cp.async item ``item``'s
+        window and rows (``nxt``: its (slot, conv slot, offset)); one commit group."""
+        head = item // requests
+        if nxt[0] > 0:
+            convs = buffers[0]
+            self.stage_conv(op.conv_state, convs, head, nxt[1], nxt[2])
+            self.stage_rows(op, buffers, head, item % requests, parity)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def next_head(self, op, caches, item, end, requests, head):
+        """When item ``item`` starts a new head: cp.async its parameters into the head cache
+        (the current item is done with it); one commit group."""
+        if (item < end) & (item // requests != head):
+            self.stage_head(op, caches, item // requests)
+            cute.arch.cp_async_commit_group()
+
+    def shared_rows(self, fa0, fb0):
+        """Trace-time helper: the settle's row loader (``dev.GateTile.rows``): the
+        undecided raw gates' f_a rows from the item's staged rows at ``fa0``, f_b rows from
+        the head cache at ``fb0`` (swizzled)."""
+        lane = cute.arch.lane_idx()
+
+        def rows(t, feature):
+            granule = lane // 2
+            swizzled = (granule & 8) | ((granule ^ feature) & 7)
+            words_a = ld_shared_b32x2(fa0 + t * (HEAD_DIM * 2) + lane * 8)
+            words_b = ld_shared_b32x2(fb0 + feature * 256 + swizzled * 16 + (lane % 2) * 8)
+            return words_a, words_b
+
+        return rows
+
+    @cute.jit
+    def gate_weights(self, fb, tile, lane):
+        """f_b A fragments of gate tile ``tile`` from the head cache (KdaWide's
+        ``load_gate_weights`` order)."""
+        group, quarter = lane // 4, lane % 4
+        fb0 = Int32(fb.iterator.toint())
+        weights = []
+        for chunk in cutlass.range_constexpr(8):
+            granule = 2 * chunk + quarter // 2
+            swizzled = (granule & 8) | ((granule ^ group) & 7)
+            offset = swizzled * 16 + (quarter % 2) * 8
+            low = ld_shared_b32x2(fb0 + (16 * tile + group) * 256 + offset)
+            high = ld_shared_b32x2(fb0 + (16 * tile + group + 8) * 256 + offset)
+            weights.append((low[0], high[0], low[1], high[1]))
+        return weights
+
+    @cute.jit
+    def prep(self, op, buffers, caches, vectors, sums, requests, total):
+        """The prep group's loop (threads 0-255)."""
+        T = self.tokens
+        convs, xs, gs, fas, betas = buffers
+        v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot = vectors
+        first, end = self.item_range(total)
+        head0 = first // requests
+        slot_a, conv_a, offset_a = self.slots_of(op, first, end, requests)
+        if first < end:
+            self.stage_head(op, caches, head0)
+            if slot_a > 0:
+                self.stage_conv(op.conv_state, convs, head0, conv_a, offset_a)
+        cute.arch.griddepcontrol_wait()
+        if slot_a > 0:
+            self.stage_rows(op, buffers, head0, first % requests, 0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.griddepcontrol_launch_dependents()
+        slot_b, conv_b, offset_b = self.slots_of(op, first + 1, end, requests)
+        item = first
+        while item < end:
+            tid = fresh_tid()
+            lane, warp, channel, section = dev.thread_layout(tid)
+            group, quarter = lane // 4, lane % 4
+            parts = (2 * section, 1)
+            n = item - first
+            s = n % 2
+            head, request = item // requests, item % requests
+            slot, conv_slot, offset = slot_a, conv_a, offset_a
+            nxt = (slot_b, conv_b, offset_b)
+            slot_c, conv_c, offset_c = self.slots_of(op, item + 2, end, requests)  # item n + 2
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
+            fb, cw, cb, dt_row, al = caches
+            if slot > 0:
+                coeff = [[Float32(cw[parts[p], e, channel]) for e in range(4)] for p in range(2)]
+                bias = [Float32(0.0), Float32(0.0)]
+                if cutlass.const_expr(self.has_bias):
+                    bias = [Float32(cb[parts[p], channel]) for p in range(2)]
+                a = Float32(al[0])
+                dt = [Float32(dt_row[16 * warp + group + 8 * i]) for i in range(2)]
+                weights = self.gate_weights(fb, warp, lane)
+                size = op.beta.element_type.width // 8
+                half = ((((request * T + tid) * self.heads + head) * size) % 4) // 2
+                beta = Float32(betas[s, tid % 8, half % (4 // size)])
+                taps = []
+                inputs = []
+                for p in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(self.conv_dim_first):
+                        taps.append(
+                            [convs[parts[p], channel * self.window + offset + j] for j in range(3)]
+                        )
+                    else:
+                        taps.append([convs[parts[p], j * HEAD_DIM + channel] for j in range(3)])
+                    inputs.append([xs[t, parts[p], channel] for t in range(T)])
+                fa0 = Int32(fas.iterator.toint()) + s * (T * HEAD_DIM * 2)
+                activations = []
+                for chunk in cutlass.range_constexpr(8):
+                    col = 16 * chunk + 4 * quarter
+                    activations.append(ld_shared_b32x2(fa0 + ((group % T) * HEAD_DIM + col) * 2))
+                gates = [dev.sigmoid(Float32(gs[0, t, channel])) for t in range(T)]
+                # the staging buffers are free: the next item's window and rows stream in
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
+                self.advance(op, buffers, item + 1, requests, nxt, 1 - s)
+                if n >= 2:  # the state group is done with slot s (item n - 2)
+                    cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
+                if tid == 0:
+                    v_slot[s] = slot
+                s_q, s_k, s_v = v_q[s, None, None], v_k[s, None, None], v_v[s, None, None]
+                s_decay = v_decay[s, None, None]
+                self.conv_phase(
+                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
+                )
+                self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
+                rows = self.shared_rows(fa0, Int32(fb.iterator.toint()))
+                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head, rows)
+                if tid < T:
+                    v_beta[s, tid] = dev.sigmoid(beta)
+                if section == 0:
+                    for t in cutlass.range_constexpr(T):
+                        v_g[s, t, channel] = gates[t]
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
+                self.next_head(op, caches, item + 1, end, requests, head)
+                self.normalize_qk(s_q, s_k, sums, op.scale)
+            else:
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
+                self.advance(op, buffers, item + 1, requests, nxt, 1 - s)
+                self.next_head(op, caches, item + 1, end, requests, head)
+                if n >= 2:
+                    cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
+                if tid == 0:
+                    v_slot[s] = slot
+            cute.arch.barrier_arrive(barrier_id=FULL_BAR + s, number_of_threads=PIPE_THREADS)
+            slot_a, conv_a, offset_a = slot_b, conv_b, offset_b
+            slot_b, conv_b, offset_b = slot_c, conv_c, offset_c
+            item = item + 1
+
+    # ------------------------------------------------------------------ the state group
+    @cute.jit
+    def state_loop(self, op, staged, vectors, v_o, out_sums, requests, total):
+        """The state group's loop (threads 256-511)."""
+        T = self.tokens
+        v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot = vectors
+        first, end = self.item_range(total)
+        for j in cutlass.range_constexpr(self.stages):
+            ahead = self.slots_of(op, first + j, end, requests)[0]
+            if ahead > 0:
+                self.stage_state(
+                    op.state, staged[j, None, None, None], (first + j) // requests, ahead
+                )
+            cute.arch.cp_async_commit_group()
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])
+        ahead = self.slots_of(op, first + self.stages, end, requests)[0]
+        item = first
+        while item < end:
+            n = item - first
+            s = n % 2
+            stage = n % self.stages
+            head, request = item // requests, item % requests
+            token = request * T
+            cute.arch.cp_async_wait_group(self.stages - 1)
+            history = self.load_history(staged[stage, None, None, None])
+            if ahead > 0:  # the page of the item ``stages`` on, into the stage just read
+                far = item + self.stages
+                self.stage_state(op.state, staged[stage, None, None, None], far // requests, ahead)
+            cute.arch.cp_async_commit_group()
+            ahead = self.slots_of(op, item + self.stages + 1, end, requests)[0]
+            cute.arch.barrier(barrier_id=FULL_BAR + s, number_of_threads=PIPE_THREADS)
+            slot = v_slot[s]
+            if slot > 0:
+                shared = (v_q[s, None, None], v_k[s, None, None], v_v[s, None, None])
+                shared = (*shared, v_decay[s, None, None])
+                s_o = v_o[s, None, None]
+                self.recurrence(op, history, shared, v_beta[s, None], s_o, slot, request, head)
+                cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
+                if local_tid() < HEAD_DIM:
+                    self.norm_sums(s_o, out_sums)
+                cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
+                gate = v_g[s, None, None]
+                self.write_output(s_o, out_sums, gate, nw, op.eps, op.output, token, head)
+            else:
+                tid = local_tid()
+                if tid < HEAD_DIM:
+                    for t in cutlass.range_constexpr(T):
+                        op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
+            if item + 2 < end:  # slot s is free for item n + 2
+                cute.arch.barrier_arrive(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
+            item = item + 1
+
+    @cute.kernel
+    def kernel(self, op):
+        T = self.tokens
+        tid, _, _ = cute.arch.thread_idx()
+        requests = op.output.shape[0] // T
+        total = self.heads * requests
+
+        smem = cutlass.memory.SmemAllocator()
+        staged = smem_tensor(smem, Float32, (self.stages, ROWS * KCHUNKS, THREADS, 4), align=128)
+        # the head cache: f_b rows (swizzled), conv weights, bias, dt_bias, a_log
+        w_type, b_type = op.conv_weight.element_type, op.conv_bias.element_type
+        caches = (
+            smem_tensor(smem, BFloat16, (HEAD_DIM, HEAD_DIM), align=128),
+            smem_tensor(smem, w_type, (3, 4, HEAD_DIM), align=16),
+            smem_tensor(smem, b_type, (3, HEAD_DIM), align=16),
+            smem_tensor(smem, Float32, (HEAD_DIM,), align=16),
+            smem_tensor(smem, Float32, (4,), align=16),
+        )
+        conv_type = op.conv_state.element_type
+        conv_cols = HEAD_DIM * self.window if self.conv_dim_first else 3 * HEAD_DIM
+        convs = smem_tensor(smem, conv_type, (3, conv_cols), align=16)
+        xs = smem_tensor(smem, BFloat16, (T, 3, HEAD_DIM), align=16)
+        gs = smem_tensor(smem, BFloat16, (1, T, HEAD_DIM), align=16)
+        fas = smem_tensor(smem, BFloat16, (2, T, HEAD_DIM), align=16)
+        b_size = op.beta.element_type.width // 8
+        betas = smem_tensor(smem, op.beta.element_type, (2, 8, 4 // b_size), align=16)
+        # two slots of an item's vectors: q, k, v, sigmoid(gate), decays (8 rows), beta,
+        # the item's state slot; o
+        v_q, v_k, v_v, v_g, v_o = [
+            smem_tensor(smem, Float32, (2, T, HEAD_DIM), align=16) for _ in range(5)
+        ]
+        v_decay = smem_tensor(smem, Float32, (2, 8, HEAD_DIM), align=16)
+        v_beta = smem_tensor(smem, Float32, (2, 8))
+        v_slot = smem_tensor(smem, Int32, (2,))
+        sums = smem_tensor(smem, Float32, (T, 2, 8))
+        out_sums = smem_tensor(smem, Float32, (T, 4))
+        vectors = (v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot)
+        if tid < THREADS:
+            self.prep(op, (convs, xs, gs, fas, betas), caches, vectors, sums, requests, total)
+        else:
+            self.state_loop(op, staged, vectors, v_o, out_sums, requests, total)
