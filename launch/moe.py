@@ -76,7 +76,7 @@ class MoeWaiters:
 
     def problems(self, bk) -> str:
         """Empty when every copy and what the waiters read are bitwise the output and the hint
-        words [counter, done, timed out] zero (each waiter took its quota back); else the
+        words [counter, unused, timed out] zero (each waiter took its quota back); else the
         rows that differ (how many still hold the poison) and the hint words."""
         problems = []
         poison = torch.tensor(POISON_BITS, dtype=torch.int16, device=bk.output.device)
@@ -97,7 +97,7 @@ class MoeWaiters:
         if int(words.abs().sum()) != 0:
             quota = hint_quota(bk.output.shape[-1], bk.rows)
             problems.append(
-                f"hint words [counter, done, timed out] per rank {words.tolist()} (quota {quota})"
+                f"hint words [counter, unused, timed out] per rank {words.tolist()} (quota {quota})"
             )
         return "; ".join(problems)
 

@@ -88,10 +88,10 @@ class HintWaiter:
             if protocol.wait_count(a_hints, quota, budget_ns, a_hints + 8, SLEEP_NS) != 0:
                 # every increment of the step seen: the quota back off the counter
                 count = cute.make_ptr(Int32, a_hints, cute.AddressSpace.gmem, assumed_align=4)
+                back = Int32(0) - quota
                 cute.arch.red(
-                    count.llvm_ptr, Int32(0) - quota, op="add", dtype="s32", sem="relaxed",
-                    scope="gpu",
-                )  # fmt: skip
+                    count.llvm_ptr, back, op="add", dtype="s32", sem="relaxed", scope="gpu"
+                )
             cute.arch.griddepcontrol_launch_dependents()
 
 
