@@ -24,8 +24,8 @@ from tpcomm.checks import check_is_tensor, check_real, check_tensor
 from .operands import Ring
 from .validate import HEAD_DIM, STATE_DTYPES, check_ring
 
-# STATE_DTYPES: fp32 or bf16 pages; KdaCopy moves either as words, KdaFold takes fp32 only
-# so far (its launcher refuses bf16; a CPU pool folds in the reference, either dtype).
+# STATE_DTYPES: fp32 or bf16 pages; KdaCopy moves either as words, KdaFold folds either
+# (a bf16 page rounded once per fold), as the reference does on a CPU pool.
 CONV_DTYPES = (torch.bfloat16, torch.float32)
 
 __all__ = ["check_copy", "check_fold", "copy_state", "fold", "STATE_DTYPES"]
