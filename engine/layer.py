@@ -42,7 +42,7 @@ from kda import dispatch
 from kda import layer as kl
 from kda import reference as kref
 from kda.operands import MAX_RING, MIN_RING, make_ring
-from kda.validate import HEAD_DIM
+from kda.validate import HEAD_DIM, STATE_DTYPES
 from tpcomm.oproj.allreduce import OprojAllReduce
 
 _WEIGHTS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
@@ -70,6 +70,9 @@ class DecodeLayer:
     replay ring's entries R (2..16, at least the verify steps' tokens), which the layer
     allocates as ``self.ring`` (None in per-step mode). Replay mode takes the replay
     dispatcher's kernel choice, so ``kernel`` must be ``"auto"`` there.
+    ``state_dtype``: the state pages' dtype, ``torch.float32`` (the default) or
+    ``torch.bfloat16`` (half the bytes; arithmetic in fp32, each stored page rounded once:
+    docs/bf16_state.md); ``shard.state`` must be a pool of that dtype.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class DecodeLayer:
         kda_state: str = "per-step",
         ring_size: int = DEFAULT_RING,
         sharing: int = 1,
+        state_dtype: torch.dtype = torch.float32,
     ):
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
@@ -105,6 +109,7 @@ class DecodeLayer:
             raise ValueError(f"rank must be a non-negative int; got {rank!r}")
         if isinstance(sharing, bool) or not isinstance(sharing, int) or sharing < 1:
             raise ValueError(f"sharing must be a positive int; got {sharing!r}")
+        check_state_dtype(state_dtype, shard.state)
         heads = shard.state.shape[1]
         if not isinstance(w_o, torch.Tensor) or w_o.dim() != 2 or w_o.shape[1] != heads * HEAD_DIM:
             raise ValueError(f"w_o must be [HID, {heads * HEAD_DIM}] (the rank's heads' columns)")
@@ -113,7 +118,7 @@ class DecodeLayer:
         self.kernel, self.gate_mode, self.pdl, self.sms = kernel, gate_mode, bool(pdl), sms
         self.sharing = sharing
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
-        self.heads = heads
+        self.heads, self.state_dtype = heads, state_dtype
         self.kda_state = kda_state
         self._choices: dict = {}
         self.ring = make_ring(shard.state, ring_size) if kda_state == "replay" else None
@@ -371,4 +376,19 @@ def check_kda_state(kda_state, ring_size) -> None:
         raise ValueError(f"ring_size must be an int in {MIN_RING}..{MAX_RING}; got {ring_size!r}")
 
 
-__all__ = ["DecodeLayer", "all_reduces", "check_kda_state", "KDA_STATES"]
+def check_state_dtype(state_dtype, state=None) -> None:
+    """``DecodeLayer``'s ``state_dtype`` (``torch.float32`` or ``torch.bfloat16``) and, given,
+    the pool ``state`` it must match; ValueError naming the argument."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype must be torch.float32 or torch.bfloat16; got {state_dtype!r}"
+        )
+    dtype = getattr(state, "dtype", state_dtype)
+    if dtype != state_dtype:
+        raise ValueError(
+            f"shard.state: a {dtype} pool, but the layer was asked for state_dtype="
+            f"{state_dtype} (allocate the pool in that dtype, e.g. load_rank(state_dtype=))"
+        )
+
+
+__all__ = ["DecodeLayer", "all_reduces", "check_kda_state", "check_state_dtype", "KDA_STATES"]

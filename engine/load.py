@@ -40,7 +40,7 @@ from kda.layer import Layer, head_columns  # the runtime's layer container (one 
 from kda.validate import CONV_TAPS, GATE_RANK, HEAD_DIM, MAX_TOKENS
 from tpcomm.oproj.plan import check_hidden
 
-from .layer import DecodeLayer
+from .layer import DecodeLayer, check_state_dtype
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 CONV_KEYS = ("q_conv1d", "k_conv1d", "v_conv1d")
@@ -110,7 +110,7 @@ class RankLayer:
             lower_bound=self.lower_bound,
             scale=self.scale,
             eps=self.eps,
-            **kwargs,
+            **{"state_dtype": self.shard.state.dtype, **kwargs},
         )
 
 
@@ -212,11 +212,13 @@ def load_rank(
     prefix: str = "",
     names: Mapping[str, str] | None = None,
     device=None,
+    state_dtype=torch.float32,
 ) -> RankLayer:
     """Rank ``rank`` of TP ``tp`` of a ``KimiDeltaAttention`` module or ``state_dict``
     (module docstring): contiguous copies of its weights on ``device`` (default: the
-    source's) and zeroed pools, ``pages`` state pages [pages, H/tp, 128, 128] fp32 (page 0
-    is the padding page) and conv pages of ``window`` positions in ``conv_dtype``.
+    source's) and zeroed pools, ``pages`` state pages [pages, H/tp, 128, 128] in
+    ``state_dtype`` (fp32 or bf16; page 0 is the padding page) and conv pages of ``window``
+    positions in ``conv_dtype``.
     ``lower_bound`` / ``eps`` are required for a ``state_dict``; for a module they must be
     None or its own. ValueError naming the key, before anything is allocated."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -229,6 +231,7 @@ def load_rank(
         raise ValueError(f"window must be an int >= 3 (T + 2 for T tokens); got {window!r}")
     if conv_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"conv_dtype must be bfloat16 or float32; got {conv_dtype}")
+    check_state_dtype(state_dtype)
     if isinstance(source, torch.nn.Module):
         if names is not None:
             raise ValueError("names: a module has fla's names (names= is for checkpoints)")
@@ -302,7 +305,7 @@ def load_rank(
         dt_bias=take(src.get("dt_bias"), cols).float(),
         norm_weight=norm_weight.to(device, copy=True),
         f_b=take(f_b, cols),
-        state=torch.zeros(pages, count, HEAD_DIM, HEAD_DIM, device=device),
+        state=torch.zeros(pages, count, HEAD_DIM, HEAD_DIM, dtype=state_dtype, device=device),
         conv_state=torch.zeros(conv_shape, dtype=conv_dtype, device=device),
         conv_dim_first=conv_dim_first,
     )

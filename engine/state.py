@@ -308,7 +308,8 @@ def handoff(
     pages, conv, index = shard.state, shard.conv_state, slots.long()
     source = recurrent_state.narrow(1, first, count)
     source = source if state_v_first else source.transpose(-1, -2)
-    pages.index_copy_(0, index, source.to(pages.device))  # one launch: the strided gather
+    # one launch: the strided gather (a bf16 pool: the prefill state rounded once, RNE)
+    pages.index_copy_(0, index, source.to(pages.device, pages.dtype))
     cols = head_columns(first, count).to(conv_state[0].device)
     taps = torch.cat([c.index_select(1, cols)[:, :, -3:] for c in conv_state], dim=1)
     taps = taps.to(conv.device, conv.dtype)  # [N, 3D, 3]
@@ -336,5 +337,5 @@ def prefill_state(layer, slots, *, state_v_first=True, accepted=None) -> torch.T
     _check_slots("slots", slots, layer, unique=True)
     if layer.ring is not None:
         fold(layer, slots.int(), accepted)
-    pages = layer.shard.state.index_select(0, slots.long())
+    pages = layer.shard.state.index_select(0, slots.long()).float()  # bf16 pages: exact
     return pages if state_v_first else pages.transpose(-1, -2).contiguous()

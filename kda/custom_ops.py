@@ -253,7 +253,7 @@ def _fold(**a) -> None:
 
 def _fold_fake(**a) -> None:
     check_fold(*_fold_args(a), check_values=False)
-    if a["state"].is_cuda:  # a CPU pool runs the reference, which takes bf16 pages
+    if a["state"].is_cuda:  # fp32 or bf16 pages, as the reference (a CPU pool)
         checks.check_kernel_state(a["state"], "kda.fold")
 
 

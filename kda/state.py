@@ -24,8 +24,8 @@ from tpcomm.checks import check_is_tensor, check_real, check_tensor
 from .operands import Ring
 from .validate import HEAD_DIM, STATE_DTYPES, check_ring
 
-# STATE_DTYPES: fp32 or bf16 pages; KdaCopy moves either as words, KdaFold takes fp32 only
-# so far (its launcher refuses bf16; a CPU pool folds in the reference, either dtype).
+# STATE_DTYPES: fp32 or bf16 pages; KdaCopy moves either as words, KdaFold folds either
+# (a bf16 page rounded once per fold), as the reference does on a CPU pool.
 CONV_DTYPES = (torch.bfloat16, torch.float32)
 
 __all__ = ["check_copy", "check_fold", "copy_state", "fold", "STATE_DTYPES"]
@@ -127,8 +127,8 @@ def fold(state, ring: Ring, a_log, dt_bias, slots, *, lower_bound, accepted=None
     """Fold the rings of ``slots`` ([n] int32 on the pool's device; <= 0: padding) into their
     checkpoint pages and empty them; ``accepted`` ([n] int32) first commits that many pending
     entries per slot, the rest are dropped: ``kda.reference.materialize``, bit for bit.
-    GPU: one KdaFold launch on the current stream, capturable (fp32 pages only so far: a
-    bf16 pool is refused); CPU: the reference (fp32 or bf16 pages)."""
+    GPU: one KdaFold launch on the current stream, capturable; CPU: the reference (fp32 or
+    bf16 pages either way: a bf16 page rounded once per fold)."""
     tensors = dict(state=state, a_log=a_log, dt_bias=dt_bias, slots=slots, accepted=accepted)
     check_is_tensor(("accepted",), **tensors)
     _check_ring_type(ring)

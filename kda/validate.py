@@ -25,11 +25,11 @@ CONV_TAPS = 4
 GATE_RANK = 128
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
-# State pool dtypes. The reference takes fp32 or bf16 pages (arithmetic in fp32: a bf16 page
-# is widened on load and rounded to nearest-even once where the fp32 path stores, see
-# docs/contract.md "bf16 state pages"); the GPU kernels take fp32 pages only so far.
+# State pool dtypes: fp32 or bf16 pages, in the reference and every kernel (arithmetic in
+# fp32: a bf16 page is widened on load and rounded to nearest-even once where the fp32 path
+# stores, see docs/contract.md "bf16 state pages").
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-KERNEL_STATE_DTYPES = (torch.float32,)
+KERNEL_STATE_DTYPES = STATE_DTYPES
 __all__ = [
     "CONV_TAPS",
     "GATE_RANK",
@@ -197,16 +197,16 @@ def check_decode(op: DecodeOperands, *, check_values=True, full=False) -> Decode
     )
 
 
-def check_kernel_state(state, entry) -> None:
-    """The GPU launchers' pool dtype: fp32 (``KERNEL_STATE_DTYPES``). A bf16 pool, which the
-    reference takes, is refused with a ``ValueError`` naming ``state``; the launchers call
-    this before their CUDA-device check, so a bf16 CPU pool hears about its dtype."""
-    if isinstance(state, torch.Tensor) and state.dtype == torch.bfloat16:
+def check_kernel_state(state, entry) -> str:
+    """The GPU launchers' pool dtype: fp32 or bf16 (``KERNEL_STATE_DTYPES``), else a
+    ``ValueError`` naming ``state`` (before the CUDA-device check). Returns the kernels'
+    ``state_dtype``: "fp32" or "bf16" (a compile-time property of the kernel)."""
+    if isinstance(state, torch.Tensor) and state.dtype not in KERNEL_STATE_DTYPES:
         raise ValueError(
-            f"state: bf16 state pages: the reference only so far ({entry} runs the GPU "
-            "kernels, which take fp32 pages; kda.reference takes bf16)"
+            f"state must be float32 or bfloat16 state pages ({entry}); got {state.dtype}"
         )
     check_tensor("state", state, KERNEL_STATE_DTYPES)
+    return "bf16" if state.dtype == torch.bfloat16 else "fp32"
 
 
 def check_options(kernel="auto", cluster=None, gate_mode=3, pdl=False, validate=None) -> bool:

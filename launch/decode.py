@@ -120,6 +120,9 @@ def parse_args(argv=None):
         help="KDA state: per-step (each step reads and writes the state pages; verify steps "
         "recorded and recovered in turn) or replay (checkpoint pages plus a ring of step "
         "records, folded when full; checked against the replay and the per-step references)")
+    add("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+        help="KDA state pages: fp32, or bf16 (half the bytes; fp32 arithmetic, each stored "
+        "page rounded once; checked against the reference on bf16 pages)")
     add("--ring", type=ranged(int, MIN_RING, MAX_RING), default=DEFAULT_RING,
         help=f"replay: ring entries per state page (R, {MIN_RING}..{MAX_RING}, >= --tokens)")
     add("--check-every", type=ranged(int, 0), default=1,

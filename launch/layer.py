@@ -33,6 +33,7 @@ from launch.checks import oproj_bound_ratios
 from tpcomm.oproj import bound as oproj_bound
 from tpcomm.oproj import reference as oref
 
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --state-dtype
 EPS = 1e-6
 OUT_EPS = 1e-6
 MAX_ROWS = 4096  # requests x tokens of one step
@@ -61,6 +62,18 @@ class Config:
     padding: float = 0.25
     kda_state: str = "per-step"  # or "replay" (engine.layer.KDA_STATES)
     ring: int = DEFAULT_RING  # replay: ring entries per state page
+    state_dtype: str = "fp32"  # or "bf16": the state pages' dtype (STATE_DTYPES)
+
+    @property
+    def torch_state_dtype(self) -> torch.dtype:
+        return STATE_DTYPES[self.state_dtype]
+
+    @property
+    def cross_path(self) -> bool:
+        """Replay checked against the per-step reference too: fp32 pages only (bf16 pages
+        are rounded at every per-step store but once per replay fold: a different result,
+        docs/bf16_state.md)."""
+        return self.replay and self.state_dtype == "fp32"
 
     @property
     def replay(self) -> bool:
@@ -88,6 +101,10 @@ class Config:
         if self.groups is not None and not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in 1..4; got {self.groups}")
         check_kda_state(self.kda_state, self.ring)
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"state_dtype must be one of {tuple(STATE_DTYPES)}; got {self.state_dtype!r}"
+            )
         if self.replay and self.ring < self.tokens:
             raise ValueError(
                 f"--ring {self.ring} must be >= --tokens {self.tokens}: a verify step's "
@@ -111,6 +128,7 @@ class Config:
             padding=args.padding,
             kda_state=getattr(args, "kda_state", KDA_STATES[0]),
             ring=getattr(args, "ring", DEFAULT_RING),
+            state_dtype=getattr(args, "state_dtype", "fp32"),
         )
 
     @property
@@ -128,7 +146,7 @@ PROCESS_BYTES = 400 * 2**20  # a process with torch imported, before any tensor
 def host_bytes(cfg: Config) -> int:
     """About the host memory of the host job: every rank's shard, rank 0's whole layer,
     gathered pools and float64 temporaries of a checked step, and the processes."""
-    state = cfg.pages * cfg.heads * HEAD_DIM * HEAD_DIM * 4
+    state = cfg.pages * cfg.heads * HEAD_DIM * HEAD_DIM * (2 if cfg.state_dtype == "bf16" else 4)
     conv = cfg.pages * 3 * cfg.heads * HEAD_DIM * max(cfg.tokens + 2, 4) * 2
     w_o = cfg.hidden * cfg.heads * HEAD_DIM * 2
     temporaries = 6 * cfg.requests * cfg.heads * HEAD_DIM * HEAD_DIM * 4
@@ -246,7 +264,9 @@ class Model:
                     dt_bias=h.dt_bias.new_empty(D),
                     norm_weight=self.norm_weight,
                     f_b=h.f_b.new_empty(D, h.f_b.shape[1]),
-                    state=h.state.new_empty(pages, count, HEAD_DIM, HEAD_DIM),
+                    state=h.state.new_empty(
+                        pages, count, HEAD_DIM, HEAD_DIM, dtype=cfg.torch_state_dtype
+                    ),
                     conv_state=h.conv_state.new_empty(conv),
                     conv_dim_first=cfg.conv_dim_first,
                 )

@@ -83,7 +83,9 @@ def _ours_launching(mode):
 def _config(tp, requests, args, tokens=1):
     shape = dict(heads=args.heads, hidden=args.hidden, blocks=args.blocks)
     run = dict(steps=2, seed=tp * 100 + requests, groups=None, padding=0.0)
-    state = dict(kda_state=args.kda_state, ring=args.ring)
+    state = dict(
+        kda_state=args.kda_state, ring=args.ring, state_dtype=getattr(args, "state_dtype", "fp32")
+    )
     cfg = Config(tp=tp, requests=requests, tokens=tokens, **shape, **run, **state)
     cfg.validate()
     return cfg
@@ -389,6 +391,8 @@ def main(argv=None) -> int:
     about = "ours: per-step state pages or replay (checkpoint + ring); the fla peer is per-step "
     about += "either way"
     p.add_argument("--kda-state", choices=KDA_STATES, default=KDA_STATES[0], help=about)
+    about = "state pages: fp32 or bf16 (bytes and floor with that page size)"
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help=about)
     p.add_argument(
         "--ring",
         type=int,
@@ -420,6 +424,7 @@ def main(argv=None) -> int:
             b = step_bytes(cfg, step_kind(1, False, cfg.replay), 1)
             row = dict(tp=tp, requests=requests, heads=cfg.heads, hidden=cfg.hidden)
             row.update(kda_state=cfg.kda_state, ring=_ring(cfg), blocks=cfg.blocks)
+            row.update(state_dtype=cfg.state_dtype)
             row.update(state_bytes=b["state"], w_o_bytes=b["w_o"])
             row["floor_us"] = (b["state"] + b["w_o"]) / (tbps * 1e6)
             others = [m for m in OPROJ_LAUNCHES if m != DEFAULT_OPROJ_LAUNCH]
@@ -484,6 +489,7 @@ def rows_main(args) -> int:
                 floor = max(hbm / (tbps * 1e6), flops / (tflops * 1e6))
                 row = dict(tp=tp, requests=requests, tokens=tokens, rows=rows)
                 row.update(kda_state=cfg.kda_state, ring=_ring(cfg), state_bytes=b["state"])
+                row.update(state_dtype=cfg.state_dtype)
                 row.update(w_o_bytes=b["w_o"], exchange_bytes=exchange, gemm_flops=flops)
                 how = dict(producer=plan.producer, twoshot=plan.twoshot, reason=plan.reason)
                 row.update(floor_us=floor, plan=how)

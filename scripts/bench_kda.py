@@ -35,8 +35,13 @@ times the replay grid and the per-step kernel for its shapes only (``--quick``: 
 headline rows); the JSON (``rows``: per-step rows, ``replay_rows``) is rewritten after every
 row, so a run cut short keeps what it measured.
 
-Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify]
-       [--replay-only] [--diag]
+``--state-dtype fp32 | bf16 | both``: the per-step rows on fp32 or bf16 state pages, or
+each row for both in one run (bytes, TB/s and % of copy with the dtype's page: 64 KB or
+32 KB; rotations sized by it); the replay rows run on fp32 pages. ``--deployed``: the
+deployed shapes H in {6, 12, 96}, B in {8, 32, 128, 256}, T in {1, 4}.
+
+Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify |
+       --deployed] [--state-dtype both] [--replay-only] [--diag]
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from kda import layer as kl
 from kda import synthetic as kt
 
 PAGE = 128 * 128 * 4
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROTATE_BYTES = 256 << 20
 
 
@@ -84,9 +90,10 @@ def copy_bandwidth():
     return 2 * 4 * n / (us * 1e-6) / 1e12
 
 
-def setup(H, B, T, rotations, seed=0, device="cuda"):
+def setup(H, B, T, rotations, seed=0, device="cuda", state_dtype="fp32"):
     pages = 1 + rotations * B * T
     layer = kt.make_layer(H, pages, window=T + 2, bias=True, seed=seed, device=device)
+    layer.state = layer.state.to(STATE_DTYPES[state_dtype])
     steps = []
     for r in range(rotations):
         table = 1 + r * B * T + torch.arange(B * T, dtype=torch.int32).view(B, T)
@@ -130,10 +137,10 @@ def replay_grid(quick=False):
     return rows
 
 
-def rotations_for(H, B, T):
+def rotations_for(H, B, T, page=PAGE):
     """Slot tables per graph (>= ROTATE_BYTES of state, at most 64) and the per-step state
-    traffic of one launch, (1 + T) x 64 KB per item."""
-    per_launch = B * H * (1 + T) * PAGE
+    traffic of one launch, (1 + T) pages (64 KB fp32, 32 KB bf16) per item."""
+    per_launch = B * H * (1 + T) * page
     return max(1, min(64, math.ceil(ROTATE_BYTES / per_launch))), per_launch
 
 
@@ -329,6 +336,15 @@ def parse_args(argv=None):
     )
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
     parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 3))
+    parser.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16", "both"),
+        default="fp32",
+        help="state pages of the per-step rows (both: each row for fp32 then bf16)",
+    )
+    parser.add_argument(
+        "--deployed", action="store_true", help="H 6, 12, 96; B 8, 32, 128, 256; T 1, 4"
+    )
     args = parser.parse_args(argv)
     if args.replay_only and (args.small or args.verify or args.splits or args.diag):
         parser.error("--replay-only times the replay grid alone (with --quick at most)")
@@ -345,13 +361,15 @@ def per_step_shapes(args):
         return [(H, B, T) for T in (1, 4) for H in (6, 12) for B in (1, 2, 4, 8)]
     if args.verify:
         return [(H, B, T) for T in (2, 4, 8) for H in (12, 96) for B in (32, 128)]
+    if args.deployed:
+        return [(H, B, T) for T in (1, 4) for H in (6, 12, 96) for B in (8, 32, 128, 256)]
     return [(H, B, T) for T in (1, 4) for H in (6, 12, 96) for B in (1, 8, 32, 128)]
 
 
 def replay_shapes(args):
     """The replay rows (H, B, T, R) this run times: after the default or quick table, or
     alone with ``--replay-only``; none after ``--small`` / ``--verify``."""
-    if args.small or args.verify:
+    if args.small or args.verify or args.deployed or args.state_dtype == "bf16":
         return []
     return replay_grid(quick=args.quick)
 
@@ -464,18 +482,20 @@ def main(argv=None):
     shapes = per_step_shapes(args)
     if shapes:
         header = (
-            f"{'H':>3} {'B':>4} {'T':>2} {'kernel':>7} {'us':>8} {'TB/s':>6} "
+            f"{'H':>3} {'B':>4} {'T':>2} {'state':>5} {'kernel':>7} {'us':>8} {'TB/s':>6} "
             f"{'%copy':>6} {'wide':>8} {'stream':>8} {'pipe':>8} {'fla rec':>8} {'x rec':>6} "
             f"{'fla comp':>9} {'x comp':>6}"
         )
         print(header)
-    for H, B, T in shapes:
-        rotations, per_launch = rotations_for(H, B, T)
-        layer, steps = setup(H, B, T, rotations)
+    dtypes = ("fp32", "bf16") if args.state_dtype == "both" else (args.state_dtype,)
+    for H, B, T, dtype in [(*shape, d) for shape in shapes for d in dtypes]:
+        page = PAGE // 2 if dtype == "bf16" else PAGE
+        rotations, per_launch = rotations_for(H, B, T, page)
+        layer, steps = setup(H, B, T, rotations, state_dtype=dtype)
         from kda.decode import plan
 
-        choice = plan(B, H, T, "cuda")
-        result = dict(H=H, B=B, T=T, kernel=choice.kernel, reason=choice.reason)
+        choice = plan(B, H, T, "cuda", state_dtype=dtype)
+        result = dict(H=H, B=B, T=T, state_dtype=dtype, kernel=choice.kernel, reason=choice.reason)
         result.update(rotations=rotations, state_bytes=per_launch)
         for name in ("auto", "wide", "stream", "pipe"):
             try:
@@ -518,7 +538,8 @@ def main(argv=None):
         save()
 
         line = (
-            f"{H:>3} {B:>4} {T:>2} {choice.kernel:>7} {f(us)} {f(result['state_tbs'], 6, 2)} "
+            f"{H:>3} {B:>4} {T:>2} {dtype:>5} {choice.kernel:>7} {f(us)} "
+            f"{f(result['state_tbs'], 6, 2)} "
             f"{f(result['pct_copy'], 6)} {f(result['wide_us'])} {f(result['stream_us'])} "
             f"{f(result['pipe_us'])} "
             f"{f(fla)} {f(result['speedup_fla'], 6, 2)} {f(comp, 9)} "
@@ -535,7 +556,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     grid = replay_shapes(args)
     if grid:
-        per_step = {(r["H"], r["B"], r["T"]): r for r in rows}
+        per_step = {(r["H"], r["B"], r["T"]): r for r in rows if r["state_dtype"] == "fp32"}
 
         def emit(row):
             replay_rows.append(row)

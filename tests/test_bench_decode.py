@@ -15,8 +15,10 @@ from launch.layer import step_kind  # noqa: E402
 from launch.report import step_bytes  # noqa: E402
 
 
-def _args(kda_state="per-step", ring=4):
-    return argparse.Namespace(heads=96, hidden=7168, blocks=8, kda_state=kda_state, ring=ring)
+def _args(kda_state="per-step", ring=4, state_dtype="fp32"):
+    return argparse.Namespace(
+        heads=96, hidden=7168, blocks=8, kda_state=kda_state, ring=ring, state_dtype=state_dtype
+    )
 
 
 def test_config_carries_the_state_mode():
@@ -31,6 +33,8 @@ def test_config_carries_the_state_mode():
     page_bytes = step_bytes(per_step, "verify", 4)["state"]
     assert ring_bytes == 4 * 96 * (128 * 128 * 4 + (8 + 4) * 1024)  # every head of the layer
     assert page_bytes == 4 * 96 * 5 * 128 * 128 * 4
+    bf16 = bench_decode._config(8, 4, _args(state_dtype="bf16"))
+    assert step_bytes(bf16, "verify", 4)["state"] == page_bytes // 2  # 32 KB pages
 
 
 def test_ring_shorter_than_the_verify_tokens_is_refused():

@@ -156,3 +156,16 @@ def test_replay_table_rows_on_cpu_pools(monkeypatch):
     assert carried["fla_us"] == 120.0 and carried["speedup_fla"] == 3.0
     assert carried["per_step_kernel"] == "stream"
     assert all(r["replay_bytes"] > 0 and r["pct_copy"] > 0 for r in rows)
+
+
+def test_deployed_shapes_and_state_dtypes():
+    """``--deployed --state-dtype both``: H 6 / 12 / 96, B 8..256, T 1 and 4, no replay
+    rows; a bf16 page is half the bytes (more rotations for the same L2 rotation)."""
+    args = bench_kda.parse_args(["--deployed", "--state-dtype", "both"])
+    shapes = bench_kda.per_step_shapes(args)
+    assert len(shapes) == 24 and (96, 256, 4) in shapes and (6, 8, 1) in shapes
+    assert bench_kda.replay_shapes(args) == []
+    assert bench_kda.replay_shapes(bench_kda.parse_args(["--state-dtype", "bf16"])) == []
+    fp32 = bench_kda.rotations_for(12, 128, 1)
+    bf16 = bench_kda.rotations_for(12, 128, 1, bench_kda.PAGE // 2)
+    assert bf16[1] * 2 == fp32[1] and bf16[0] >= fp32[0]

@@ -18,7 +18,6 @@ from kda.kernels.launch import launch_fold
 from kda.operands import Ring, make_ring
 
 H = 2
-BF16_REFUSAL = "bf16 state pages: the reference only so far"
 
 
 def bits(t):
@@ -240,25 +239,27 @@ def test_ring_dtypes_do_not_follow_the_pool(name, edit):
     refused(lambda: R.materialize(*fold, lower_bound=-5.0), name, tensors)
 
 
-def test_launchers_refuse_a_bf16_pool_before_the_device_check():
-    """The kernels take fp32 pages only so far: a bf16 pool is refused by name, with the
-    reason, before any launch; on CPU that message comes before "must be a CUDA tensor"."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_launchers_take_bf16_pools_and_refuse_others(dtype):
+    """The kernels' launchers take fp32 and bf16 pools: a bf16 CPU pool passes the dtype
+    check and reaches the device check ("must be a CUDA tensor"); an fp16 pool is refused
+    naming ``state`` before it. Nothing written either way."""
     T, B = 2, 2
     pages = 1 + B * T
-    low, high = pair(kt.make_layer(H, pages, seed=71))
+    low, _ = pair(kt.make_layer(H, pages, seed=71))
+    low.state = low.state.to(dtype)
     step = kt.make_step(B, T, H, pages=pages, seed=72)
     tensors = [low.state, low.conv_state]
-    refused(lambda: call(kda.decode, low, step), "state", tensors, BF16_REFUSAL)
-    with pytest.raises(ValueError, match="CUDA"):  # an fp32 CPU pool: the device check
-        call(kda.decode, high, step)
+    match = "CUDA" if dtype == torch.bfloat16 else "(float32, bfloat16)"
+    refused(lambda: call(kda.decode, low, step), "state", tensors, match)
     single = kt.make_step(B, 1, H, pages=pages, seed=73)
     ring = make_ring(low.state, 4)
     fn = lambda: call(kda.replay_decode, low, single, ring=ring)  # noqa: E731
-    refused(fn, "state", tensors + list(ring), BF16_REFUSAL)
+    refused(fn, "state", tensors + list(ring), match)
     v, kg = torch.zeros(B, H, T, 128), torch.zeros(B, H, T, 256, dtype=torch.bfloat16)
     args = (low.state, step.slots, v, kg, low.a_log, low.dt_bias, step.accepted, step.accepted)
-    refused(lambda: kda.recover(*args, lower_bound=-5.0), "state", tensors, BF16_REFUSAL)
+    refused(lambda: kda.recover(*args, lower_bound=-5.0), "state", tensors, match)
     slots = torch.tensor([1], dtype=torch.int32)
     fold = (low.state, ring, low.a_log, low.dt_bias, slots, None, -5.0)
-    refused(lambda: launch_fold(*fold), "state", tensors + list(ring), BF16_REFUSAL)
+    refused(lambda: launch_fold(*fold), "state", tensors + list(ring), match)
     assert not torch.cuda.is_initialized()

@@ -28,6 +28,9 @@ __all__ = [
     "ld_global_nc_b32x2",
     "ld_shared_b32x2",
     "ld_shared_b32x4",
+    "ld_global_b32x2",
+    "st_global_b32x2",
+    "cvt_bf16x2",
     "bf16x2_to_f32",
     "prefetch_l2_bulk",
     "xor_sum",
@@ -121,6 +124,24 @@ def ld_global_nc_b32x2(address: Int64):
 def ld_global_b32x2(address: Int64):
     """Weak 8-byte global load (data a predecessor kernel may have written)."""
     return _vector_load("ld.global.v2.b32", address, Uint32, 2)
+
+
+def st_global_b32x2(address: Int64, words):
+    """Weak 8-byte global store of two 32-bit words (bits as they are)."""
+    cute.arch.inline_ptx(
+        "st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};",
+        read_only_args=[address, *[Uint32(w) for w in words]],
+    )
+
+
+def cvt_bf16x2(low, high):
+    """No memory access: two fp32 rounded to bf16 (nearest even) in one word, ``low`` in the
+    low half (the lower address)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};",
+        write_only_types=[Uint32],
+        read_only_args=[Float32(high), Float32(low)],
+    )
 
 
 def ld_shared_b32x4(shared: Int32):

@@ -37,10 +37,15 @@ from cutlass import BFloat16, Float32, Float64, Int32, Int64, Uint32
 
 from tpcomm.cuteutil import (
     bf16x2_to_f32,
+    cvt_bf16x2,
     ld_global_b32x2,
+    ld_global_f32x4,
     ld_global_nc_b32x2,
+    ld_shared_b32x2,
     ld_shared_f32x4,
     mma_bf16_16816,
+    st_global_b32x2,
+    st_global_f32x4,
     warp_sum,
     xor_sum,
 )
@@ -53,6 +58,51 @@ LANES = 4  # threads per state row
 ROWS = 2  # value rows per thread (r and r + 64)
 KCHUNKS = 8  # 16-byte key chunks per row per thread
 ACCUMULATORS = 4  # pairs of partial dot-product sums per row
+
+
+# State pages: the kernels' ``state_dtype`` and its bytes per element. A bf16 page is
+# widened to fp32 when loaded (exact) and rounded to nearest-even once when stored
+# (``cvt.rn.bf16x2.f32``); four keys of a row are 16 bytes of an fp32 page, 8 of a bf16 one.
+STATE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def state_bytes(state_dtype: str) -> int:
+    """Bytes per state element of ``state_dtype`` ("fp32" or "bf16"); ValueError else."""
+    if state_dtype not in STATE_BYTES:
+        raise ValueError(f"state_dtype must be 'fp32' or 'bf16'; got {state_dtype!r}")
+    return STATE_BYTES[state_dtype]
+
+
+def widen_bf16x4(words):
+    """Four bf16 (two words, lower key in the low half) as four exact fp32."""
+    low0, high0 = bf16x2_to_f32(words[0])
+    low1, high1 = bf16x2_to_f32(words[1])
+    return (low0, high0, low1, high1)
+
+
+def ld_shared_keys4(shared: Int32, bf16: bool):
+    """Four keys of a state row as fp32 from shared memory (a bf16 page's 8 bytes
+    widened); weak."""
+    if bf16:
+        return widen_bf16x4(ld_shared_b32x2(shared))
+    return ld_shared_f32x4(shared)
+
+
+def ld_global_keys4(address: Int64, bf16: bool):
+    """Four keys of a state row as fp32 from a page in global memory; weak."""
+    if bf16:
+        return widen_bf16x4(ld_global_b32x2(address))
+    return ld_global_f32x4(address)
+
+
+def st_global_keys4(address: Int64, values, bf16: bool):
+    """Four fp32 keys of a state row to a page in global memory: a bf16 page's rounded to
+    nearest-even (the page's one rounding); weak."""
+    if bf16:
+        v = list(values)
+        st_global_b32x2(address, (cvt_bf16x2(v[0], v[1]), cvt_bf16x2(v[2], v[3])))
+    else:
+        st_global_f32x4(address, values)
 
 
 def thread_layout(tid):

@@ -22,7 +22,9 @@ One CTA per (head, listed slot) in ``kda.kernels.device``'s thread layout. Per i
 
 An item with ``n = 0`` leaves its page as it is (only the counters are reset). Padding
 (``slots[i] <= 0``): nothing read or written. Listed slots must be unique (checked by
-``kda.fold`` outside graph capture). No PDL: it runs between steps.
+``kda.fold`` outside graph capture). No PDL: it runs between steps. bf16 pages
+(``state_dtype``): widened on load, all entries applied in fp32, rounded to nearest-even
+once when the page is written back (``materialize``'s one rounding per fold).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from ..operands import FoldKernelOperands
 from . import device as dev
 from .device import HEAD_DIM, THREADS
 from .replay import KdaReplay
-from .wide import STATE_PAGE_BYTES
 
 
 def sigmoid_exact(value):
@@ -54,10 +55,11 @@ def decay_exact(a, raw_g, dt, lower_bound):
 
 class KdaFold(KdaReplay):
     """``heads`` H, ring ``size`` R (2..16); ``has_accepted``: ``accepted`` commits pending
-    entries (else they are dropped); ``arch``: the target."""
+    entries (else they are dropped); ``arch``: the target; ``state_dtype``: "fp32" or
+    "bf16" pages."""
 
-    def __init__(self, heads, size, has_accepted=False, *, arch="sm_90a"):
-        super().__init__(heads, size, 1, arch=arch, pdl=False)
+    def __init__(self, heads, size, has_accepted=False, *, arch="sm_90a", state_dtype="fp32"):
+        super().__init__(heads, size, 1, arch=arch, pdl=False, state_dtype=state_dtype)
         self.has_accepted = bool(has_accepted)
 
     @cute.jit
@@ -135,7 +137,8 @@ class KdaFold(KdaReplay):
             if held > 0:
                 if tid == 0:
                     page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                    prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
+                    address = Int64(op.state.iterator.toint()) + page * self.state_bytes
+                    prefetch_l2_bulk(address, self.page_bytes)
                 self.copy_entries(op, r_raw, r_v, held, slot, head)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)

@@ -3,10 +3,11 @@
 ``kda.custom_ops`` registers ``kimi::kda_decode``, ``kimi::kda_replay_decode`` and
 ``kimi::kda_recover`` with these functions as their bodies; the public entries
 (``kda.decode``, ``kda.replay_decode``, ``kda.recover``) only call the ops, so a step goes
-one way: entry -> op -> launcher -> kernel. The kernels take fp32 state pages only so far:
-decode, replay, recover and fold refuse a bf16 pool (``kda.validate.check_kernel_state``,
-before the CUDA-device check); copy moves pages as words, whatever their dtype. Each
-launcher checks its operands again, values
+one way: entry -> op -> launcher -> kernel. State pools are fp32 or bf16 pages
+(``kda.validate.check_kernel_state``, before the CUDA-device check; any other dtype is
+refused naming ``state``): the pool's dtype is a compile-time property of the decode,
+replay, recover and fold kernels (their ``state_dtype``, in the compile-cache key); copy
+moves pages as words, whatever their dtype. Each launcher checks its operands again, values
 included unless the stream is capturing a CUDA graph (``validate="full"`` adds the non-finite
 scan and is refused while capturing), raises ``ValueError`` before any launch, compiles a
 kernel once per (kernel, configuration, dtypes, arch) and launches it on
@@ -141,7 +142,7 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
 
     full = check_options(kernel, cluster, gate_mode, pdl, validate)
     shape = check_decode(op, check_values=not capturing(op.state, full), full=full)
-    check_kernel_state(op.state, "kda.decode")  # bf16 pages: before the device check
+    state_dtype = check_kernel_state(op.state, "kda.decode")  # before the device check
     device = _on_cuda(op.state, "kda.decode")
     check_out(out, shape, device)
     B, T, H = shape.requests, shape.tokens, shape.heads
@@ -173,12 +174,13 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
         _knob(choice),
         pdl,
         arch,
+        state_dtype,
     )
     scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
     operands = _cute_operands(KernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
 
     def build():
-        common = dict(arch=arch, pdl=pdl)
+        common = dict(arch=arch, pdl=pdl, state_dtype=state_dtype)
         if choice.kernel == "split":
             from .split import KdaSplit
 
@@ -252,7 +254,7 @@ def launch_replay(
     full = check_options(gate_mode=gate_mode, pdl=pdl, validate=validate)
     check_replay_kernel(kernel)
     shape, size = check_replay(op, ring, check_values=not capturing(op.state, full), full=full)
-    check_kernel_state(op.state, "kda.replay_decode")
+    state_dtype = check_kernel_state(op.state, "kda.replay_decode")
     device = _on_cuda(op.state, "kda.replay_decode")
     check_out(out, shape, device)
     H, T = shape.heads, shape.tokens
@@ -266,13 +268,15 @@ def launch_replay(
     _check_aligned(tensors, STEP_ALIGNED)
     has_bias, dim_first = op.conv_bias is not None, bool(op.conv_dim_first)
     config = (choice.kernel, H, size, T, gate_mode, has_bias, dim_first, bool(pdl), arch)
+    config += (state_dtype,)
     scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
     operands = _cute_operands(ReplayKernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
 
     def build():
         from .replay import KdaReplay
 
-        return KdaReplay(H, size, T, gate_mode, has_bias, arch=arch, pdl=bool(pdl))
+        options = dict(arch=arch, pdl=bool(pdl), state_dtype=state_dtype)
+        return KdaReplay(H, size, T, gate_mode, has_bias, **options)
 
     _run((config, _dtypes(tensors)), build, operands, device, arch)
 
@@ -283,7 +287,7 @@ def launch_recover(op: RecoverOperands, *, pdl, validate=None) -> None:
 
     full = check_options(pdl=pdl, validate=validate)
     shape = check_recover(op, check_values=not capturing(op.state, full), full=full)
-    check_kernel_state(op.state, "kda.recover")
+    state_dtype = check_kernel_state(op.state, "kda.recover")
     device = _on_cuda(op.state, "kda.recover")
     names = RecoverKernelOperands._fields[:-1]  # the tensors; lower_bound last
     tensors = {name: getattr(op, name) for name in names}
@@ -295,9 +299,11 @@ def launch_recover(op: RecoverOperands, *, pdl, validate=None) -> None:
     def build():
         from .recover import KdaRecover
 
-        return KdaRecover(shape.heads, shape.tokens, arch=arch, pdl=bool(pdl))
+        options = dict(arch=arch, pdl=bool(pdl), state_dtype=state_dtype)
+        return KdaRecover(shape.heads, shape.tokens, **options)
 
-    _run(("recover", shape.heads, shape.tokens, bool(pdl), arch), build, operands, device, arch)
+    key = ("recover", shape.heads, shape.tokens, bool(pdl), arch, state_dtype)
+    _run(key, build, operands, device, arch)
 
 
 def _page_words(pool):
@@ -339,7 +345,7 @@ def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound)
 
     args = (state, ring, a_log, dt_bias, slots, accepted, lower_bound)
     size = check_fold(*args, check_values=not capturing(state))
-    check_kernel_state(state, "kda.fold")  # KdaFold computes in the pages: fp32 only so far
+    state_dtype = check_kernel_state(state, "kda.fold")
     device = _on_cuda(state, "kda.fold")
     if slots.numel() == 0:
         return
@@ -355,6 +361,6 @@ def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound)
     def build():
         from .fold import KdaFold
 
-        return KdaFold(heads, size, has_accepted, arch=arch)
+        return KdaFold(heads, size, has_accepted, arch=arch, state_dtype=state_dtype)
 
-    _run(("fold", heads, size, has_accepted, arch), build, operands, device, arch)
+    _run(("fold", heads, size, has_accepted, arch, state_dtype), build, operands, device, arch)

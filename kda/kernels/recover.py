@@ -10,7 +10,9 @@ recorded k (``(w0 + w2) + (w1 + w3)`` of 32-lane butterflies, as KdaWide), ``S =
 (``decay = 1``, ``k^ = -0.0``, ``v_new = +0.0``: ``S`` bit for bit) and store nothing, so no
 data-dependent control flow; each thread writes back only what it read, so the checkpoint
 page may also be a target. PDL: everything is read after ``griddepcontrol.wait``;
-dependents are released once the page and the records are loaded.
+dependents are released once the page and the records are loaded. bf16 pages
+(``state_dtype``): the checkpoint page widened to fp32 on load, each stored page rounded to
+nearest-even once (the tokens are applied in fp32 registers, as the reference's ``recover``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,8 @@ from cutlass import Float32, Int32, Int64
 
 from tpcomm.cuteutil import (
     launch,
-    ld_global_f32x4,
     ld_shared_f32x4,
     smem_tensor,
-    st_global_f32x4,
 )
 
 from ..operands import RecoverKernelOperands
@@ -35,15 +35,17 @@ from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 class KdaRecover:
     """``heads`` H of the state pool, ``tokens`` T (2..8) recorded per request;
     ``arch``: the target (packed fp32 FMA on sm_100a); ``pdl``: programmatic dependent
-    launch."""
+    launch; ``state_dtype``: the pages' dtype, "fp32" or "bf16"."""
 
-    def __init__(self, heads, tokens, *, arch="sm_90a", pdl=False):
+    def __init__(self, heads, tokens, *, arch="sm_90a", pdl=False, state_dtype="fp32"):
         if not 2 <= tokens <= 8:
             raise ValueError(f"tokens must be in 2..8 (a recorded verify step); got {tokens}")
         if heads < 1:
             raise ValueError(f"heads must be >= 1; got {heads}")
         self.heads, self.tokens = heads, tokens
         self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
+        self.state_bytes = dev.state_bytes(state_dtype)
+        self.bf16_state = state_dtype == "bf16"
 
     @cute.jit
     def __call__(self, op: RecoverKernelOperands, stream):
@@ -56,31 +58,36 @@ class KdaRecover:
     # ---------------------------------------------------------------- device side
     @cute.jit
     def load_page(self, state, head, slot):
-        """The thread's 64 fp32 of page ``slot`` into registers: page[r][c][e]."""
+        """The thread's 64 values of page ``slot`` into registers as fp32: page[r][c][e]."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
+        size = self.state_bytes
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        source0 = Int64(state.iterator.toint()) + page * 4
+        source0 = Int64(state.iterator.toint()) + page * size
         values = []
         for r in cutlass.range_constexpr(ROWS):
             row = []
             for c in cutlass.range_constexpr(KCHUNKS):
                 offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
-                row.append(list(ld_global_f32x4(source0 + Int64(offset) * 4)))
+                address = source0 + Int64(offset) * size
+                row.append(list(dev.ld_global_keys4(address, self.bf16_state)))
             values.append(row)
         return values
 
     @cute.jit
     def store_page(self, state, head, slot, values):
-        """The thread's 64 fp32 into page ``slot`` (the elements ``load_page`` read)."""
+        """The thread's 64 fp32 into page ``slot`` (the elements ``load_page`` read; a bf16
+        page rounded here, once)."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
+        size = self.state_bytes
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        target0 = Int64(state.iterator.toint()) + page * 4
+        target0 = Int64(state.iterator.toint()) + page * size
         for r in cutlass.range_constexpr(ROWS):
             for c in cutlass.range_constexpr(KCHUNKS):
                 offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
-                st_global_f32x4(target0 + Int64(offset) * 4, values[r][c])
+                address = target0 + Int64(offset) * size
+                dev.st_global_keys4(address, values[r][c], self.bf16_state)
 
     @cute.jit
     def stage_tokens(self, op, count, shared, request, head):

@@ -31,6 +31,10 @@ Padding (slot <= 0): zero output rows, nothing else read or written. PDL as KdaW
 ring, counters and conv window are read, and the state page prefetched into L2, before
 ``griddepcontrol.wait`` (the kernel right before must not write them; the page itself is
 read after the wait); gate mode 3 may re-read f_a rows after the release.
+
+bf16 checkpoint pages (``state_dtype``): read widened to fp32 wherever the page is read
+(the fold, ``replay_rows``); a fold rounds its page to nearest-even once when it writes it
+back, and the step's tokens then read the page as stored, as the reference does.
 """
 
 from __future__ import annotations
@@ -43,11 +47,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm.cuteutil import (
     cp_async_16,
-    ld_global_f32x4,
     ld_shared_f32x4,
     prefetch_l2_bulk,
     smem_tensor,
-    st_global_f32x4,
     warp_sum,
     xor_sum,
 )
@@ -56,7 +58,7 @@ from ..dispatch import REPLAY_CTAS_PER_SM
 from ..operands import MAX_RING, MIN_RING, ReplayKernelOperands
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
-from .wide import STATE_PAGE_BYTES, KdaWide
+from .wide import KdaWide
 
 
 def st_shared_f32x4(shared: Int32, values):
@@ -85,12 +87,31 @@ PAIRS = 2  # pairs of partial sums per row and vector (two vectors: half KdaWide
 class KdaReplay(KdaWide):
     """``heads`` H, ring ``size`` R (2..16), ``tokens`` T (1: decode, slots [B]; 2..8:
     verify, slots [B, >= T] and accepted [B]; T <= R), ``gate_mode`` / ``has_bias`` /
-    ``arch`` / ``pdl`` as KdaWide's."""
+    ``arch`` / ``pdl`` / ``state_dtype`` as KdaWide's."""
 
     def __init__(
-        self, heads, size, tokens=1, gate_mode=3, has_bias=False, *, arch="sm_90a", pdl=False
+        self,
+        heads,
+        size,
+        tokens=1,
+        gate_mode=3,
+        has_bias=False,
+        *,
+        arch="sm_90a",
+        pdl=False,
+        state_dtype="fp32",
     ):
-        super().__init__(heads, tokens, False, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
+        super().__init__(
+            heads,
+            tokens,
+            False,
+            gate_mode,
+            has_bias,
+            0,
+            arch=arch,
+            pdl=pdl,
+            state_dtype=state_dtype,
+        )
         if not MIN_RING <= size <= MAX_RING or tokens > size:
             raise ValueError(f"size must be in {MIN_RING}..{MAX_RING} and >= tokens; got {size}")
         self.size = size
@@ -164,15 +185,16 @@ class KdaReplay(KdaWide):
         base_row, lane_in = tid // LANES, tid % LANES
         r_k, r_d, r_v, _ = ring
         k0, d0 = Int32(r_k.iterator.toint()), Int32(r_d.iterator.toint())
+        size = self.state_bytes
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        state0 = Int64(state.iterator.toint()) + page * 4
+        state0 = Int64(state.iterator.toint()) + page * size
         for group in cutlass.range(KCHUNKS // FOLD_CHUNKS, unroll=1):
             keys = [4 * (lane_in + LANES * (FOLD_CHUNKS * group + g)) for g in range(FOLD_CHUNKS)]
             rows = []  # per chunk: (address, values) of row base_row, then of base_row + 64
             for g in cutlass.range_constexpr(FOLD_CHUNKS):
                 for r in cutlass.range_constexpr(2):
-                    at = state0 + Int64((base_row + 64 * r) * HEAD_DIM + keys[g]) * 4
-                    rows.append((at, list(ld_global_f32x4(at))))
+                    at = state0 + Int64((base_row + 64 * r) * HEAD_DIM + keys[g]) * size
+                    rows.append((at, list(dev.ld_global_keys4(at, self.bf16_state))))
             for j in cutlass.range_constexpr(self.size):
                 v_row = (r_v[j, base_row], r_v[j, base_row + 64])
                 for g in cutlass.range_constexpr(FOLD_CHUNKS):
@@ -181,8 +203,8 @@ class KdaReplay(KdaWide):
                     k4 = ld_shared_f32x4(k0 + offset)
                     for r in cutlass.range_constexpr(2):
                         dev.apply_record(rows[2 * g + r][1], d4, k4, v_row[r], self.packed)
-            for at, h in rows:
-                st_global_f32x4(at, tuple(h))
+            for at, h in rows:  # a bf16 page rounded here, once per fold
+                dev.st_global_keys4(at, tuple(h), self.bf16_state)
 
     @cute.jit
     def suffix_chain(self, ring, shared, t, x, entries, partials, scaled):
@@ -241,14 +263,15 @@ class KdaReplay(KdaWide):
         """Trace-time hook of ``replay_rows``: where the page comes from (here its global
         address: the page is read where it lies, L2-prefetched at the item's start)."""
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        return Int64(op.state.iterator.toint()) + page * 4
+        return Int64(op.state.iterator.toint()) + page * self.state_bytes
 
     def page_chunk(self, source, i, c, tid):
-        """Trace-time hook: chunk ``c`` of the thread's row ``i`` (four fp32) of the page
-        (a weak load: a fold earlier in the item wrote it, from this thread)."""
+        """Trace-time hook: chunk ``c`` of the thread's row ``i`` (four fp32; a bf16 page's
+        widened) of the page (a weak load: a fold earlier in the item wrote it, from this
+        thread)."""
         base_row, lane_in = tid // LANES, tid % LANES
         offset = (base_row + 64 * i) * HEAD_DIM + 4 * (lane_in + LANES * c)
-        return ld_global_f32x4(source + Int64(offset) * 4)
+        return dev.ld_global_keys4(source + Int64(offset) * self.state_bytes, self.bf16_state)
 
     def fma_into(self, acc, j, pair, x):
         """Trace-time helper: ``acc``'s pair ``j`` += ``pair * x`` (two keys, fma2)."""
@@ -399,7 +422,8 @@ class KdaReplay(KdaWide):
             # before the gate phase), the conv window and the weights.
             if tid == 0:
                 page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-                prefetch_l2_bulk(Int64(op.state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
+                address = Int64(op.state.iterator.toint()) + page * self.state_bytes
+                prefetch_l2_bulk(address, self.page_bytes)
             self.copy_entries(op, r_raw, r_v, held, slot, head)
             cute.arch.cp_async_commit_group()
             conv, nw, gate = self.item_operands(op, thread, slot, offset, s_beta, token, head)

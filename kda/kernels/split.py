@@ -19,7 +19,9 @@ the cluster as partials (each CTA pushes the pairwise sum of its 16-channel grou
 partials are added pairwise in rank order). CTA i writes its rows of the state, v records
 and outputs, its channels of the conv page, the k record and the raw-gate record of its
 features. The state rows are staged by cp.async first; the output gate is read with the
-step's other inputs, after ``griddepcontrol.wait``.
+step's other inputs, after ``griddepcontrol.wait``. bf16 state pages as KdaWide's: half
+the cp.asyncs (a row's adjacent threads share a 16-byte copy), widened when read into
+registers, rounded to nearest-even once per stored page.
 """
 
 from __future__ import annotations
@@ -32,9 +34,7 @@ from tpcomm import cuteutil as ptx  # the cluster exchange: push_float, arm/wait
 from tpcomm.cuteutil import (
     cp_async_16,
     launch,
-    ld_shared_f32x4,
     smem_tensor,
-    st_global_f32x4,
     xor_sum,
 )
 
@@ -77,24 +77,34 @@ class KdaSplit(KdaWide):
     # ---------------------------------------------------------------- device side
     @cute.jit
     def stage_rows(self, state, staged, head, slot, rank):
-        """cp.async the CTA's R rows of the page into the thread-private 16-byte slots
-        ``staged[c, tid]``."""
+        """cp.async the CTA's R rows of the page into the thread-private slots
+        ``staged[c, tid]`` (16 bytes fp32; bf16: 8, thread 2p + s copying the 16 bytes of
+        threads 2p and 2p + 1 for the chunks c = s mod 2, as KdaWide's ``stage_state``)."""
         tid, _, _ = cute.arch.thread_idx()
         row, lane_in = tid // self.lanes, tid % self.lanes
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        source0 = Int64(state.iterator.toint()) + page * 4
+        source0 = Int64(state.iterator.toint()) + page * self.state_bytes
         shared0 = Int32(staged.iterator.toint())
-        for c in cutlass.range_constexpr(self.chunks):
-            offset = (rank * self.rows + row) * HEAD_DIM + 4 * (lane_in + self.lanes * c)
-            cp_async_16(shared0 + (c * THREADS + tid) * 16, source0 + Int64(offset) * 4)
+        if cutlass.const_expr(self.bf16_state):
+            s = lane_in % 2
+            for c2 in cutlass.range_constexpr(self.chunks // 2):
+                c = 2 * c2 + s
+                offset = (rank * self.rows + row) * HEAD_DIM + 4 * (lane_in - s + self.lanes * c)
+                cp_async_16(shared0 + (c * THREADS + tid - s) * 8, source0 + Int64(offset) * 2)
+        else:
+            for c in cutlass.range_constexpr(self.chunks):
+                offset = (rank * self.rows + row) * HEAD_DIM + 4 * (lane_in + self.lanes * c)
+                cp_async_16(shared0 + (c * THREADS + tid) * 16, source0 + Int64(offset) * 4)
 
     @cute.jit
     def load_rows(self, staged):
-        """The staged chunks into registers: history[c][e]."""
+        """The staged chunks into registers (a bf16 page widened): history[c][e]."""
         tid, _, _ = cute.arch.thread_idx()
         shared0 = Int32(staged.iterator.toint())
+        size = 4 * self.chunk_words
         return [
-            list(ld_shared_f32x4(shared0 + (c * THREADS + tid) * 16)) for c in range(self.chunks)
+            list(dev.ld_shared_keys4(shared0 + (c * THREADS + tid) * size, self.bf16_state))
+            for c in range(self.chunks)
         ]
 
     @cute.jit
@@ -162,7 +172,8 @@ class KdaSplit(KdaWide):
         value_row = cute.arch.block_idx_in_cluster() * self.rows + row
         for c in cutlass.range_constexpr(self.chunks):
             offset = value_row * HEAD_DIM + 4 * (lane_in + self.lanes * c)
-            st_global_f32x4(state0 + (page + offset) * 4, history[c])
+            address = state0 + (page + offset) * self.state_bytes
+            dev.st_global_keys4(address, history[c], self.bf16_state)
 
     @cute.jit
     def write_conv_channel(self, conv_state, conv_slot, column, taps, inputs):
@@ -254,7 +265,7 @@ class KdaSplit(KdaWide):
         else:
             smem = cutlass.memory.SmemAllocator()
             bars = smem.allocate_array(Int64, 2, byte_alignment=8)
-            staged = smem_tensor(smem, Float32, (self.chunks, THREADS, 4), align=128)
+            staged = smem_tensor(smem, Float32, (self.chunks, THREADS, self.chunk_words), align=128)
             s_q = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_k = smem_tensor(smem, Float32, (T, HEAD_DIM))
             s_decay = smem_tensor(smem, Float32, (T, HEAD_DIM))
@@ -326,9 +337,12 @@ class KdaSplit(KdaWide):
 
             ptx.wait_exchange(bars)  # all of q, k and the decays, from every CTA
             self.normalize_cluster(s_q, s_k, qk_pairs, op.scale)
+            if cutlass.const_expr(self.bf16_state):  # a pair's copies: seen after the barrier
+                cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()  # q^, k^, s_v, s_beta
 
-            cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(not self.bf16_state):
+                cute.arch.cp_async_wait_group(0)
             history = self.load_rows(staged)
             self.recurrence_rows(
                 op, history, (s_q, s_k, s_v, s_decay), s_beta, s_o, slot, request, head, rank

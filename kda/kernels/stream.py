@@ -38,10 +38,11 @@ GRANULE = 16  # bytes per cp.async
 SMEM_LIMIT = 113 * 1024  # two CTAs per SM on sm_90 / sm_100 (227 KB per SM)
 
 
-def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
-    """Shared memory of one KdaStream CTA (bytes, without alignment padding)."""
+def stream_smem_bytes(tokens, window, conv_bytes, conv_dim_first, state_bytes=4):
+    """Shared memory of one KdaStream CTA (bytes, without alignment padding); the staged
+    page takes half of it at ``state_bytes`` 4 (fp32), a quarter at 2 (bf16)."""
     conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
-    staged = ROWS * KCHUNKS * THREADS * 16
+    staged = ROWS * KCHUNKS * THREADS * 4 * state_bytes
     inputs = tokens * 6 * HEAD_DIM * 2  # x (3 rows), f_a, the output gate twice (parity)
     work = (4 * tokens + 8) * HEAD_DIM * 4 + 16 * 4 + tokens * 12 * 4
     return conv + staged + inputs + work
@@ -116,6 +117,26 @@ def st_global_f32_if_zero(address: Int64, value, lane: Int32, *, loc=None, ip=No
 
 
 @dsl_user_op
+def st_global_bf16x4_masked(address: Int64, values, target: Int32, *, loc=None, ip=None):
+    """8-byte global store of four fp32 rounded to bf16 (nearest even; a bf16 page's one
+    rounding) when ``target > 0`` (predicated, no branch); the packed words are fresh
+    registers, as ``st_global_f32x4_masked``'s."""
+    operands = [Int64(address).ir_value(loc=loc, ip=ip)]
+    operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    operands.append(Int32(target).ir_value(loc=loc, ip=ip))
+    volatile_asm(
+        None,
+        operands,
+        "{ .reg .pred p; .reg .b32 a, b; setp.gt.s32 p, $5, 0; "
+        "cvt.rn.bf16x2.f32 a, $2, $1; cvt.rn.bf16x2.f32 b, $4, $3; "
+        "@p st.global.v2.b32 [$0], {a, b}; }",
+        "l,f,f,f,f,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def st_global_f32x4_masked(address: Int64, values, target: Int32, *, loc=None, ip=None):
     """16-byte global store of four fp32 when ``target > 0`` (predicated, no branch). The
     words go through ``xor`` with ``target >> 31`` (zero whenever the store happens) into
@@ -152,13 +173,24 @@ class KdaStream(KdaWide):
         *,
         arch="sm_90a",
         pdl=False,
+        state_dtype="fp32",
     ):
-        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, arch=arch, pdl=pdl)
+        super().__init__(
+            heads,
+            tokens,
+            record,
+            gate_mode,
+            has_bias,
+            0,
+            arch=arch,
+            pdl=pdl,
+            state_dtype=state_dtype,
+        )
         if window < tokens + 2:
             raise ValueError(f"window W = {window} must be >= T + 2 = {tokens + 2}")
         if ctas < 1:
             raise ValueError(f"ctas must be >= 1; got {ctas}")
-        need = stream_smem_bytes(tokens, window, 4, conv_dim_first)
+        need = stream_smem_bytes(tokens, window, 4, conv_dim_first, self.state_bytes)
         if need > SMEM_LIMIT:
             raise ValueError(
                 f"KdaStream needs {need} bytes of shared memory for W = {window}, "
@@ -274,11 +306,13 @@ class KdaStream(KdaWide):
         tid_t = fresh_tid()
         page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
         key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
-        row0 = state0 + (page + Int64(key0)) * 4
+        size = self.state_bytes
+        row0 = state0 + (page + Int64(key0)) * size
+        store = st_global_bf16x4_masked if self.bf16_state else st_global_f32x4_masked
 
         def write(i, c, values):
-            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * 4
-            st_global_f32x4_masked(row0 + offset, values, target)
+            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * size
+            store(row0 + offset, values, target)
 
         return write
 
@@ -326,7 +360,7 @@ class KdaStream(KdaWide):
         count = ((cta + 1) * total) // self.ctas - first
 
         smem = cutlass.memory.SmemAllocator()
-        staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
+        staged = smem_tensor(smem, Float32, self.staged_shape(), align=128)
         conv_type = op.conv_state.element_type
         conv_cols = HEAD_DIM * self.window if self.conv_dim_first else 3 * HEAD_DIM
         convs = smem_tensor(smem, conv_type, (3, conv_cols), align=16)

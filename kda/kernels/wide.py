@@ -8,6 +8,13 @@ nothing else. Rounding: bf16 after the SiLU, on the raw gate and on ``o``; all e
 ``griddepcontrol.wait`` (the kernel right before must not write them), x, gate, f_a and
 beta after it; dependents are released once those are read (gate mode 3 may re-read f_a
 rows later: a dependent writes f_a only after its own wait, as any PDL kernel must).
+
+State pages (``state_dtype``, compile time): fp32, or bf16 widened to fp32 as the staged
+page is read into registers and rounded to nearest-even once per stored page
+(``cvt.rn.bf16x2.f32``): the reference's one rounding (docs/contract.md). A bf16 page is
+staged in half the shared memory by half the cp.asyncs: 16 bytes hold the 8-byte key
+chunks of a row's two adjacent threads, each copied by one of the pair and read by its
+owner after a barrier.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from tpcomm.cuteutil import (
     ld_shared_f32x4,
     prefetch_l2_bulk,
     smem_tensor,
-    st_global_f32x4,
     warp_sum,
 )
 
@@ -42,7 +48,8 @@ class KdaWide:
     and the exact dot only where the bound straddles a bf16 rounding: bitwise the
     reference's raw gate); ``ahead``: L2-prefetch the state page
     of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
-    ``pdl``: launch with programmatic dependent launch."""
+    ``pdl``: launch with programmatic dependent launch; ``state_dtype``: the pages'
+    dtype, "fp32" or "bf16"."""
 
     # gate mode 3: undecided raw gates dev.settle_gate recomputes per round (KdaSplit: 4;
     # here 1, where the batched rounds slowed KdaStream at T = 4)
@@ -59,6 +66,7 @@ class KdaWide:
         *,
         arch="sm_90a",
         pdl=False,
+        state_dtype="fp32",
     ):
         if not 1 <= tokens <= 8:
             raise ValueError(f"KdaWide supports 1-8 tokens per request; got {tokens}")
@@ -73,6 +81,11 @@ class KdaWide:
         self.heads, self.tokens, self.record = heads, tokens, record
         self.gate_mode, self.has_bias, self.ahead = gate_mode, has_bias, ahead
         self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
+        self.state_bytes = dev.state_bytes(state_dtype)
+        self.state_dtype, self.bf16_state = state_dtype, state_dtype == "bf16"
+        # words per staged 4-key chunk, bytes per page
+        self.chunk_words = self.state_bytes
+        self.page_bytes = HEAD_DIM * HEAD_DIM * self.state_bytes
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -115,31 +128,49 @@ class KdaWide:
 
     @cute.jit
     def stage_state(self, state, staged, head, slot):
-        """cp.async the item's [128, 128] fp32 page into the thread-private 16-byte slots
-        ``staged[r * KCHUNKS + c, tid]`` (conflict-free to read back)."""
+        """cp.async the item's [128, 128] page into the thread-private slots
+        ``staged[r * KCHUNKS + c, tid]`` (16 bytes fp32, 8 bytes bf16; conflict-free to
+        read back). bf16: a row's threads 2p and 2p + 1 hold adjacent slots and adjacent
+        keys, so thread 2p + s copies the 16 bytes of both for the chunks c = s mod 2
+        (visible to both after the wait and a barrier)."""
         tid = self.thread_index()
         base_row, lane_in = tid // LANES, tid % LANES
         page = (Int64(slot) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        source0 = Int64(state.iterator.toint()) + page * 4
+        source0 = Int64(state.iterator.toint()) + page * self.state_bytes
         shared0 = Int32(staged.iterator.toint())
-        for r in cutlass.range_constexpr(ROWS):
-            for c in cutlass.range_constexpr(KCHUNKS):
-                key = 4 * (lane_in + LANES * c)
-                offset = (base_row + 64 * r) * HEAD_DIM + key
-                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
-                cp_async_16(shared, source0 + Int64(offset) * 4)
+        if cutlass.const_expr(self.bf16_state):
+            s = lane_in % 2
+            pair = tid - s
+            for r in cutlass.range_constexpr(ROWS):
+                for c2 in cutlass.range_constexpr(KCHUNKS // 2):
+                    c = 2 * c2 + s
+                    offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in - s + LANES * c)
+                    shared = shared0 + ((r * KCHUNKS + c) * THREADS + pair) * 8
+                    cp_async_16(shared, source0 + Int64(offset) * 2)
+        else:
+            for r in cutlass.range_constexpr(ROWS):
+                for c in cutlass.range_constexpr(KCHUNKS):
+                    key = 4 * (lane_in + LANES * c)
+                    offset = (base_row + 64 * r) * HEAD_DIM + key
+                    shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
+                    cp_async_16(shared, source0 + Int64(offset) * 4)
+
+    def staged_shape(self):
+        """Shape of the staged page (fp32 words): a 4-key chunk per thread and (r, c)."""
+        return (ROWS * KCHUNKS, THREADS, self.chunk_words)
 
     @cute.jit
     def load_history(self, staged):
-        """The staged page into registers: history[r][c][e]."""
+        """The staged page into registers (a bf16 page widened): history[r][c][e]."""
         tid, _, _ = cute.arch.thread_idx()
         shared0 = Int32(staged.iterator.toint())
+        size = 4 * self.chunk_words
         history = []
         for r in cutlass.range_constexpr(ROWS):
             row = []
             for c in cutlass.range_constexpr(KCHUNKS):
-                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
-                row.append(list(ld_shared_f32x4(shared)))
+                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * size
+                row.append(list(dev.ld_shared_keys4(shared, self.bf16_state)))
             history.append(row)
         return history
 
@@ -340,13 +371,15 @@ class KdaWide:
 
     @cute.jit
     def store_state(self, state0, page, history):
-        """The thread's value rows of the register state to page ``page``."""
+        """The thread's value rows of the register state to page ``page`` (a bf16 page
+        rounded here, once)."""
         tid, _, _ = cute.arch.thread_idx()
         base_row, lane_in = tid // LANES, tid % LANES
         for r in cutlass.range_constexpr(ROWS):
             for c in cutlass.range_constexpr(KCHUNKS):
                 offset = (base_row + 64 * r) * HEAD_DIM + 4 * (lane_in + LANES * c)
-                st_global_f32x4(state0 + (page + offset) * 4, history[r][c])
+                address = state0 + (page + offset) * self.state_bytes
+                dev.st_global_keys4(address, history[r][c], self.bf16_state)
 
     @cute.jit
     def norm_sums(self, s_o, out_sums):
@@ -491,7 +524,8 @@ class KdaWide:
             slot, _, _ = self.item_slots(slots, accepted, r)
             if slot > 0:
                 page = (Int64(slot) * self.heads + h) * (HEAD_DIM * HEAD_DIM)
-                prefetch_l2_bulk(Int64(state.iterator.toint()) + page * 4, STATE_PAGE_BYTES)
+                address = Int64(state.iterator.toint()) + page * self.state_bytes
+                prefetch_l2_bulk(address, self.page_bytes)
 
     @cute.kernel
     def kernel(self, op):
@@ -507,7 +541,7 @@ class KdaWide:
             self.write_padding(op.output, token, head, tid, tid, HEAD_DIM)
         else:
             smem = cutlass.memory.SmemAllocator()
-            staged = smem_tensor(smem, Float32, (ROWS * KCHUNKS, THREADS, 4), align=128)
+            staged = smem_tensor(smem, Float32, self.staged_shape(), align=128)
             # q, k, v, o of the item's tokens
             s_q, s_k, s_v, s_o = [smem_tensor(smem, Float32, (T, HEAD_DIM)) for _ in range(4)]
             s_decay = smem_tensor(smem, Float32, (8, HEAD_DIM))
@@ -531,9 +565,12 @@ class KdaWide:
             self.gate_phase(op, *gate, s_decay, request, head)
             cute.arch.barrier()
             self.normalize_qk(s_q, s_k, sums, op.scale)
+            if cutlass.const_expr(self.bf16_state):  # a pair's copies: seen after the barrier
+                cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
 
-            cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(not self.bf16_state):
+                cute.arch.cp_async_wait_group(0)
             history = self.load_history(staged)
             self.recurrence(op, history, (s_q, s_k, s_v, s_decay), s_beta, s_o, slot, request, head)
             cute.arch.barrier()
