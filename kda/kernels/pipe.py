@@ -1,5 +1,4 @@
-"""KdaPipe: one persistent CTA per SM, warp-specialised, the state pages several items
-ahead.
+"""KdaPipe: one persistent CTA per SM, warp-specialised, the state pages ahead.
 
 KdaStream's CTA runs an item's phases one after the other (inputs, conv, gate, norms,
 recurrence, output) with one page staged ahead; at two CTAs per SM an item took ~11 us
@@ -7,23 +6,30 @@ where the SM's share of the copy bandwidth allows ~8. KdaPipe splits the CTA's 5
 threads into two groups that work on different items at once:
 
 - the *prep* group (threads 0-255, KdaWide's thread layout): for item n + 1 the conv +
-  SiLU, the raw gate (mma.sync, gate mode 3 settled as everywhere), the decays, q / k
-  normalised, sigmoid(beta) and the sigmoid of the output gate, into vector slot
-  ``(n + 1) % 2`` of shared memory; the item's conv window and input rows were cp.asynced
-  one item ahead (KdaStream's staging), so its loads are not on this path;
+  SiLU, the raw gate (mma.sync; gate mode 3's undecided values recomputed four per round),
+  the decays, the sums of q^2 and k^2, sigmoid(beta) and the sigmoid of the output gate,
+  into vector slot ``(n + 1) % SLOTS`` of shared memory. Nothing on its path waits on
+  global memory: the item's conv window, input rows, f_a rows and beta word were cp.asynced
+  one item ahead (KdaStream's staging, f_a and beta parity-buffered), its head's f_b rows
+  (16-byte granules XOR-swizzled by row: conflict-free mma fragments and exact-dot rows),
+  conv weights, bias, dt_bias and a_log sit in a head cache refilled when a CTA's range
+  reaches the next head, and the item slots are read two items ahead;
 - the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
-  from its shared stage into registers, the delta rule (``dev.delta_rule``, KdaStream's
-  streamed store), the gated RMSNorm and the output row; each thread cp.asyncs the page
-  of item n + STAGES into the stage it just emptied (thread-private 16-byte slots: no
-  barrier), so STAGES pages are in flight besides the one in registers.
+  from its shared stage into registers, q and k normalised, the delta rule
+  (``dev.delta_rule``, KdaStream's streamed store), the gated RMSNorm and the output row;
+  each thread cp.asyncs the page of item n + STAGES into the stage it just emptied
+  (thread-private 16-byte slots: no barrier), so a page is in flight besides the one in
+  registers.
 
 The groups meet at named barriers only: ``FULL[s]`` (prep arrives, state syncs) when slot s
 holds an item's vectors, ``EMPTY[s]`` (state arrives, prep syncs) when the state group is
-done with them; each group has its own barrier for its internal phases. Per item the math
-is KdaWide's call for call (same rounding points and fp32 order: the same raw gates, q, k,
-v, decays, state and outputs bit for bit as KdaStream). Padding items (slot <= 0) write
-zero output rows only. PDL: the first pages and conv window are read before
-``griddepcontrol.wait``, all else after it.
+done with them (three slots where they fit: the prep group may run two items ahead); each
+group has its own barrier for its internal phases. Per item the math is KdaWide's call for
+call (same rounding points and fp32 order: the same raw gates, q, k, v, decays, state and
+outputs bit for bit as KdaStream). Padding items (slot <= 0) write zero output rows only.
+PDL: the first pages, the head cache and the conv window are read before
+``griddepcontrol.wait``, all else after it. fp32 pages, no record mode (the launcher runs
+KdaStream there).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ PIPE_THREADS = 2 * THREADS  # the prep group, then the state group
 SMEM_LIMIT = 227 * 1024  # one CTA per SM (sm_90 / sm_100)
 PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes
 # named barriers (0 is __syncthreads)
-PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 5  # FULL / EMPTY: + slot (0, 1)
+PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 6  # FULL / EMPTY: + slot (0 .. 2)
 
 
 STAGES = 2  # page stages of the state group (three do not fit beside the head cache)
@@ -57,13 +63,23 @@ STAGES = 2  # page stages of the state group (three do not fit beside the head c
 HEAD_CACHE = HEAD_DIM * HEAD_DIM * 2 + 15 * HEAD_DIM * 4 + HEAD_DIM * 4 + 16
 
 
-def pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first):
-    """Shared memory of one KdaPipe CTA (bytes, with 1 KB for alignment)."""
+def pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first, slots=2):
+    """Shared memory of one KdaPipe CTA with ``slots`` vector slots (bytes, with 1 KB for
+    alignment)."""
     conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
     inputs = 6 * tokens * HEAD_DIM * 2 + 64  # x (3 rows), the output gate, f_a twice; beta
-    vectors = 2 * ((5 * tokens + 8) * HEAD_DIM * 4 + 32) + 8  # two slots
-    sums = tokens * 20 * 4
-    return STAGES * PAGE + HEAD_CACHE + conv + inputs + vectors + sums + 1024
+    # per slot: q, k, v, o, sigmoid(gate), decays (8 rows), beta, slot, sums of q^2 / k^2
+    vectors = slots * ((5 * tokens + 8) * HEAD_DIM * 4 + 36 + tokens * 64)
+    out_sums = tokens * 16
+    return STAGES * PAGE + HEAD_CACHE + conv + inputs + vectors + out_sums + 1024
+
+
+def pipe_slots(tokens, window, conv_bytes, conv_dim_first):
+    """Vector slots that fit (3, else 2; 0: KdaPipe does not fit)."""
+    for slots in (3, 2):
+        if pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first, slots) <= SMEM_LIMIT:
+            return slots
+    return 0
 
 
 def cp_async_4(shared: Int32, source: Int64):
@@ -100,7 +116,10 @@ class KdaPipe(KdaStream):
         arch="sm_90a",
         pdl=False,
         conv_bytes=4,
+        state_dtype="fp32",
     ):
+        if state_dtype != "fp32":
+            raise ValueError(f"KdaPipe takes fp32 state pages only; got {state_dtype}")
         super().__init__(
             heads,
             tokens,
@@ -114,6 +133,7 @@ class KdaPipe(KdaStream):
             pdl=pdl,
         )
         self.stages = STAGES
+        self.slots = pipe_slots(tokens, window, conv_bytes, conv_dim_first)
         need = pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first)
         if need > SMEM_LIMIT:
             raise ValueError(
@@ -324,7 +344,7 @@ class KdaPipe(KdaStream):
             group, quarter = lane // 4, lane % 4
             parts = (2 * section, 1)
             n = item - first
-            s = n % 2
+            s, parity = n % self.slots, n % 2  # the vector slot, the staging parity
             head, request = item // requests, item % requests
             slot, conv_slot, offset = slot_a, conv_a, offset_a
             nxt = (slot_b, conv_b, offset_b)
@@ -342,7 +362,7 @@ class KdaPipe(KdaStream):
                 weights = self.gate_weights(fb, warp, lane)
                 size = op.beta.element_type.width // 8
                 half = ((((request * T + tid) * self.heads + head) * size) % 4) // 2
-                beta = Float32(betas[s, tid % 8, half % (4 // size)])
+                beta = Float32(betas[parity, tid % 8, half % (4 // size)])
                 taps = []
                 inputs = []
                 for p in cutlass.range_constexpr(2):
@@ -353,7 +373,7 @@ class KdaPipe(KdaStream):
                     else:
                         taps.append([convs[parts[p], j * HEAD_DIM + channel] for j in range(3)])
                     inputs.append([xs[t, parts[p], channel] for t in range(T)])
-                fa0 = Int32(fas.iterator.toint()) + s * (T * HEAD_DIM * 2)
+                fa0 = Int32(fas.iterator.toint()) + parity * (T * HEAD_DIM * 2)
                 activations = []
                 for chunk in cutlass.range_constexpr(8):
                     col = 16 * chunk + 4 * quarter
@@ -361,15 +381,17 @@ class KdaPipe(KdaStream):
                 gates = [dev.sigmoid(Float32(gs[0, t, channel])) for t in range(T)]
                 # the staging buffers are free: the next item's window and rows stream in
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
-                self.advance(op, buffers, item + 1, requests, nxt, 1 - s)
-                if n >= 2:  # the state group is done with slot s (item n - 2)
+                self.advance(op, buffers, item + 1, requests, nxt, 1 - parity)
+                if n >= self.slots:  # the state group is done with slot s (its last item)
                     cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
                 if tid == 0:
                     v_slot[s] = slot
                 s_q, s_k, s_v = v_q[s, None, None], v_k[s, None, None], v_v[s, None, None]
                 s_decay = v_decay[s, None, None]
+                qkv = (s_q, s_k, s_v)
+                item_sums = sums[s, None, None, None]
                 self.conv_phase(
-                    taps, coeff, bias, inputs, (s_q, s_k, s_v), sums, op.kg_records, request, head
+                    taps, coeff, bias, inputs, qkv, item_sums, op.kg_records, request, head
                 )
                 self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
                 rows = self.shared_rows(fa0, Int32(fb.iterator.toint()))
@@ -381,12 +403,11 @@ class KdaPipe(KdaStream):
                         v_g[s, t, channel] = gates[t]
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
                 self.next_head(op, caches, item + 1, end, requests, head)
-                self.normalize_qk(s_q, s_k, sums, op.scale)
             else:
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
-                self.advance(op, buffers, item + 1, requests, nxt, 1 - s)
+                self.advance(op, buffers, item + 1, requests, nxt, 1 - parity)
                 self.next_head(op, caches, item + 1, end, requests, head)
-                if n >= 2:
+                if n >= self.slots:
                     cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
                 if tid == 0:
                     v_slot[s] = slot
@@ -397,7 +418,7 @@ class KdaPipe(KdaStream):
 
     # ------------------------------------------------------------------ the state group
     @cute.jit
-    def state_loop(self, op, staged, vectors, v_o, out_sums, requests, total):
+    def state_loop(self, op, staged, vectors, v_o, sums, out_sums, requests, total):
         """The state group's loop (threads 256-511)."""
         T = self.tokens
         v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot = vectors
@@ -416,7 +437,7 @@ class KdaPipe(KdaStream):
         item = first
         while item < end:
             n = item - first
-            s = n % 2
+            s = n % self.slots
             stage = n % self.stages
             head, request = item // requests, item % requests
             token = request * T
@@ -430,6 +451,11 @@ class KdaPipe(KdaStream):
             cute.arch.barrier(barrier_id=FULL_BAR + s, number_of_threads=PIPE_THREADS)
             slot = v_slot[s]
             if slot > 0:
+                # q and k normalised here (the prep group is the busier one)
+                self.normalize_qk(
+                    v_q[s, None, None], v_k[s, None, None], sums[s, None, None, None], op.scale
+                )
+                cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
                 shared = (v_q[s, None, None], v_k[s, None, None], v_v[s, None, None])
                 shared = (*shared, v_decay[s, None, None])
                 s_o = v_o[s, None, None]
@@ -445,7 +471,7 @@ class KdaPipe(KdaStream):
                 if tid < HEAD_DIM:
                     for t in cutlass.range_constexpr(T):
                         op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
-            if item + 2 < end:  # slot s is free for item n + 2
+            if item + self.slots < end:  # slot s is free for the prep group's next use
                 cute.arch.barrier_arrive(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
             item = item + 1
 
@@ -477,16 +503,17 @@ class KdaPipe(KdaStream):
         betas = smem_tensor(smem, op.beta.element_type, (2, 8, 4 // b_size), align=16)
         # two slots of an item's vectors: q, k, v, sigmoid(gate), decays (8 rows), beta,
         # the item's state slot; o
+        slots = self.slots
         v_q, v_k, v_v, v_g, v_o = [
-            smem_tensor(smem, Float32, (2, T, HEAD_DIM), align=16) for _ in range(5)
+            smem_tensor(smem, Float32, (slots, T, HEAD_DIM), align=16) for _ in range(5)
         ]
-        v_decay = smem_tensor(smem, Float32, (2, 8, HEAD_DIM), align=16)
-        v_beta = smem_tensor(smem, Float32, (2, 8))
-        v_slot = smem_tensor(smem, Int32, (2,))
-        sums = smem_tensor(smem, Float32, (T, 2, 8))
+        v_decay = smem_tensor(smem, Float32, (slots, 8, HEAD_DIM), align=16)
+        v_beta = smem_tensor(smem, Float32, (slots, 8))
+        v_slot = smem_tensor(smem, Int32, (slots,))
+        sums = smem_tensor(smem, Float32, (slots, T, 2, 8))
         out_sums = smem_tensor(smem, Float32, (T, 4))
         vectors = (v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot)
         if tid < THREADS:
             self.prep(op, (convs, xs, gs, fas, betas), caches, vectors, sums, requests, total)
         else:
-            self.state_loop(op, staged, vectors, v_o, out_sums, requests, total)
+            self.state_loop(op, staged, vectors, v_o, sums, out_sums, requests, total)
