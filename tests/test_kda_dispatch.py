@@ -31,12 +31,15 @@ def test_several_waves_verify_picks_wide_with_prefetch():
 
 
 def test_stream_token_limit_is_the_switch(monkeypatch):
-    """Pipe (stream where pipe cannot run) serves several waves up to STREAM_MAX_TOKENS
+    """Pipe serves several waves up to PIPE_MAX_TOKENS (2), Stream up to STREAM_MAX_TOKENS
     (4, as measured), Wide past it."""
-    assert dispatch.STREAM_MAX_TOKENS == 4
-    assert dispatch.choose(128, 12, 4, sms=132).kernel == "pipe"
+    assert dispatch.STREAM_MAX_TOKENS == 4 and dispatch.PIPE_MAX_TOKENS == 2
+    assert dispatch.choose(128, 12, 2, sms=132).kernel == "pipe"
+    assert dispatch.choose(128, 12, 3, sms=132).kernel == "stream"
+    assert dispatch.choose(128, 12, 4, sms=132).kernel == "stream"
     assert dispatch.choose(128, 12, 5, sms=132).kernel == "wide"
     monkeypatch.setattr(dispatch, "STREAM_MAX_TOKENS", 8)
+    monkeypatch.setattr(dispatch, "PIPE_MAX_TOKENS", 8)
     for tokens in range(1, 9):
         choice = dispatch.choose(128, 12, tokens, sms=132)
         assert choice.kernel == "pipe" and choice.ctas == 132, tokens
