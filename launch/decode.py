@@ -159,7 +159,7 @@ def parse_args(argv=None):
         "launch for all ranks; per-rank: each rank's on its stream")
     gpu("--xmoe", type=ranged(int, 0, 8), default=0,
         help="MoE latent copies of each output row (0..8): the consumer writes them and a "
-        "ready hint per warp; a waiting kernel on another stream (the MoE dispatch's "
+        "ready hint per CTA; a waiting kernel on another stream (the MoE dispatch's "
         "stand-in) acquires the hints and only then reads the copies; checked bitwise")
     gpu("--multicast", action=argparse.BooleanOptionalAction, default=False,
         help="nvshmem: allow NVLink multicast (NVLS); off sets NVSHMEM_DISABLE_NVLS=1 unless "

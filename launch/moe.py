@@ -1,13 +1,13 @@
 """The launcher's MoE dispatch stand-in (``--xmoe``): hint waiters on a stream of their own.
 
 ``xmoe`` > 0: the consumer also writes that many latent copies of each output row and its
-ready hints; a waiting kernel (``tpcomm.oproj.hints``) per hosted rank (or one for every
-rank of a one-GPU backend), forked at the step's start but enqueued after the consumers
-(its poll budget runs from its start, which must not cover the host's consumer launches),
-acquires the rank's hints and only then reads the copies (into the bucket's ``moe_in``);
-the step joins it at the end, so the next step's consumers come after this step's
-waiters. Its few CTAs (at most 8 on a GPU, ``tpcomm.oproj.hints.waiter_ctas``) cannot
-starve a consumer, which never waits on a waiter.
+ready hints; per hosted rank (or once for every rank of a one-GPU backend) a waiting kernel
+and a reader (``tpcomm.oproj.hints``), forked at the step's start but enqueued after the
+consumers (the waiter's poll budget runs from its start, which must not cover the host's
+consumer launches): the waiter acquires the rank's hints, then the reader (PDL after it,
+a full grid) reads the copies into the bucket's ``moe_in``; the step joins them at the
+end, so the next step's consumers come after this step's readers. The waiter spins with
+one CTA per rank, which cannot starve a consumer (a consumer never waits on a waiter).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class MoeWaiters:
 
     def problems(self, bk) -> str:
         """Empty when every copy and what the waiters read are bitwise the output and the hint
-        words [counter, done, timed out] zero (each waiter took its quota back); else the
+        words [counter, unused, timed out] zero (each waiter took its quota back); else the
         rows that differ (how many still hold the poison) and the hint words."""
         problems = []
         poison = torch.tensor(POISON_BITS, dtype=torch.int16, device=bk.output.device)
@@ -97,7 +97,7 @@ class MoeWaiters:
         if int(words.abs().sum()) != 0:
             quota = hint_quota(bk.output.shape[-1], bk.rows)
             problems.append(
-                f"hint words [counter, done, timed out] per rank {words.tolist()} (quota {quota})"
+                f"hint words [counter, unused, timed out] per rank {words.tolist()} (quota {quota})"
             )
         return "; ".join(problems)
 

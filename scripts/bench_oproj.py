@@ -35,6 +35,12 @@ twoshot per-rank chunks, the torch peer, the floor, the plan's choice per bucket
 
     python scripts/bench_oproj.py --rows [--tp 8 16] [--row-counts ...] [--json PATH]
                                   [--write-crossovers]
+
+MoE copies at serving batch (``scripts/oproj_xmoe.py``: the consumer stage with 0 and
+``--reps`` copies, the waiter and reader, against 1.1 x (no copies + the copies' bytes)):
+
+    python scripts/bench_oproj.py --xmoe [--tp 8] [--row-counts 8 32 128 256 1024]
+                                  [--reps 2] [--json PATH]
 """
 
 import argparse
@@ -224,7 +230,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", default="1,4,8", help="comma-separated token counts")
     parser.add_argument("--rows", action="store_true", help="the 1..1024 rows sweep")
-    parser.add_argument("--tp", type=int, nargs="+", default=[8, 16], help="--rows: TP")
+    parser.add_argument("--xmoe", action="store_true", help="the MoE copies' rows sweep")
+    parser.add_argument("--reps", type=int, default=2, help="--xmoe: copies per row")
+    parser.add_argument("--tp", type=int, nargs="+", default=None, help="--rows: TP (8 16)")
     parser.add_argument(
         "--row-counts",
         type=int,
@@ -239,7 +247,10 @@ def main():
         help="--rows: rewrite tpcomm/oproj/crossovers.json from the sweep",
     )
     args = parser.parse_args()
+    if args.xmoe:
+        return xmoe_main(args)
     if args.rows:
+        args.tp = [8, 16] if args.tp is None else args.tp
         return rows_main(args)
     hid = 7168
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -310,6 +321,29 @@ def rows_main(args):
     )
     if args.write_crossovers:
         oproj_rows.write_crossovers(out, device)
+
+
+def xmoe_main(args):
+    import datetime
+
+    import oproj_xmoe
+    from bench_kda import copy_bandwidth
+
+    tbps = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    iters = 10 if args.quick else args.iters
+    rows = oproj_xmoe.ROWS if args.row_counts is None else tuple(args.row_counts)
+    tps = [8] if args.tp is None else args.tp
+    print(f"copy {tbps:.2f} TB/s; consumer stage, every rank, one launch, us per step")
+    date = datetime.date.today().isoformat()
+
+    def dump(out):
+        if args.json:
+            with open(args.json, "w") as f:
+                head = dict(device=device, date=date, copy_tbps=tbps, target=oproj_xmoe.TARGET)
+                json.dump(dict(head, rows=out), f, indent=1)
+
+    oproj_xmoe.sweep(tps, rows, 7168, 8, args.reps, iters, args.repeats, tbps, on_row=dump)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """CPU tests of the rows benchmark's plain parts: the measured crossovers it writes are
-what ``choose`` reads, and the floor is the larger of the bandwidth and GEMM bounds."""
+what ``choose`` reads, and the floor is the larger of the bandwidth and GEMM bounds; the
+MoE copies' rows count the copies' bytes and the 1.1x target."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 
 import oproj_rows  # noqa: E402
+import oproj_xmoe  # noqa: E402
 
 from tpcomm.oproj import plan  # noqa: E402
 
@@ -115,3 +117,25 @@ def test_plot_rows_one_file_per_tp_and_a_panel_per_tokens(tmp_path):
     out = tmp_path / "rows.png"
     argv = [*map(str, paths), "--oproj", *map(str, oproj), "--out", str(out)]
     assert plot_rows.main(argv) == 0 and out.stat().st_size > 0
+
+
+def test_xmoe_rows_target(capsys):
+    """The copies' bytes: the consumer's stores, the reader's loads and stores (TP 8, 128
+    rows, 2 copies: 29.4 MB stored, as in issue 33); the target is 1.1 x (no copies + those
+    bytes at the run's bandwidth), and a row past it prints MISSED."""
+    assert oproj_xmoe.copy_bytes(8, 128, 7168, 2) == 3 * 29_360_128
+    rows = []
+
+    def fake_stage(tp, rows_, hid, nb, reps, iters, repeats, *, waiter=True):
+        return (100.0 if reps == 0 else 130.0 if waiter else 108.0), 5.0, ""
+
+    real, oproj_xmoe.stage_us = oproj_xmoe.stage_us, fake_stage
+    try:
+        out = oproj_xmoe.sweep([8], [128], 7168, 8, 2, 1, 1, 4.0, on_row=rows.append)
+    finally:
+        oproj_xmoe.stage_us = real
+    (r,) = out
+    assert r["copy_us"] == 3 * 29_360_128 / 4e6
+    assert r["target_us"] == 1.1 * (100.0 + r["copy_us"])
+    assert r["met"] == (r["target_us"] >= 130.0) and r["consumer_only_us"] == 108.0
+    assert ("met" if r["met"] else "MISSED") in capsys.readouterr().out

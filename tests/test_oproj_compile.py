@@ -55,14 +55,18 @@ def test_consumer_ptx_protocol(tmp_path):
         "%globaltimer",  # bounded spin
         "atom.global.sys.or.b32",  # error word
         "red.release.gpu",  # hints
-        "st.relaxed.gpu.global.v4.b32",  # xmoe copies, then the fence before the hint
-        "fence.acq_rel.gpu",
+        "st.relaxed.gpu.global.v4.b32",  # xmoe copies
         "barrier.cluster.arrive",
         "cp.async.cg.shared.global",
         ".reqntid 256",
         ".minnctapersm 4",
     ):
         assert needle in text, needle
+    # the copies, the lead group's barrier, then one release increment (per CTA)
+    copies = text.rfind("st.relaxed.gpu.global.v4.b32")
+    barrier = text.find("bar.sync \t1, 128;", copies)
+    assert -1 < copies < barrier < text.find("red.release.gpu", barrier)
+    assert text.count("red.release.gpu") == 1 and "fence.acq_rel.gpu" not in text
 
 
 def test_kernel_config_validation():
@@ -184,46 +188,64 @@ def test_one_launch_config_validation():
 @pytest.mark.parametrize("hid, reps, ranks", [(7168, 1, 1), (2048, 2, 8)])
 def test_hint_waiter_compiles(arch, hid, reps, ranks):
     require_dsl()
-    from tpcomm.oproj.hints import compiled
+    from tpcomm.oproj.hints import compiled, compiled_waiter
 
-    assert compiled(hid, reps, None, ranks, arch) is not None
+    assert compiled_waiter(ranks, arch) is not None
+    assert compiled(hid, reps, ranks, arch) is not None
 
 
 def test_hint_waiter_ptx_order(tmp_path):
-    """Acquire of the hint counter (bounded), plain coherent loads of the copies (never
-    ld.global.nc), the done count and the quota taken back."""
+    """The waiter: acquire of the hint counter (bounded, backing off), the quota taken
+    back, then the dependent launch triggered; the reader: the PDL wait before the error
+    word and the copies, plain coherent loads (never ld.global.nc), UNROLL of them before
+    the first store."""
     cute = require_dsl()
-    from tpcomm.oproj.hints import HintWaiter, fake_arguments
+    from tpcomm.oproj.hints import (
+        UNROLL,
+        HintReader,
+        HintWaiter,
+        fake_arguments,
+        fake_waiter_arguments,
+    )
 
     options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-    text = cute.compile(HintWaiter(7168, 2), *fake_arguments(7168, 2), options=options).__ptx__
-    for needle in ("ld.acquire.gpu", "%globaltimer", "atom.global.acq_rel.add", "bar.sync",
-                   "ld.global.v4.b32", "atom.global.sys.or.b32", "red.relaxed.gpu"):  # fmt: skip
-        assert needle in text, needle
+    text = cute.compile(HintWaiter(), *fake_waiter_arguments(), options=options).__ptx__
+    order = ("ld.acquire.gpu", "%globaltimer", "nanosleep.u32", "atom.global.sys.or.b32",
+             "red.relaxed.gpu.global.add", "griddepcontrol.launch_dependents")  # fmt: skip
+    at = [text.find(needle) for needle in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at, strict=True))
+    text = cute.compile(HintReader(7168, 2), *fake_arguments(7168, 2), options=options).__ptx__
+    wait, error = text.find("griddepcontrol.wait"), text.find("ld.relaxed.gpu.global.b32")
+    loads = [i for i in range(len(text)) if text.startswith("ld.global.v4.b32", i)]
+    first_store = text.find("st.global.v4.b32")
+    assert -1 < wait < error < loads[0], (wait, error, loads[:1])
+    assert len(loads) == UNROLL and loads[-1] < first_store
     assert "ld.global.nc" not in text
 
 
 def test_hint_waiter_validation():
     require_dsl()
-    from tpcomm.oproj.hints import HintWaiter, hint_quota
+    from tpcomm.oproj.hints import HintReader, HintWaiter, hint_quota
 
-    assert hint_quota(7168, 64) == 4 * 7 * 64
+    assert hint_quota(7168, 64) == 7 * 64
     for kw, match in ((dict(hid=1000, reps=1), "1024"), (dict(hid=1024, reps=0), "reps"),
-                      (dict(hid=1024, reps=1, ctas=0), "ctas"),
                       (dict(hid=1024, reps=1, ranks=17), "ranks")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
-            HintWaiter(**kw)
+            HintReader(**kw)
+    with pytest.raises(ValueError, match="ranks"):
+        HintWaiter(ranks=0)
 
 
-def test_hint_waiter_ctas_per_gpu():
-    """At most ``WAITER_GPU_CTAS`` spinning waiter CTAs on a GPU, whatever ranks it hosts
-    (at least one per rank); an explicit ``ctas`` is kept."""
+def test_hint_reader_ctas():
+    """One pass of ``UNROLL`` groups a thread where it fits, at most ``READER_CTAS_PER_SM``
+    a SM over every rank of the GPU, at least one per rank."""
     require_dsl()
-    from tpcomm.oproj.hints import WAITER_GPU_CTAS, HintWaiter, waiter_ctas
+    from tpcomm.oproj.hints import READER_CTAS_PER_SM, READER_THREADS, UNROLL, reader_ctas
 
-    assert WAITER_GPU_CTAS == 8
-    assert [waiter_ctas(r) for r in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
-    for ranks in (1, 2, 8, 16):
-        w = HintWaiter(7168, 2, ranks=ranks)
-        assert w.ctas * ranks <= max(WAITER_GPU_CTAS, ranks)
-    assert HintWaiter(7168, 2, ctas=3, ranks=8).ctas == 3
+    per_cta = READER_THREADS * UNROLL * 8  # elements of one CTA's pass
+    assert reader_ctas(1, 1, 1024, 1, 132) == 1
+    assert reader_ctas(8, 2, 7168, 1, 132) == -(-8 * 2 * 7168 // per_cta) == 14
+    for rows, ranks in ((128, 8), (1024, 8), (1024, 16), (1024, 1)):
+        ctas = reader_ctas(rows, 2, 7168, ranks, 132)
+        assert ctas >= 1 and ctas * ranks <= READER_CTAS_PER_SM * 132
+    assert reader_ctas(1024, 8, 7168, 16, 132) == READER_CTAS_PER_SM * 132 // 16

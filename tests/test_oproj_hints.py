@@ -1,6 +1,6 @@
-"""CPU tests of the MoE hint waiter's launch (``tpcomm.oproj.hints``): what the compiled
-code reads of its runtime arguments, and its address arithmetic over ``wait_hints``' real
-launch values, against the consumer's writes of the copies and hints.
+"""CPU tests of the MoE hint waiter and reader launches (``tpcomm.oproj.hints``): what the
+compiled code reads of its runtime arguments, and the reader's address arithmetic over
+``wait_hints``' real launch values, against the consumer's writes of the copies and hints.
 
 The waiter once read ``rows`` from ``xmoe.shape[1]`` of a tensor compiled as a compact
 ``(reps, ?, HID)`` fake but passed as ``to_cute``'s fully dynamic ``(?, ?, ?)``: the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from compile_harness import require_dsl
 
-from tpcomm.oproj.plan import SLICE, THREADS, WORD_ROW_BYTES
+from tpcomm.oproj.plan import SLICE, WORD_ROW_BYTES
 
 
 def layout_mismatch(fake, real) -> str:
@@ -57,10 +57,11 @@ SHAPES = [(4, 16, 2048, 2), (8, 1, 1024, 1), (2, 3, 7168, 8)]  # tp, rows, hid, 
 @pytest.mark.parametrize("every_rank", [True, False])
 @pytest.mark.parametrize("tp, rows, hid, reps", SHAPES)
 def test_waiter_fakes_are_the_runtime_layouts(every_rank, tp, rows, hid, reps):
-    """Every tensor ``wait_hints`` passes has the layout the waiter was compiled for."""
+    """Every tensor ``wait_hints`` passes has the layout the waiter and the reader were
+    compiled for."""
     require_dsl()
     from tpcomm.cuteutil import to_cute
-    from tpcomm.oproj.hints import fake_arguments, launch_values
+    from tpcomm.oproj.hints import fake_arguments, fake_waiter_arguments, launch_values
 
     comm = _comm(tp, rows, hid, reps)
     xmoes, dests = _copies(tp, rows, hid, reps)
@@ -71,6 +72,7 @@ def test_waiter_fakes_are_the_runtime_layouts(every_rank, tp, rows, hid, reps):
     real = (to_cute(x), to_cute(d), to_cute(hint_row, 4))
     for i, (fake, runtime) in enumerate(zip(fakes[:3], real, strict=True)):
         assert layout_mismatch(fake, runtime) == "", (i, layout_mismatch(fake, runtime))
+    assert layout_mismatch(fake_waiter_arguments()[0], real[2]) == ""  # the waiter's hint row
 
 
 def test_layout_mismatch_sees_the_old_waiter_fake():
@@ -86,20 +88,24 @@ def test_layout_mismatch_sees_the_old_waiter_fake():
     assert "dynamic extents" in layout_mismatch(old, real)
 
 
-def _waiter_reads(ranks, x, d, hint_row, rows, quota, reps, hid, ctas):
-    """The kernel's arithmetic (``HintWaiter.kernel``) over its launch values: per grid z,
-    the hint word it acquires, its error word and the 16-byte groups it copies (source,
-    destination byte addresses)."""
+def _reader_reads(ranks, x, d, hint_row, rows, reps, hid, ctas):
+    """The reader's arithmetic (``HintReader.kernel``) over its launch values: per grid z,
+    the hint row (the waiter's: it acquires word 0), the error word the reader checks and
+    the 16-byte groups it copies (source, destination byte addresses)."""
+    from tpcomm.oproj.hints import READER_THREADS, UNROLL
+
     per_rank = rows * reps * hid * 2
     groups = rows * (reps * hid // 8)
+    stride = ctas * READER_THREADS
     out = []
     for r in range(ranks):
         a_x, a_d = x.data_ptr() + r * per_rank, d.data_ptr() + r * per_rank
         a_h = hint_row.data_ptr() + r * WORD_ROW_BYTES
         seen = []
         for cta in range(ctas):
-            for tid in range(THREADS):
-                seen.extend(range(cta * THREADS + tid, groups, ctas * THREADS))
+            for tid in range(READER_THREADS):
+                for g0 in range(cta * READER_THREADS + tid, groups, stride * UNROLL):
+                    seen.extend(g for g in range(g0, g0 + UNROLL * stride, stride) if g < groups)
         assert sorted(seen) == list(range(groups)), "grid-stride loop: each group once"
         out.append((a_h, a_h + 8, {a_x + 16 * g for g in seen}, {a_d + 16 * g for g in seen}))
     return out
@@ -107,8 +113,8 @@ def _waiter_reads(ranks, x, d, hint_row, rows, quota, reps, hid, ctas):
 
 def _consumer_writes(x_rank0, hints_rank0, r, rows, hid, reps):
     """``OprojConsumerKernel`` (one launch, ``ranks`` = TP) for grid z = ``r``: the hint
-    word it increments and the 16-byte groups of the copies it writes (every CTA, lead
-    thread, copy), per its address arithmetic."""
+    word it increments (once per CTA) and the 16-byte groups of the copies it writes
+    (every CTA, lead thread, copy), per its address arithmetic."""
     per_rank = rows * hid * 2
     a_x = x_rank0.data_ptr() + r * reps * per_rank
     writes = set()
@@ -122,14 +128,16 @@ def _consumer_writes(x_rank0, hints_rank0, r, rows, hid, reps):
 
 
 @pytest.mark.parametrize("tp, rows, hid, reps", [(4, 16, 2048, 2), (8, 3, 1024, 3)])
-def test_waiter_reads_every_copy_the_consumer_writes(tp, rows, hid, reps):
+@pytest.mark.parametrize("ctas", [1, 3, None])
+def test_reader_reads_every_copy_the_consumer_writes(tp, rows, hid, reps, ctas):
     """Over ``wait_hints``' launch values, one launch for every rank and one per rank: the
-    waiter of rank r acquires the word rank r's consumer increments, reads exactly the
-    groups that consumer writes (all reps x rows x HID of rank r, nothing else) into the
-    same place of ``dests``, with the consumer's quota. (The launcher's failing eager run:
-    TP 4, 16 rows, HID 2048, 2 copies.)"""
+    waiter of rank r acquires the word rank r's consumer increments, the reader reads
+    exactly the groups that consumer writes (all reps x rows x HID of rank r, nothing else)
+    into the same place of ``dests``, with the consumer's quota (one increment per CTA),
+    whatever its CTAs per rank. (The launcher's failing eager run: TP 4, 16 rows, HID 2048,
+    2 copies.)"""
     require_dsl()
-    from tpcomm.oproj.hints import hint_quota, launch_values, waiter_ctas
+    from tpcomm.oproj.hints import hint_quota, launch_values, reader_ctas
 
     comm = _comm(tp, rows, hid, reps)
     xmoes, dests = _copies(tp, rows, hid, reps)
@@ -137,8 +145,9 @@ def test_waiter_reads_every_copy_the_consumer_writes(tp, rows, hid, reps):
     launches += [(r, launch_values(comm, xmoes[r], dests[r], rank=r)) for r in range(tp)]
     for first, (ranks, x, d, hint_row, n, quota, budget) in launches:
         assert (n, quota, budget) == (rows, hint_quota(hid, rows), comm.budget_ns)
-        assert quota == 4 * (hid // SLICE) * rows  # lead warps a consumer CTA, CTAs, rows
-        reads = _waiter_reads(ranks, x, d, hint_row, n, quota, reps, hid, waiter_ctas(ranks))
+        assert quota == (hid // SLICE) * rows  # consumer CTAs: one release increment each
+        k = reader_ctas(n, reps, hid, ranks, 132) if ctas is None else ctas
+        reads = _reader_reads(ranks, x, d, hint_row, n, reps, hid, k)
         for z, (a_h, a_err, src, dst) in enumerate(reads):
             r = first + z
             word, writes = _consumer_writes(xmoes[0], comm.hint_words[0], r, rows, hid, reps)

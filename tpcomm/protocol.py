@@ -265,11 +265,34 @@ def release_increment(address: Int64):
     cute.arch.red(ptr.llvm_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
 
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None):
+    """No memory access: suspend the thread for up to about ``ns`` ns (a poll's back-off)."""
+    llvm.inline_asm(
+        None,
+        [Int32(ns).ir_value(loc=loc, ip=ip)],
+        "nanosleep.u32 $0;",
+        "r",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+
+
 @cute.jit
-def wait_count(address: Int64, target: Int32, budget_ns: Int64, error_address: Int64) -> Int32:
+def wait_count(
+    address: Int64,
+    target: Int32,
+    budget_ns: Int64,
+    error_address: Int64,
+    sleep_ns: cutlass.Constexpr[int] = 0,
+) -> Int32:
     """Acquire, gpu scope: bounded spin until the counter at ``address`` is >= ``target``;
     1 when it is (later accesses of this thread ordered after the load that saw it), 0 when
-    the ``globaltimer`` budget ran out (then the error word at ``error_address`` |= 1)."""
+    the ``globaltimer`` budget ran out (then the error word at ``error_address`` |= 1).
+    ``sleep_ns`` > 0: a ``nanosleep`` between polls, so a spinner that waits from the step's
+    start does not keep the counter's L2 slice busy under the releases it waits for."""
     ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
     reached = Int32(0)
     if cute.arch.load(ptr.llvm_ptr, Int32, sem="acquire", scope="gpu") >= target:
@@ -284,6 +307,8 @@ def wait_count(address: Int64, target: Int32, budget_ns: Int64, error_address: I
             if waiting != 0:  # noqa: SIM102
                 if cute.arch.globaltimer() > deadline:
                     waiting = Int32(0)
+                if cutlass.const_expr(sleep_ns > 0):
+                    nanosleep(sleep_ns)
         if reached == 0:
             raise_error(error_address, Int32(1))
     return reached

@@ -40,7 +40,7 @@ class OprojAllReduce:
 
     ``step`` picks the mailbox parity (consecutive calls, consecutive steps). ``error(rank)``
     holds the mask of ranks it never heard from within ``budget_ns`` (then ``reset()``);
-    ``hints(rank)`` counts the consumer's release increments (4 per CTA and step with
+    ``hints(rank)`` counts the consumer's release increments (one per CTA and step with
     ``xmoe_reps``). ``groups``, ``twoshot`` and ``producer`` default to ``choose``'s plan
     of the path run (``plan``): twoshot from the measured crossover of per-rank launches
     with a rank per GPU; one-shot on one GPU unless asked (``RowChunks`` asks for it where

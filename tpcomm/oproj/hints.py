@@ -1,26 +1,36 @@
-"""``HintWaiter``: the stand-in for the MoE dispatch that reads the consumer's latent copies.
+"""The stand-in for the MoE dispatch that reads the consumer's latent copies after their
+ready hints: ``HintWaiter`` (acquires the hints) then ``HintReader`` (reads the copies).
 
 The consumer (``xmoe_reps`` > 0) writes ``xmoe`` [reps, rows, HID] with relaxed gpu-scope
-stores, a gpu-scope acq_rel fence, a warp sync, then one gpu-scope release increment of
-the rank's hint counter per lead warp: ``quota = 4 * (HID / 1024) * rows`` increments per
-step. The waiter, on another stream of the same GPU: thread 0 of each CTA spins (acquire,
-gpu scope, bounded by ``budget_ns``) until the counter reaches ``quota``, a CTA barrier,
-and only then its threads read their share of the copies (plain loads, not the
-non-coherent path) into ``dest``. The last CTA to finish takes the quota back off the
-counter (and clears its own done count), so each step starts from zero and graph replays
-need no host state; the next step's consumer must be ordered after the waiter (join its
-stream). A budget that runs out sets the waiter's error word and the CTA reads nothing;
-the budget runs from the waiter's start, so enqueue it after the consumers it waits for
-(forked from before them): launched first, it would spin while the host still launches
-them. Its CTAs spin, so a GPU hosts at most ``WAITER_GPU_CTAS`` of them over all its ranks
-(``waiter_ctas``): more kept the one-launch consumer's clusters off the GPU until the
-waiters gave up (measured, ``waiter_ctas``' docstring); the consumer never waits on the
-waiter (the GPU test reports when the consumer and the waiter ended should one time out).
+stores, a lead-group barrier, then one gpu-scope release increment of the rank's hint
+counter per CTA: ``quota = (HID / 1024) * rows`` increments per step. On another stream of
+the same GPU, ``wait_hints`` launches two kernels:
+
+- ``HintWaiter``, one 32-thread CTA per rank: thread 0 spins (acquire, gpu scope, a
+  ``nanosleep`` between polls, bounded by ``budget_ns``) until the counter reaches
+  ``quota``, takes the quota back off the counter (each step starts from zero, graph
+  replays need no host state), then triggers the dependent launch. A budget that runs
+  out sets the rank's waiter error word (hint word 2) instead.
+- ``HintReader`` (PDL after the waiter; ``reader_ctas`` CTAs per rank, up to
+  ``READER_CTAS_PER_SM`` a SM over the GPU): ``griddepcontrol.wait`` (the waiter grid
+  complete and its memory visible: the copies happened before the acquire it saw), then
+  the rank's waiter error word; zero: its threads copy the rank's copies into ``dest``
+  (plain coherent loads, ``UNROLL`` 16-byte groups in flight per thread); else nothing.
+
+Why two kernels: the copies are the MoE's input bytes (``3 x reps x rows x HID x 2`` with
+the consumer's stores), which only a full grid moves at HBM speed, while spinning CTAs
+must stay few (a GPU hosts at most one spinning CTA per rank: 8 per rank of the old
+one-kernel waiter kept the one-launch consumer's 7-CTA clusters off the GPU until the
+budget ran out, measured at TP 8). The old waiter copied with those few CTAs (one per rank
+at TP 8, one 16-byte load in flight per thread): 3.7 MB per rank at 128 rows took about
+0.7 ms, the "consumer stage 106 -> 831 us" of ``--xmoe 2`` (issue 33). The next step's
+consumer must be ordered after the reader (join its stream). The waiter's budget runs from
+its start: enqueue it after the consumers it waits for (forked from before them).
 
 Hint row of a rank (int32 [4], ``WORD_ROW_BYTES`` apart per rank): word 0 the counter,
-word 1 the waiter CTAs done, word 2 the waiter's error word.
+word 1 unused (zero), word 2 the waiter's error word.
 
-Rows travel as their own argument and the kernel reads only the tensors' addresses: a
+Rows travel as their own argument and the kernels read only the tensors' addresses: a
 compiled function reads a tensor's extents from the descriptor slots of its compile-time
 layout, so a fake ``(reps, ?, HID)`` read ``rows`` from the slot where ``to_cute``'s fully
 dynamic ``(?, ?, ?)`` keeps ``reps`` (the waiter read reps rows). The fake arguments are
@@ -33,37 +43,68 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from tpcomm import protocol
-from tpcomm.cuteutil import compile_cached, fake_like_runtime, launch, smem_tensor
-from tpcomm.oproj.plan import MAX_ROWS, THREADS, WORD_ROW_BYTES, check_hidden, hint_quota
+from tpcomm.cuteutil import compile_cached, fake_like_runtime, launch
+from tpcomm.oproj.plan import MAX_ROWS, WORD_ROW_BYTES, check_hidden, hint_quota
 
-WAITER_GPU_CTAS = 8  # spinning waiter CTAs per GPU, over every rank it hosts
+SLEEP_NS = 128  # the waiter's back-off between polls of the hint counter
+READER_THREADS = 256
+UNROLL = 4  # 16-byte groups in flight per reader thread
+READER_CTAS_PER_SM = 4  # the reader's grid over every rank: at most this many CTAs a SM
 
 
-def waiter_ctas(ranks: int) -> int:
-    """CTAs per rank of a waiter launch hosting ``ranks`` ranks on one GPU: the GPU's budget
-    ``WAITER_GPU_CTAS`` shared out (at least one each). Measured on the H200 (loopback TP 8,
-    16 to 1024 rows): 8 CTAs per rank (64 spinning before the one-launch consumer) kept the
-    consumer's 7-CTA clusters off the GPU until the waiters' budget ran out (the consumer
-    ended after 2 s, error word 1), with the driver's carveout and with carveout 100 alike;
-    1 CTA per rank (8 in all) never did."""
-    return max(1, WAITER_GPU_CTAS // ranks)
+def reader_ctas(rows: int, reps: int, hid: int, ranks: int, sms: int) -> int:
+    """Reader CTAs per rank: enough for one pass of ``UNROLL`` groups a thread over the
+    rank's copies, at most ``READER_CTAS_PER_SM x sms`` over the ``ranks`` (at least one)."""
+    groups = rows * reps * hid // 8
+    need = -(-groups // (READER_THREADS * UNROLL))
+    return max(1, min(need, READER_CTAS_PER_SM * sms // ranks))
+
+
+def _check_ranks(ranks):
+    if not isinstance(ranks, int) or not 1 <= ranks <= 16:
+        raise ValueError(f"ranks must be an int in 1..16; got {ranks!r}")
 
 
 class HintWaiter:
-    """Compile-time configuration: HID, reps, CTAs per rank (default ``waiter_ctas(ranks)``),
-    ``ranks`` (1, or every rank of a one-GPU backend in one launch: rank r's operands r
-    times one rank's past rank 0's)."""
+    """Compile-time configuration: ``ranks`` (1, or every rank of a one-GPU backend in one
+    launch: rank r's hint row r rows past rank 0's). One 32-thread CTA per rank."""
 
-    def __init__(self, hid, reps, *, ctas=None, ranks=1):
+    def __init__(self, *, ranks=1):
+        _check_ranks(ranks)
+        self.ranks = ranks
+
+    @cute.jit
+    def __call__(self, hints: cute.Tensor, quota: Int32, budget_ns: Int64, stream: cuda.CUstream):
+        call = self.kernel(Int64(hints.iterator.toint()), quota, budget_ns)
+        launch(call, (1, 1, self.ranks), (32, 1, 1), stream)
+
+    @cute.kernel
+    def kernel(self, a_hints: Int64, quota: Int32, budget_ns: Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        _, _, r = cute.arch.block_idx()
+        if cutlass.const_expr(self.ranks > 1):
+            a_hints = a_hints + Int64(r) * WORD_ROW_BYTES
+        if tid == 0:
+            if protocol.wait_count(a_hints, quota, budget_ns, a_hints + 8, SLEEP_NS) != 0:
+                # every increment of the step seen: the quota back off the counter
+                count = cute.make_ptr(Int32, a_hints, cute.AddressSpace.gmem, assumed_align=4)
+                back = Int32(0) - quota
+                cute.arch.red(
+                    count.llvm_ptr, back, op="add", dtype="s32", sem="relaxed", scope="gpu"
+                )
+            cute.arch.griddepcontrol_launch_dependents()
+
+
+class HintReader:
+    """Compile-time configuration: HID, reps, ``ranks`` (as ``HintWaiter``). Launched with
+    PDL after the waiter; rows and CTAs per rank are runtime arguments."""
+
+    def __init__(self, hid, reps, *, ranks=1):
         check_hidden(hid)
         if not isinstance(reps, int) or not 1 <= reps <= 8:
             raise ValueError(f"reps must be an int in 1..8; got {reps!r}")
-        if not isinstance(ranks, int) or not 1 <= ranks <= 16:
-            raise ValueError(f"ranks must be an int in 1..16; got {ranks!r}")
-        ctas = waiter_ctas(ranks) if ctas is None else ctas
-        if not isinstance(ctas, int) or not 1 <= ctas <= 1024:
-            raise ValueError(f"ctas must be an int in 1..1024; got {ctas!r}")
-        self.hid, self.reps, self.ctas, self.ranks = hid, reps, ctas, ranks
+        _check_ranks(ranks)
+        self.hid, self.reps, self.ranks = hid, reps, ranks
 
     @cute.jit
     def __call__(
@@ -72,8 +113,7 @@ class HintWaiter:
         dest: cute.Tensor,
         hints: cute.Tensor,
         rows: Int32,
-        quota: Int32,
-        budget_ns: Int64,
+        ctas: Int32,
         stream: cuda.CUstream,
     ):
         call = self.kernel(
@@ -81,58 +121,43 @@ class HintWaiter:
             Int64(dest.iterator.toint()),
             Int64(hints.iterator.toint()),
             rows,
-            quota,
-            budget_ns,
+            ctas,
         )
-        launch(call, (self.ctas, 1, self.ranks), (THREADS, 1, 1), stream)
+        launch(call, (ctas, 1, self.ranks), (READER_THREADS, 1, 1), stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(
-        self,
-        a_xmoe: Int64,
-        a_dest: Int64,
-        a_hints: Int64,
-        rows: Int32,
-        quota: Int32,
-        budget_ns: Int64,
-    ):
+    def kernel(self, a_xmoe: Int64, a_dest: Int64, a_hints: Int64, rows: Int32, ctas: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, r = cute.arch.block_idx()
+        cute.arch.griddepcontrol_wait()  # the waiter grid done: its acquire before any read
         per_rank = Int64(rows) * (self.reps * self.hid * 2)  # bytes of one rank's copies
         if cutlass.const_expr(self.ranks > 1):
             a_xmoe = a_xmoe + Int64(r) * per_rank
             a_dest = a_dest + Int64(r) * per_rank
             a_hints = a_hints + Int64(r) * WORD_ROW_BYTES
-        smem = cutlass.memory.SmemAllocator()
-        flag = smem_tensor(smem, Int32, (4,))
-        if tid == 0:
-            flag[0] = protocol.wait_count(a_hints, quota, budget_ns, a_hints + 8)
-        cute.arch.barrier()  # the acquire of thread 0 before every thread's reads
-        if flag[0] != 0:
+        error = cute.make_ptr(Int32, a_hints + 8, cute.AddressSpace.gmem, assumed_align=4)
+        if cute.arch.load(error.llvm_ptr, Int32, sem="relaxed", scope="gpu") == 0:
             groups = rows * (self.reps * self.hid // 8)  # 16-byte groups of the copies
-            for g in cutlass.range(cta * THREADS + tid, groups, self.ctas * THREADS):
-                offset = Int64(g) * 16
-                protocol.store16(a_dest + offset, protocol.load16(a_xmoe + offset))
-        cute.arch.barrier()
-        if tid == 0:
-            done = cute.make_ptr(Int32, a_hints + 4, cute.AddressSpace.gmem, assumed_align=4)
-            old = cute.arch.atomic_add(done.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
-            if old == self.ctas - 1:  # every CTA read: the quota back off, the count cleared
-                if flag[0] != 0:
-                    count = cute.make_ptr(Int32, a_hints, cute.AddressSpace.gmem, assumed_align=4)
-                    cute.arch.red(
-                        count.llvm_ptr,
-                        Int32(0) - quota,
-                        op="add",
-                        dtype="s32",
-                        sem="relaxed",
-                        scope="gpu",
-                    )
-                cute.arch.atomic_exch(done.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
+            stride = ctas * READER_THREADS
+            for g0 in cutlass.range(cta * READER_THREADS + tid, groups, stride * UNROLL):
+                words = []
+                for j in cutlass.range_constexpr(UNROLL):  # loads first: UNROLL in flight
+                    g = cutlass.min(g0 + j * stride, groups - 1)
+                    words.append(protocol.load16(a_xmoe + Int64(g) * 16))
+                for j in cutlass.range_constexpr(UNROLL):
+                    g = g0 + j * stride
+                    if g < groups:
+                        protocol.store16(a_dest + Int64(g) * 16, words[j])
+
+
+def fake_waiter_arguments():
+    """Compile-only arguments of ``HintWaiter.__call__`` (the hint row as ``to_cute``)."""
+    hints = fake_like_runtime(Int32, 1, align=4)
+    return (hints, Int32(1), Int64(1), cute.runtime.make_fake_stream())
 
 
 def fake_arguments(hid: int, reps: int):
-    """Compile-only arguments of ``HintWaiter.__call__``: the layouts ``to_cute`` gives
+    """Compile-only arguments of ``HintReader.__call__``: the layouts ``to_cute`` gives
     ``wait_hints``' operands (every extent dynamic; rows travel as an argument)."""
     return (
         fake_like_runtime(BFloat16, 3),
@@ -140,18 +165,26 @@ def fake_arguments(hid: int, reps: int):
         fake_like_runtime(Int32, 1, align=4),
         Int32(1),
         Int32(1),
-        Int64(1),
         cute.runtime.make_fake_stream(),
     )
 
 
-def compiled(hid, reps, ctas=None, ranks=1, arch=None):
-    """One compile per configuration and arch; rows are dynamic (1..``MAX_ROWS``)."""
+def compiled_waiter(ranks=1, arch=None):
+    """One compile per ``ranks`` and arch."""
 
     def build():
-        return HintWaiter(hid, reps, ctas=ctas, ranks=ranks), fake_arguments(hid, reps)
+        return HintWaiter(ranks=ranks), fake_waiter_arguments()
 
-    return compile_cached(("hint_waiter", hid, reps, ctas, ranks), build, arch=arch)
+    return compile_cached(("hint_waiter", ranks), build, arch=arch)
+
+
+def compiled(hid, reps, ranks=1, arch=None):
+    """The reader: one compile per configuration and arch; rows are dynamic (1..``MAX_ROWS``)."""
+
+    def build():
+        return HintReader(hid, reps, ranks=ranks), fake_arguments(hid, reps)
+
+    return compile_cached(("hint_reader", hid, reps, ranks), build, arch=arch)
 
 
 def launch_values(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None):
@@ -187,11 +220,11 @@ def launch_values(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=
 
 
 def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=None, ctas=None):
-    """Launch the waiter on the current stream for ``comm`` (an ``OprojAllReduce`` with
-    ``xmoe_reps``): rank ``rank``'s copies ``xmoes`` [reps, rows, HID] into ``dests``, or
-    with ``every_rank`` (one GPU hosting ranks 0..TP-1) every rank's, ``[TP, reps, rows,
-    HID]`` contiguous, in one launch; ``ctas`` per rank, default ``waiter_ctas``. ValueError
-    naming the argument before any launch."""
+    """Launch the waiter and the reader on the current stream for ``comm`` (an
+    ``OprojAllReduce`` with ``xmoe_reps``): rank ``rank``'s copies ``xmoes`` [reps, rows, HID]
+    into ``dests``, or with ``every_rank`` (one GPU hosting ranks 0..TP-1) every rank's,
+    ``[TP, reps, rows, HID]`` contiguous, in one launch each; ``ctas``: reader CTAs per
+    rank, default ``reader_ctas``. ValueError naming the argument before any launch."""
     import torch
 
     from tpcomm.cuteutil import to_cute
@@ -201,14 +234,13 @@ def wait_hints(comm, xmoes, dests, *, rank=None, every_rank=False, budget_ns=Non
     ranks, x, d, hint_row, rows, quota, budget = launch_values(
         comm, xmoes, dests, rank=rank, every_rank=every_rank, budget_ns=budget_ns
     )
-    fn = compiled(comm.hid, comm.xmoe_reps, ctas, ranks)
-    stream = torch.cuda.current_stream(comm.device)
-    fn(
-        to_cute(x),
-        to_cute(d),
-        to_cute(hint_row, 4),
-        Int32(rows),
-        Int32(quota),
-        Int64(budget),
-        cuda.CUstream(stream.cuda_stream),
-    )
+    if ctas is None:
+        sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
+        ctas = reader_ctas(rows, comm.xmoe_reps, comm.hid, ranks, sms)
+    if not isinstance(ctas, int) or not 1 <= ctas <= 65535:
+        raise ValueError(f"ctas must be an int in 1..65535; got {ctas!r}")
+    stream = cuda.CUstream(torch.cuda.current_stream(comm.device).cuda_stream)
+    hints = to_cute(hint_row, 4)
+    compiled_waiter(ranks)(hints, Int32(quota), Int64(budget), stream)
+    reader = compiled(comm.hid, comm.xmoe_reps, ranks)
+    reader(to_cute(x), to_cute(d), hints, Int32(rows), Int32(ctas), stream)

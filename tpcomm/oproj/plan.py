@@ -146,9 +146,9 @@ def crossover(table: dict, tp: int) -> int | None:
 
 
 def hint_quota(hid: int, rows: int) -> int:
-    """Release increments of one rank's consumer per step (``xmoe``): 4 lead warps per
-    CTA, ``HID / 1024`` CTAs per row."""
-    return 4 * (hid // SLICE) * rows
+    """Release increments of one rank's consumer per step (``xmoe``): one per CTA (after
+    a lead-group barrier), ``HID / 1024`` CTAs per row."""
+    return (hid // SLICE) * rows
 
 
 def buffer_bytes(tp: int, rows: int, hid: int, twoshot: bool) -> int:

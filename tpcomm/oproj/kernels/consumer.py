@@ -14,9 +14,11 @@ Protocol: a poll that outlives ``budget_ns`` ORs the missing-rank mask (bit r: r
 twoshot: bit r of a receive slot, bit 0 of the gather row) into the error word; its CTA
 still takes part in the cluster exchanges but writes nothing and re-arms nothing of the
 failed group. Otherwise every thread re-arms (sentinel) the groups it read. ``xmoe``:
-copies of the output (relaxed gpu-scope stores), a gpu-scope acq_rel fence, a warp sync,
-then one gpu-scope release increment of ``hints`` per lead warp: the seed's order (the
-release on top). ``HintWaiter`` acquires ``hints >= 4 * C * tokens``, then reads the copies.
+copies of the output (relaxed gpu-scope stores by the lead group), a lead-group barrier,
+then one gpu-scope release increment of ``hints`` per CTA by thread 0 (cumulative: it
+orders the group's copies; CUTLASS's ``GenericBarrier::arrive_inc`` order). It was one
+fence plus one release per lead warp, 4 x C x tokens same-address releases per rank.
+``HintWaiter`` acquires ``hints >= C * tokens``, then the copies are read.
 
 Domain split (``domain`` < TP, a separate compile): before polling a slot of a rank outside
 its domain a thread waits (acquire, sys, same budget and error word) on that rank's signal
@@ -341,7 +343,6 @@ class OprojConsumerKernel:
         a_prefix, a_error, budget_ns = op.a_prefix, op.a_error, op.budget_ns
         eps, out_eps = op.eps, op.out_eps
         bars, pf, parts, warp_pre, warp_post, ex_pre, ex_post, tot_pre, tot_post, flag = smem
-        lane = tid % 32
         # 1. AttnRes over the block snapshots: independent of the mailbox
         mix = cute.make_rmem_tensor(8, Float32)
         top, esum, qpart = Float32(0), Float32(0), Float32(0)
@@ -460,9 +461,11 @@ class OprojConsumerKernel:
                 for r in cutlass.range_constexpr(self.xmoe_reps):
                     addr = op.a_xmoe + r * tokens * hid_bytes + row_bytes
                     protocol.store16(addr, out, "relaxed.gpu")
-                cute.arch.fence_acq_rel_gpu()  # the copies before this warp's hint
-                cute.arch.sync_warp()
-                if lane == 0:
+        if cutlass.const_expr(self.xmoe_reps > 0):
+            # the lead group's copies before thread 0's release (cumulative): one hint per CTA
+            cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
+            if tid == 0:  # noqa: SIM102 (a DSL condition: no short-circuit and)
+                if flag[0] == 0:
                     protocol.release_increment(op.a_hints)
 
     @cute.kernel
