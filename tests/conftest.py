@@ -28,6 +28,21 @@ DURATIONS = pathlib.Path(__file__).with_name("gpu_durations.json")
 def pytest_addoption(parser):
     what = "write each GPU test's call duration (seconds) to PATH as JSON"
     parser.addoption("--gpu-durations-out", default=None, metavar="PATH", help=what)
+    what = (
+        "append each failing test's id to PATH as soon as it is reported (kept when the "
+        "run is cut off before pytest's summary)"
+    )
+    parser.addoption("--gpu-failures-out", default=None, metavar="PATH", help=what)
+
+
+_failures_out: list = []  # the controller's --gpu-failures-out, if any
+
+
+def pytest_configure(config):
+    out = config.getoption("--gpu-failures-out")
+    if out and not hasattr(config, "workerinput"):  # the controller sees every report
+        pathlib.Path(out).write_text("")
+        _failures_out.append(out)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,6 +64,9 @@ _seconds: dict = {}
 def pytest_runtest_logreport(report):
     if report.when == "call" and report.passed:
         _seconds[report.nodeid] = round(report.duration, 1)
+    if report.failed and _failures_out:
+        with open(_failures_out[0], "a") as f:
+            f.write(f"{report.nodeid} ({report.when})\n")
 
 
 def pytest_sessionfinish(session):

@@ -69,6 +69,54 @@ def test_consumer_ptx_protocol(tmp_path):
     assert text.count("red.release.gpu") == 1 and "fence.acq_rel.gpu" not in text
 
 
+def _hint_after_lead_barrier(text):
+    """The hint's order in a compiled consumer: the last copy store, then the lead group's
+    ``bar.sync 1, 128`` (every lead thread reaches it: it sits at the join of the stored
+    and the failed paths), then the only release increment, under thread 0 and the flag."""
+    copies = text.rfind("st.relaxed.gpu.global.v4.b32")
+    release = text.find("red.release.gpu")
+    barrier = text.rfind("bar.sync \t1, 128;", 0, release)
+    assert -1 < copies < barrier < release, (copies, barrier, release)
+    assert text.count("red.release.gpu") == 1 and "fence.acq_rel.gpu" not in text
+    between = text[barrier:release]
+    assert "bar." not in between.split("\n", 1)[1] and "st.relaxed.gpu" not in between
+    assert "ld.shared.b32" in between, "thread 0 reads the failure flag after the barrier"
+
+
+HINT_PATHS = [  # tp, hid, nb, the kernel's keywords: every path a GPU test runs with xmoe
+    (8, 7168, 8, dict(groups=4, xmoe_reps=1, pdl=True, ranks=8)),  # rows tests: one launch
+    (8, 7168, 3, dict(groups=4, xmoe_reps=2, ranks=8)),  # hints-gate test, the bench
+    (8, 2048, 3, dict(groups=1, xmoe_reps=2, twoshot=True)),  # twoshot: shard, then gather
+    (3, 2048, 2, dict(groups=2, xmoe_reps=1)),  # odd TP
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, hid, nb, kw", HINT_PATHS)
+def test_consumer_hint_order_every_path(tmp_path, tp, hid, nb, kw, arch):
+    """One launch for every rank (grid z = rank), twoshot, one and several helper groups:
+    the same copies, barrier, one release per CTA (``hint_quota`` = C x rows)."""
+    cute = require_dsl()
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
+
+    kernel = OprojConsumerKernel(tp, hid, nb, **kw)
+    args = fake_arguments(tp, hid, nb, kw["xmoe_reps"], kw.get("twoshot", False))
+    options = f"--gpu-arch {arch} --keep-ptx --dump-dir {tmp_path}"
+    _hint_after_lead_barrier(cute.compile(kernel, *args, options=options).__ptx__)
+
+
+def test_fused_consumer_hint_order(tmp_path):
+    """The fused kernel's consumer CTAs: the same order (its producer CTAs' named barrier 1
+    is another CTA's)."""
+    cute = require_dsl()
+    from tpcomm.oproj.kernels.fused import OprojFused, fake_fused_arguments
+
+    kernel = OprojFused(16, 7168, 8, 768, groups=4, xmoe_reps=1, pdl=True)
+    args = fake_fused_arguments(16, 7168, 8, 768, 1)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    _hint_after_lead_barrier(cute.compile(kernel, *args, options=options).__ptx__)
+
+
 def test_kernel_config_validation():
     require_dsl()
     from tpcomm.oproj.kernels.consumer import OprojConsumerKernel
