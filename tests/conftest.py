@@ -48,9 +48,10 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         # Slowest first: pytest-xdist hands out the first items first, so the long tests
-        # (launcher subprocesses, fla's Triton compiles) start at once instead of last.
+        # (launcher subprocesses, fla's Triton compiles) start at once instead of last;
+        # tests with no recorded time first of all (new ones: seen even in a run cut short).
         known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-        items.sort(key=lambda item: -known.get(item.nodeid, 0.0))
+        items.sort(key=lambda item: -known.get(item.nodeid, float("inf")))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
