@@ -38,7 +38,9 @@ row, so a run cut short keeps what it measured.
 ``--state-dtype fp32 | bf16 | both``: the per-step rows on fp32 or bf16 state pages, or
 each row for both in one run (bytes, TB/s and % of copy with the dtype's page: 64 KB or
 32 KB; rotations sized by it); the replay rows run on fp32 pages. ``--deployed``: the
-deployed shapes H in {6, 12, 96}, B in {8, 32, 128, 256}, T in {1, 4}.
+deployed shapes H in {6, 12, 96}, B in {8, 32, 128, 256}, T in {1, 4}. ``--heads H ...
+--requests B ... --tokens T ...``: the product of the three (e.g. the KDA-bandwidth grid H 6
+12 24 96, B 1 8 32 128 256, one T per run to stay within a device call).
 
 Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify |
        --deployed] [--state-dtype both] [--replay-only] [--diag]
@@ -345,7 +347,14 @@ def parse_args(argv=None):
     parser.add_argument(
         "--deployed", action="store_true", help="H 6, 12, 96; B 8, 32, 128, 256; T 1, 4"
     )
+    grid = "the per-step rows: the product of --heads, --requests and --tokens (no replay rows)"
+    parser.add_argument("--heads", type=int, nargs="+", default=None, help=grid)
+    parser.add_argument("--requests", type=int, nargs="+", default=None, help=grid)
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help=grid)
     args = parser.parse_args(argv)
+    given = [args.heads, args.requests, args.tokens]
+    if any(v is not None for v in given) and not all(v is not None for v in given):
+        parser.error("--heads, --requests and --tokens go together")
     if args.replay_only and (args.small or args.verify or args.splits or args.diag):
         parser.error("--replay-only times the replay grid alone (with --quick at most)")
     return args
@@ -355,6 +364,8 @@ def per_step_shapes(args):
     """The per-step table's (H, B, T) rows (none with ``--replay-only``)."""
     if args.replay_only:
         return []
+    if args.heads is not None:
+        return [(H, B, T) for T in args.tokens for H in args.heads for B in args.requests]
     if args.quick:
         return [(6, 1, 1), (12, 128, 1), (96, 128, 1), (96, 128, 4), (12, 128, 4)]
     if args.small:
@@ -369,7 +380,8 @@ def per_step_shapes(args):
 def replay_shapes(args):
     """The replay rows (H, B, T, R) this run times: after the default or quick table, or
     alone with ``--replay-only``; none after ``--small`` / ``--verify``."""
-    if args.small or args.verify or args.deployed or args.state_dtype == "bf16":
+    grid = args.heads is not None
+    if args.small or args.verify or args.deployed or grid or args.state_dtype == "bf16":
         return []
     return replay_grid(quick=args.quick)
 

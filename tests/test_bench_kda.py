@@ -169,3 +169,13 @@ def test_deployed_shapes_and_state_dtypes():
     fp32 = bench_kda.rotations_for(12, 128, 1)
     bf16 = bench_kda.rotations_for(12, 128, 1, bench_kda.PAGE // 2)
     assert bf16[1] * 2 == fp32[1] and bf16[0] >= fp32[0]
+
+
+def test_grid_flags_are_the_product():
+    """``--heads / --requests / --tokens``: their product, no replay rows; all three or none."""
+    argv = ["--heads", "6", "24", "--requests", "1", "256", "--tokens", "2"]
+    args = bench_kda.parse_args(argv)
+    assert bench_kda.per_step_shapes(args) == [(6, 1, 2), (6, 256, 2), (24, 1, 2), (24, 256, 2)]
+    assert bench_kda.replay_shapes(args) == []
+    with pytest.raises(SystemExit):
+        bench_kda.parse_args(["--heads", "6"])
