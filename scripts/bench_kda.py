@@ -561,7 +561,8 @@ def main(argv=None):
         if args.small or args.splits:
             splits = " ".join(f"split{c} {f(result[f'split{c}_us'])}" for c in (2, 4, 8))
             print(f"    {splits}; best {result['best']}, auto / best {result['auto_vs_best']:.3f}")
-        for key in ("fla_error", "composed_error", "split2_error", "split4_error", "split8_error"):
+        timed = ("wide", "stream", "pipe", "split2", "split4", "split8", "fla", "composed")
+        for key in (f"{name}_error" for name in timed):
             if key in result:
                 print(f"    {key}: {result[key]}")
         del layer, steps
