@@ -26,17 +26,15 @@ from .validate import check_decode, check_options, check_out
 
 
 def plan(requests, heads, tokens, device, kernel="auto", cluster=None, state_dtype="fp32"):
-    """The dispatcher's ``Choice`` for a step on ``device`` (says why); with bf16 pages
-    ``"auto"`` runs KdaStream where the dispatcher names KdaPipe (fp32 pages only; the
-    launcher also falls back for record mode, a window past KdaPipe's shared memory and
-    parameters it cannot copy)."""
+    """The dispatcher's ``Choice`` for a step on ``device`` (says why), whatever the
+    pages' ``state_dtype`` (KdaPipe takes fp32 and bf16 pages; the launcher falls back to
+    KdaStream for record mode, a window past KdaPipe's shared memory and parameters it
+    cannot copy)."""
     from .kernels.launch import sms
 
+    del state_dtype  # every kernel takes both page dtypes
     count = sms(device)
-    choice = dispatch.choose(requests, heads, tokens, sms=count, kernel=kernel, cluster=cluster)
-    if choice.kernel == "pipe" and kernel == "auto" and state_dtype != "fp32":
-        choice = dispatch.choose(requests, heads, tokens, sms=count, kernel="stream")
-    return choice
+    return dispatch.choose(requests, heads, tokens, sms=count, kernel=kernel, cluster=cluster)
 
 
 @takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None, validate=None)

@@ -23,10 +23,11 @@ SPLIT_MAX_CTAS_PER_SM = 1
 # with the default gate (bench_kda.py --verify, docs/kda_dispatch.md): Stream ahead of Wide
 # on every row at T = 2 and 4 (3-10%), behind at T = 8 (up to 1.5x: T = 5..8 still spill).
 STREAM_MAX_TOKENS = 4
-# KdaPipe (fp32 pages) for several waves up to this many tokens, KdaStream past it: H200,
-# 2026-12-01, us per step pipe / stream: T 1 H96 B128 482 / 545, H12 B128 70 / 81; T 2 H96 B128
-# 805 / 816, H12 B128 108 / 119; T 4 H96 B128 1678 / 1330, H12 B128 217 / 192 (its state
-# group, which normalises q and k and runs T tokens of recurrence, is then the slower one).
+# KdaPipe (fp32 or bf16 pages; measured on fp32) for several waves up to this many tokens,
+# KdaStream past it: H200, 2026-12-01, us per step pipe / stream: T 1 H96 B128 482 / 545,
+# H12 B128 70 / 81; T 2 H96 B128 805 / 816, H12 B128 108 / 119; T 4 H96 B128 1678 / 1330,
+# H12 B128 217 / 192 (its state group, which normalises q and k and runs T tokens of
+# recurrence, is then the slower one).
 PIPE_MAX_TOKENS = 2
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
@@ -108,8 +109,8 @@ def choose(
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens}: "
                 "pipe (one CTA per SM: one warp group prepares the next item's vectors while "
-                "the other runs the recurrence, two pages in flight; stream where pipe cannot "
-                "run: record mode, bf16 pages, a window past its shared memory)"
+                "the other runs the recurrence, several pages in flight; stream where pipe "
+                "cannot run: record mode, a window past its shared memory)"
             )
         elif tokens <= STREAM_MAX_TOKENS:
             kernel = "stream"

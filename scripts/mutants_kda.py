@@ -6,6 +6,7 @@ from __future__ import annotations
 from mutants_table import KGPU, PDL_PTX, M
 
 PIPE = "kda/kernels/pipe.py"
+BF16_PTX = "tests/test_kda_bf16_compile.py"
 
 KDA_MUTANTS = [
     M(
@@ -42,5 +43,31 @@ KDA_MUTANTS = [
         KGPU,
         gpu=True,
         select="pipe",
+    ),
+    # KdaPipe's bf16 pages: a pair's 16-byte copies meet at a warp barrier each side of the
+    # stage's read (the PTX order test; a missing one is a rare race on the GPU)
+    M(
+        "pipe-bf16-no-sync-after-wait",
+        PIPE,
+        "  # the partner's copies have landed\n                cute.arch.sync_warp()\n",
+        "  # the partner's copies have landed\n                pass\n",
+        BF16_PTX,
+        select="pair_barriers",
+    ),
+    M(
+        "pipe-bf16-no-sync-before-restage",
+        PIPE,
+        "  # the partner has read its slots\n                cute.arch.sync_warp()\n",
+        "  # the partner has read its slots\n                pass\n",
+        BF16_PTX,
+        select="pair_barriers",
+    ),
+    M(
+        "pipe-bf16-two-stages",
+        PIPE,
+        "    most = STAGES if state_bytes == 4 else MAX_STAGES\n",
+        "    most = STAGES\n",
+        BF16_PTX,
+        select="pair_barriers or layout",
     ),
 ]

@@ -1,8 +1,11 @@
 """CPU compile checks of every state kernel with bf16 pages (``state_dtype="bf16"``) for
-sm_90a and sm_100a: KdaWide, KdaStream, KdaSplit, KdaReplay, KdaRecover, KdaFold; the PTX
-stores a bf16 page by ``cvt.rn.bf16x2.f32`` (its one rounding), never as fp32 vectors."""
+sm_90a and sm_100a: KdaWide, KdaStream, KdaPipe, KdaSplit, KdaReplay, KdaRecover, KdaFold;
+the PTX stores a bf16 page by ``cvt.rn.bf16x2.f32`` (its one rounding), never as fp32
+vectors. KdaPipe's bf16 stages: as many as fit, a warp barrier each side of a stage's read."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from compile_harness import ARCHS, compile_for, fake_tensor, require_dsl
@@ -28,6 +31,7 @@ def step_args(heads, tokens, **kw):
 def build(which, arch):
     """(kernel, fake arguments) of one bf16 configuration."""
     from kda.kernels.fold import KdaFold
+    from kda.kernels.pipe import KdaPipe
     from kda.kernels.recover import KdaRecover
     from kda.kernels.replay import KdaReplay
     from kda.kernels.split import KdaSplit
@@ -45,6 +49,12 @@ def build(which, arch):
     if which == "stream_T4":
         kernel = KdaStream(2, 4, False, 3, False, False, 6, 8, **bf16)
         return kernel, step_args(2, 4, has_bias=False, conv_dim_first=False, window=6)
+    if which == "pipe_T1":
+        kernel = KdaPipe(3, 1, 3, True, True, 4, 8, pdl=True, **bf16)
+        return kernel, step_args(3, 1, conv_dim_first=True, window=4)
+    if which == "pipe_T2":
+        kernel = KdaPipe(2, 2, 0, False, False, 5, 8, **bf16)
+        return kernel, step_args(2, 2, has_bias=False, conv_dim_first=False, window=5)
     if which == "split_C2_T1":
         return KdaSplit(3, 1, False, 3, True, 2, pdl=True, **bf16), step_args(3, 1)
     if which == "split_C8_T4_record":
@@ -68,6 +78,8 @@ KERNELS = [
     "wide_T4_record",
     "stream_T1",
     "stream_T4",
+    "pipe_T1",
+    "pipe_T2",
     "split_C2_T1",
     "split_C8_T4_record",
     "replay_T4",
@@ -115,3 +127,57 @@ def test_state_dtype_errors():
     with pytest.raises(ValueError, match="shared memory"):
         KdaStream(2, 1, False, 3, False, True, window, 8)
     assert KdaStream(2, 1, False, 3, False, True, window, 8, state_dtype="bf16").state_bytes == 2
+
+
+@pytest.mark.parametrize("which", ["pipe_T1", "pipe_T2"])
+def test_pipe_bf16_stages_and_pair_barriers(which, tmp_path):
+    """KdaPipe on bf16 pages (sm_90a PTX): four 32 KB stages at T <= 2 (the prologue stages
+    four pages, 8 cp.asyncs each, the loop one); in the state loop, after the stage's
+    ``cp.async.wait_group 3``, a warp barrier (the pair's 16-byte copies landed), the
+    page's 16 reads of 8 bytes, a warp barrier (the partner has read its slots), then the
+    re-staging cp.asyncs; each token's page stored as 16 rounded 8-byte stores."""
+    cute = require_dsl()
+    kernel, args = build(which, "sm_90a")
+    tokens = kernel.tokens
+    assert (kernel.stages, kernel.chunk_words) == (4, 2)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    ptx = cute.compile(kernel, *args, options=options).__ptx__
+    assert ptx.count("cvt.rn.bf16x2.f32") == 2 * 16 * tokens
+    assert ptx.count("st.global.v2.b32") == 16 * tokens
+    assert "st.global.v4.b32" not in ptx, "an fp32 page store"
+    loop = ptx[ptx.index("cp.async.wait_group \t3;") :]
+    ops = re.findall(r"bar\.warp\.sync|ld\.shared\.v2\.b32|cp\.async\.cg|bar\.sync", loop)
+    assert ops[:19] == ["bar.warp.sync"] + ["ld.shared.v2.b32"] * 16 + ["bar.warp.sync"] + [
+        "cp.async.cg"
+    ], ops[:20]
+    assert ops.count("bar.warp.sync") == 2
+
+
+def test_pipe_layout_counts_the_page_dtype():
+    """bf16 pages: 32 KB stages, up to four (fp32: two of 64 KB); a window whose fp32
+    stages overflow KdaPipe's shared memory fits with bf16 ones."""
+    require_dsl()
+    from kda.kernels.pipe import SMEM_LIMIT, KdaPipe, pipe_layout, pipe_smem_bytes
+    from kda.kernels.stream import SMEM_LIMIT as STREAM_LIMIT
+    from kda.kernels.stream import stream_smem_bytes
+
+    for tokens in (1, 2):
+        assert pipe_layout(tokens, tokens + 2, 4, True, 4) == (2, 3)
+        assert pipe_layout(tokens, tokens + 2, 4, True, 2) == (4, 3)
+    assert pipe_smem_bytes(1, 4, 4, True, 3, 4, 2) == pipe_smem_bytes(1, 4, 4, True, 3, 2, 4)
+    window = next(
+        w
+        for w in range(4, 400)
+        if pipe_layout(1, w, 4, True, 4)[0] == 0 < pipe_layout(1, w, 4, True, 2)[0]
+    )
+    assert pipe_smem_bytes(1, window, 4, True) > SMEM_LIMIT
+    with pytest.raises(ValueError, match="KdaPipe needs"):
+        KdaPipe(2, 1, 3, False, True, window, 8)
+    assert KdaPipe(2, 1, 3, False, True, window, 8, state_dtype="bf16").stages >= 2
+    # KdaPipe's budget is its own, not KdaStream's (two CTAs per SM): bf16 windows past
+    # KdaStream's shared memory still fit it
+    wide = max(w for w in range(4, 400) if pipe_layout(1, w, 4, True, 2)[0])
+    assert stream_smem_bytes(1, wide, 4, True, 2) > STREAM_LIMIT
+    assert KdaPipe(2, 1, 3, False, True, wide, 8, state_dtype="bf16").stages >= 2
+    with pytest.raises(ValueError, match="KdaPipe needs"):
+        KdaPipe(2, 1, 3, False, True, wide + 1, 8, state_dtype="bf16")

@@ -107,8 +107,10 @@ def run_case(H, B, T, *, dim_first, padding, kernel, cluster=None, record=False,
     check_output(got, ref, H, o32)
 
 
-EVERY = [("wide", None), ("stream", None), ("split", 2), ("split", 4), ("split", 8)]
-EVERY_IDS = ["wide", "stream", "split2", "split4", "split8"]
+EVERY = [
+    ("wide", None), ("stream", None), ("pipe", None), ("split", 2), ("split", 4), ("split", 8)
+]  # fmt: skip
+EVERY_IDS = ["wide", "stream", "pipe", "split2", "split4", "split8"]
 CASES = [
     # H, B, T, dim_first, padding, record, holes
     (7, 33, 1, True, (0, 5), False, False),
@@ -123,14 +125,24 @@ CASES = [
                          ids=["H{}B{}T{}".format(*c[:3]) for c in CASES])  # fmt: skip
 def test_bf16_decode_matches_reference(kernel, cluster, seed, case):
     H, B, T, dim_first, padding, record, holes = case
+    record = record and kernel != "pipe"  # KdaPipe has no record mode: the step alone
     run_case(H, B, T, dim_first=dim_first, padding=padding, kernel=kernel, cluster=cluster,
              record=record, holes=holes, seed=seed)  # fmt: skip
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("dim_first", [True, False], ids=["df", "wf"])
+def test_bf16_pipe_many_items_per_cta(T, dim_first):
+    """KdaPipe on bf16 pages with ~12 items per CTA (H 12, B 130 on an H200: every one of
+    its four 32 KB stages re-staged several times), padded rows among them."""
+    run_case(12, 130, T, dim_first=dim_first, padding=(0, 7, 129), kernel="pipe", seed=T)
 
 
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("dim_first", [True, False], ids=["df", "wf"])
 def test_bf16_model_scale_auto(T, dim_first):
-    """H 96, B 64 (6144 items: KdaStream at T 1 and 4 on an H200), the dispatcher's choice."""
+    """H 96, B 64 (6144 items: KdaPipe at T 1, KdaStream at T 4 on an H200), the
+    dispatcher's choice."""
     run_case(96, 64, T, dim_first=dim_first, padding=(3, 40), kernel="auto", seed=T)
 
 

@@ -217,16 +217,15 @@ PIPE_COPIED = (
 
 
 def pipe_refusal(tensors: dict, record, tokens, window, conv_bytes, conv_dim_first):
-    """Why KdaPipe cannot run this step (None: it can): record mode, a state pool other
-    than fp32, a window past its shared memory, or a parameter it copies that is not
-    contiguous and aligned."""
-    from .pipe import SMEM_LIMIT, pipe_smem_bytes
+    """Why KdaPipe cannot run this step (None: it can): record mode, a window past its
+    shared memory (with the pool's page size: fp32 or bf16), or a parameter it copies that
+    is not contiguous and aligned."""
+    from .pipe import pipe_layout
 
     if record:
         return "no record mode (records=)"
-    if tensors["state"].dtype != torch.float32:
-        return "fp32 state pages only"
-    if pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first) > SMEM_LIMIT:
+    state_bytes = tensors["state"].element_size()
+    if pipe_layout(tokens, window, conv_bytes, conv_dim_first, state_bytes)[0] == 0:
         return f"a conv window of {window} at T = {tokens} does not fit its shared memory"
     for name, align in PIPE_COPIED:
         t = tensors[name]

@@ -17,9 +17,15 @@ threads into two groups that work on different items at once:
 - the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
   from its shared stage into registers, q and k normalised, the delta rule
   (``dev.delta_rule``, KdaStream's streamed store), the gated RMSNorm and the output row;
-  each thread cp.asyncs the page of item n + STAGES into the stage it just emptied
-  (thread-private 16-byte slots: no barrier), so a page is in flight besides the one in
-  registers.
+  each thread cp.asyncs the page of item n + stages into the stage it just emptied, so
+  ``stages - 1`` pages are in flight besides the one in registers. fp32 pages: two stages
+  of thread-private 16-byte slots (no barrier). bf16 pages (``state_dtype="bf16"``,
+  compile time): 32 KB stages, as many as fit (``pipe_layout``: four at T <= 2), staged
+  as KdaWide's bf16 page (the 16 bytes of a row's threads 2p and 2p + 1 copied by one of
+  the pair: half the cp.asyncs), so each pair meets at a warp barrier (``bar.warp.sync``,
+  the pair is one warp's) after its wait (the partner's copies landed) and after reading
+  its stage (before re-staging into it); widened to fp32 as read, rounded to nearest-even
+  once per stored page (``cvt.rn.bf16x2.f32``, KdaStream's chunk writer).
 
 The groups meet at named barriers only: ``FULL[s]`` (prep arrives, state syncs) when slot s
 holds an item's vectors, ``EMPTY[s]`` (state arrives, prep syncs) when the state group is
@@ -28,8 +34,8 @@ group has its own barrier for its internal phases. Per item the math is KdaWide'
 call (same rounding points and fp32 order: the same raw gates, q, k, v, decays, state and
 outputs bit for bit as KdaStream). Padding items (slot <= 0) write zero output rows only.
 PDL: the first pages, the head cache and the conv window are read before
-``griddepcontrol.wait``, all else after it. fp32 pages, no record mode (the launcher runs
-KdaStream there).
+``griddepcontrol.wait``, all else after it. No record mode (the launcher runs KdaStream
+there).
 """
 
 from __future__ import annotations
@@ -49,37 +55,53 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
-from .stream import KdaStream, fresh_index, fresh_tid, st_global_f32x4_masked
+from .stream import (
+    KdaStream,
+    fresh_index,
+    fresh_tid,
+    st_global_bf16x4_masked,
+    st_global_f32x4_masked,
+)
 
 PIPE_THREADS = 2 * THREADS  # the prep group, then the state group
 SMEM_LIMIT = 227 * 1024  # one CTA per SM (sm_90 / sm_100)
-PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes
+PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes (bf16: half)
 # named barriers (0 is __syncthreads)
 PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 6  # FULL / EMPTY: + slot (0 .. 2)
 
 
-STAGES = 2  # page stages of the state group (three do not fit beside the head cache)
+STAGES = 2  # fp32 page stages of the state group (three do not fit beside the head cache)
+MAX_STAGES = 4  # bf16 pages: up to four 32 KB stages
 # f_b rows of a head (bf16), conv weights and bias (at most fp32), dt_bias, a_log
 HEAD_CACHE = HEAD_DIM * HEAD_DIM * 2 + 15 * HEAD_DIM * 4 + HEAD_DIM * 4 + 16
 
 
-def pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first, slots=2):
-    """Shared memory of one KdaPipe CTA with ``slots`` vector slots (bytes, with 1 KB for
-    alignment)."""
+def pipe_smem_bytes(
+    tokens, window, conv_bytes, conv_dim_first, slots=2, stages=STAGES, state_bytes=4
+):
+    """Shared memory of one KdaPipe CTA with ``slots`` vector slots and ``stages`` page
+    stages of ``state_bytes`` per element (bytes, with 1 KB for alignment)."""
     conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
     inputs = 6 * tokens * HEAD_DIM * 2 + 64  # x (3 rows), the output gate, f_a twice; beta
     # per slot: q, k, v, o, sigmoid(gate), decays (8 rows), beta, slot, sums of q^2 / k^2
     vectors = slots * ((5 * tokens + 8) * HEAD_DIM * 4 + 36 + tokens * 64)
     out_sums = tokens * 16
-    return STAGES * PAGE + HEAD_CACHE + conv + inputs + vectors + out_sums + 1024
+    pages = stages * PAGE * state_bytes // 4
+    return pages + HEAD_CACHE + conv + inputs + vectors + out_sums + 1024
 
 
-def pipe_slots(tokens, window, conv_bytes, conv_dim_first):
-    """Vector slots that fit (3, else 2; 0: KdaPipe does not fit)."""
-    for slots in (3, 2):
-        if pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first, slots) <= SMEM_LIMIT:
-            return slots
-    return 0
+def pipe_layout(tokens, window, conv_bytes, conv_dim_first, state_bytes=4):
+    """(page stages, vector slots) that fit: the most stages (fp32: 2; bf16: up to
+    ``MAX_STAGES``), then 3 slots, else 2; (0, 0): KdaPipe does not fit."""
+    most = STAGES if state_bytes == 4 else MAX_STAGES
+    for stages in range(most, 1, -1):
+        for slots in (3, 2):
+            need = pipe_smem_bytes(
+                tokens, window, conv_bytes, conv_dim_first, slots, stages, state_bytes
+            )
+            if need <= SMEM_LIMIT:
+                return stages, slots
+    return 0, 0
 
 
 def cp_async_4(shared: Int32, source: Int64):
@@ -95,9 +117,9 @@ def local_tid():
 
 
 class KdaPipe(KdaStream):
-    """KdaStream's operands and semantics (no record mode, fp32 pages); ``ctas``
-    persistent CTAs (one per SM); ``conv_bytes``: the conv cache's element size (its
-    window's share of shared memory)."""
+    """KdaStream's operands and semantics (no record mode; fp32 or bf16 pages,
+    ``state_dtype``); ``ctas`` persistent CTAs (one per SM); ``conv_bytes``: the conv
+    cache's element size (its window's share of shared memory)."""
 
     # gate mode 3: undecided raw gates settled four per round, their rows read from shared
     # memory (``shared_rows``)
@@ -118,8 +140,6 @@ class KdaPipe(KdaStream):
         conv_bytes=4,
         state_dtype="fp32",
     ):
-        if state_dtype != "fp32":
-            raise ValueError(f"KdaPipe takes fp32 state pages only; got {state_dtype}")
         super().__init__(
             heads,
             tokens,
@@ -131,15 +151,21 @@ class KdaPipe(KdaStream):
             ctas,
             arch=arch,
             pdl=pdl,
+            state_dtype=state_dtype,
         )
-        self.stages = STAGES
-        self.slots = pipe_slots(tokens, window, conv_bytes, conv_dim_first)
-        need = pipe_smem_bytes(tokens, window, conv_bytes, conv_dim_first)
-        if need > SMEM_LIMIT:
+        layout = pipe_layout(tokens, window, conv_bytes, conv_dim_first, self.state_bytes)
+        self.stages, self.slots = layout
+        if self.stages == 0:
+            need = pipe_smem_bytes(
+                tokens, window, conv_bytes, conv_dim_first, state_bytes=self.state_bytes
+            )
             raise ValueError(
                 f"KdaPipe needs {need} bytes of shared memory for W = {window}, T = {tokens}; "
                 f"at most {SMEM_LIMIT} (use kernel='stream' or 'wide')"
             )
+
+    def check_shared_memory(self, tokens, window, conv_dim_first):
+        """KdaPipe's budget is its own (one CTA per SM): checked by ``__init__``."""
 
     def launch_grid(self, call, requests, stream):
         """``ctas`` CTAs of 512 threads, one per SM, all shared memory."""
@@ -151,29 +177,37 @@ class KdaPipe(KdaStream):
 
     @cute.jit
     def load_history(self, staged):
-        """The staged page into registers (state group): history[r][c][e]."""
+        """The staged page into registers (state group): history[r][c][e] (a bf16 page's
+        8-byte chunks widened)."""
         tid = local_tid()
         shared0 = Int32(staged.iterator.toint())
         history = []
         for r in cutlass.range_constexpr(ROWS):
             row = []
             for c in cutlass.range_constexpr(KCHUNKS):
-                shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
-                row.append(list(ld_shared_f32x4(shared)))
+                if cutlass.const_expr(self.bf16_state):
+                    shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 8
+                    row.append(list(dev.ld_shared_keys4(shared, True)))
+                else:
+                    shared = shared0 + ((r * KCHUNKS + c) * THREADS + tid) * 16
+                    row.append(list(ld_shared_f32x4(shared)))
             history.append(row)
         return history
 
     def chunk_writer(self, state0, target, head):
-        """KdaStream's streamed writer (fp32 pages) on the local thread index, ``head`` as
-        it is: KdaStream's ``opaque(head)`` here costs KdaPipe spills (T 4: 72 B against 20)."""
+        """KdaStream's streamed writer on the local thread index (a bf16 page rounded to
+        nearest-even here, once per stored page), ``head`` as it is: KdaStream's
+        ``opaque(head)`` here costs KdaPipe spills (fp32, T 4: 72 B against 20)."""
         tid_t = local_tid()
         page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
         key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
-        row0 = state0 + (page + Int64(key0)) * 4
+        size = self.state_bytes
+        row0 = state0 + (page + Int64(key0)) * size
+        store = st_global_bf16x4_masked if self.bf16_state else st_global_f32x4_masked
 
         def write(i, c, values):
-            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * 4
-            st_global_f32x4_masked(row0 + offset, values, target)
+            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * size
+            store(row0 + offset, values, target)
 
         return write
 
@@ -443,7 +477,11 @@ class KdaPipe(KdaStream):
             head, request = item // requests, item % requests
             token = request * T
             cute.arch.cp_async_wait_group(self.stages - 1)
+            if cutlass.const_expr(self.bf16_state):  # the partner's copies have landed
+                cute.arch.sync_warp()
             history = self.load_history(staged[stage, None, None, None])
+            if cutlass.const_expr(self.bf16_state):  # the partner has read its slots
+                cute.arch.sync_warp()
             if ahead > 0:  # the page of the item ``stages`` on, into the stage just read
                 far = item + self.stages
                 self.stage_state(op.state, staged[stage, None, None, None], far // requests, ahead)
@@ -484,7 +522,8 @@ class KdaPipe(KdaStream):
         total = self.heads * requests
 
         smem = cutlass.memory.SmemAllocator()
-        staged = smem_tensor(smem, Float32, (self.stages, ROWS * KCHUNKS, THREADS, 4), align=128)
+        staged_shape = (self.stages, ROWS * KCHUNKS, THREADS, self.chunk_words)
+        staged = smem_tensor(smem, Float32, staged_shape, align=128)
         # the head cache: f_b rows (swizzled), conv weights, bias, dt_bias, a_log
         w_type, b_type = op.conv_weight.element_type, op.conv_bias.element_type
         caches = (

@@ -190,13 +190,17 @@ class KdaStream(KdaWide):
             raise ValueError(f"window W = {window} must be >= T + 2 = {tokens + 2}")
         if ctas < 1:
             raise ValueError(f"ctas must be >= 1; got {ctas}")
+        self.check_shared_memory(tokens, window, conv_dim_first)
+        self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
+
+    def check_shared_memory(self, tokens, window, conv_dim_first):
+        """ValueError when the CTA's shared memory is past its budget (KdaPipe: its own)."""
         need = stream_smem_bytes(tokens, window, 4, conv_dim_first, self.state_bytes)
         if need > SMEM_LIMIT:
             raise ValueError(
                 f"KdaStream needs {need} bytes of shared memory for W = {window}, "
                 f"T = {tokens}; at most {SMEM_LIMIT} (use kernel='wide')"
             )
-        self.conv_dim_first, self.window, self.ctas = conv_dim_first, window, ctas
 
     def grid(self, requests):
         """``ctas`` persistent CTAs (two per SM)."""

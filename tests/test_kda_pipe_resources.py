@@ -1,0 +1,41 @@
+"""CPU check: KdaPipe (512 threads, one CTA per SM: at most 128 registers) keeps its spills
+bounded at T = 1, 2 with fp32 and bf16 pages (ptxas, sm_90a). Measured when bf16 pages came
+(gate modes 0 / 3, both conv layouts alike): fp32 24 / 24 bytes (stores / loads) at T = 1,
+20 / 24 at T = 2; bf16 12 / 8 at T = 1, 4 / 8 at T = 2. The bounds leave a little room; a
+change past them should say why."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from compile_harness import ptxas_sm90a, require_dsl
+from test_kda_compile import fake_args
+
+pytestmark = pytest.mark.compile
+
+# (state dtype, tokens): most spill bytes (stores and loads each)
+BOUNDS = {("fp32", 1): 32, ("fp32", 2): 32, ("bf16", 1): 16, ("bf16", 2): 16}
+
+
+@pytest.mark.parametrize("dtype,tokens", list(BOUNDS), ids=[f"{d}-T{t}" for d, t in BOUNDS])
+def test_pipe_spills_bounded(dtype, tokens, tmp_path):
+    cute = require_dsl()
+    from test_kda_bf16_compile import bf16_pool
+
+    from kda.kernels.pipe import KdaPipe
+
+    heads, window = 6, tokens + 2
+    kernel = KdaPipe(heads, tokens, 3, True, True, window, 8, state_dtype=dtype)
+    args = fake_args(heads, tokens, has_bias=True, conv_dim_first=True, window=window)
+    if dtype == "bf16":
+        args = bf16_pool(args)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    text = cute.compile(kernel, *args, options=options).__ptx__
+    report = ptxas_sm90a(text, tmp_path / "kernel.ptx")
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert registers and max(registers) <= 128, report
+    bound = BOUNDS[(dtype, tokens)]
+    assert spills and all(int(st) <= bound and int(ld) <= bound for st, ld in spills), report
+    print(f"KdaPipe {dtype} T {tokens}: {registers} registers, spills {spills}")
