@@ -1,5 +1,7 @@
-"""``Bucket``: the buffers of one step shape of the GPU runner (``launch.runner``), and
-``shard_inputs``, a full-layer step's inputs split by rank."""
+"""``Bucket``: the buffers of one step shape of the GPU runner (``launch.runner``);
+``shard_inputs``, a full-layer step's inputs split by rank; ``oproj_plan``, the
+o-projection plan of a rows bucket; ``twoshot_partials``, the partials read back from the
+twoshot receive views."""
 
 from __future__ import annotations
 
@@ -8,6 +10,27 @@ import torch
 from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import step_kind
+from tpcomm.oproj.plan import Plan, choose
+
+
+def oproj_plan(tp: int, rows: int, hidden: int, oproj_launch: str, split: bool = False) -> Plan:
+    """The o-projection plan of a rows bucket for the runner's launches: one launch for
+    every rank (``both``): one-shot; per-rank launches: the deployment's plan (one rank per
+    GPU: ``choose``'s twoshot from the measured crossovers), one-shot with a split domain
+    (puts with signal between domains need the one-shot mailbox)."""
+    if oproj_launch != "per-rank":
+        return choose(tp, rows, hidden, one_launch=True)
+    return choose(tp, rows, hidden, twoshot=False if split else None)
+
+
+def twoshot_partials(views: torch.Tensor) -> torch.Tensor:
+    """Every rank's partial ``[TP, N, HID]`` from the twoshot receive views of one parity
+    stacked by owner, ``[TP owner, TP source, N, HID / TP]``: owner o holds columns
+    ``o * HID / TP ..`` of every source's partial."""
+    owners, sources, n, shard = views.shape
+    if owners != sources:
+        raise ValueError(f"views must be [TP, TP, N, HID / TP]; got {tuple(views.shape)}")
+    return views.permute(1, 2, 0, 3).reshape(sources, n, owners * shard)
 
 
 def shard_inputs(step: kt.Step, tp: int):

@@ -300,8 +300,9 @@ class Model:
             )
         return out
 
-    def consume(self, partials, prefix, blocks, groups=None):
-        """The consumer reference with this layer's AttnRes gammas."""
+    def consume(self, partials, prefix, blocks, groups=None, twoshot=False):
+        """The consumer reference with this layer's AttnRes gammas (``twoshot``: the
+        partials reduced shard by shard into the gather row first)."""
         return oref.consume(
             partials,
             prefix,
@@ -312,6 +313,7 @@ class Model:
             eps=EPS,
             out_eps=OUT_EPS,
             groups=self.cfg.groups if groups is None else groups,
+            twoshot=twoshot,
         )
 
     def epilogue(self, prefix_new, blocks):

@@ -223,6 +223,7 @@ def gpu_report(
         "oproj_plan": {
             str(n): {
                 "producer": c.plan.producer,
+                "twoshot": c.twoshot,
                 "bytes_per_rank": c.bytes,
                 "reason": c.plan.reason,
             }
@@ -253,6 +254,9 @@ def print_gpu(r):
     c = r["config"]
     kernels = ", ".join(f"{k}: {v}" for k, v in c["kernel"].items())
     groups = ", ".join(f"{v} at {k} rows" for k, v in c["groups_chosen"].items())
+    twoshot = [k for k, v in c.get("oproj_plan", {}).items() if v.get("twoshot")]
+    if twoshot:
+        groups += f" (twoshot at {', '.join(twoshot)} rows)"
     print(
         f"gpu      {c['device']} x {c['processes']} process(es); KDA {kernels}; gate mode "
         f"{c['gate_mode']}, pdl {c['pdl']}; consumer groups {groups}; publish {c['publish']}; "

@@ -6,7 +6,8 @@ verify step), ``kda.recover`` (after a recorded step), ``produce`` (bf16(attn_ou
 into every rank's mailbox), ``consume`` (rank-order sum, residual, AttnRes, output
 RMSNorm). With every rank on one GPU (loopback) ``oproj_launch`` picks the
 o-projection launches: ``both`` (one ``produce_all`` and one ``consume_all`` launch) or
-``per-rank`` (the multi-process structure); bitwise the same.
+``per-rank`` (the multi-process structure and its plan: twoshot past the measured
+crossovers, ``launch.bucket.oproj_plan``); the same results (one-shot's bitwise).
 
 ``cfg.kda_state == "replay"``: each rank's ``DecodeLayer`` owns a ring of ``cfg.ring`` entries
 per state page and its KDA stage is ``kda.replay_decode`` (the replay dispatcher's kernel);
@@ -32,7 +33,7 @@ from engine import AllRanksStep, DecodeLayer
 from kda import layer as kl
 from kda.operands import Ring
 from kda.validate import HEAD_DIM
-from launch.bucket import Bucket, shard_inputs
+from launch.bucket import Bucket, oproj_plan, shard_inputs, twoshot_partials
 from launch.layer import EPS, OUT_EPS, Config, Model, conv_cat
 from launch.moe import MoeWaiters, check_xmoe
 from launch.procs import Procs
@@ -138,27 +139,28 @@ class Runner:
 
     # --- buffers ---------------------------------------------------------------------------
     def comm_for(self, rows: int):
-        """The all-reduce for ``rows`` tokens: the plan's groups (or ``--groups``); with
-        per-rank consumers lowered until every rank's consumer can be resident (loopback;
-        one rank per GPU always is; one consumer launch for all ranks needs no such rule).
-        One-shot: the checks read the partials back from the mailbox (``partials``).
+        """The all-reduce for ``rows`` tokens, of ``oproj_plan``: one launch for every rank
+        one-shot; per-rank launches the deployment's plan (twoshot past the measured
+        crossovers; ``partials`` reads either back), their groups (or ``--groups``) lowered
+        until every rank's consumer can be resident (loopback; one rank per GPU always is).
         Collective on nvshmem: every process builds the same ones in the same order."""
         if rows in self.comms:
             return self.comms[rows]
-        from tpcomm.oproj.allreduce import OprojAllReduce, choose
+        from tpcomm.oproj.allreduce import OprojAllReduce
 
-        cfg = self.cfg
+        cfg, split = self.cfg, self.backend.domain.split
+        plan = oproj_plan(cfg.tp, rows, cfg.hidden, self.oproj_launch, split)
         if cfg.groups is not None:
             options = [cfg.groups]
         elif self.oproj_launch != "per-rank":  # one consumer launch: no co-residency rule
-            options = [choose(cfg.tp, rows, cfg.hidden, one_launch=True).groups]
-        else:  # one-shot (the checks read the partials from the mailbox)
-            options = range(choose(cfg.tp, rows, cfg.hidden, twoshot=False).groups, 0, -1)
+            options = [plan.groups]
+        else:
+            options = range(plan.groups, 0, -1)
         one = {"one_launch": True} if self.oproj_launch != "per-rank" else {}
         error = None
         for groups in options:
             try:
-                kw = dict(groups=groups, eps=EPS, out_eps=OUT_EPS, twoshot=False)
+                kw = dict(groups=groups, eps=EPS, out_eps=OUT_EPS, twoshot=plan.twoshot)
                 shape = (self.backend, rows, cfg.hidden, cfg.blocks)
                 comm = OprojAllReduce(*shape, **kw, xmoe_reps=self.xmoe, **self.budget, **one)
             except ValueError as e:
@@ -527,18 +529,27 @@ class Runner:
     def partials(self, bk: Bucket, parity: int):
         """The producers' partials of the step just run [TP, N, HID] (CPU, process 0):
         produced again from the step's attn_out (deterministic), read back from rank 0's
-        mailbox, then everything re-armed. Also whether every rank's mailbox held the same
-        (process 0; None elsewhere)."""
+        mailbox (twoshot: from every owner's receive view), then everything re-armed. Also
+        whether every rank's mailbox held the same (twoshot, where each column lands once:
+        whether every receive slot was written) (process 0; None elsewhere)."""
         self.sync_all()  # every consumer of the step re-armed before the re-publish
         for r in self.ranks:
             i = self.local[r]
             bk.comm.produce(bk.attn[i], self.w_o[i], parity, rank=r)
         self.sync_all()  # every peer's partial landed
-        boxes = torch.stack([bk.comm.mailbox.local(r)[parity] for r in self.ranks])
-        every = self.procs.gather(boxes)  # [TP, TP, N, HID]
+        if bk.comm.twoshot:
+            views = [bk.comm.rows.receive_view(r)[parity] for r in self.ranks]
+            every = self.procs.gather(torch.stack(views))  # [TP owner, TP source, N, HID / TP]
+        else:
+            every = self.procs.gather(
+                torch.stack([bk.comm.mailbox.local(r)[parity] for r in self.ranks])
+            )  # [TP, TP, N, HID]
         bk.comm.reset()  # re-arm (and barrier)
         if every is None:
             return None, None
+        if bk.comm.twoshot:
+            landed = not bool((every.view(torch.int32) == -1).any())  # no sentinel word left
+            return twoshot_partials(every).clone(), landed
         bits = every.view(torch.int16)
         same = all(torch.equal(bits[r], bits[0]) for r in range(self.cfg.tp))
         return every[0].clone(), same

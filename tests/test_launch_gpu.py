@@ -215,6 +215,27 @@ def test_loopback_rows_beyond_eight(tmp_path, launches):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tp,requests", [(8, 8), (16, 4)])
+def test_loopback_per_rank_deployed_plan(tmp_path, tp, requests):
+    """``--oproj-launch per-rank`` runs the plan of one rank per GPU: twoshot past the
+    measured crossovers (TP 8 from 8 rows, TP 16 from 4) at HID 7168, decode and verify
+    steps (TP 8: 16 rows, the cuBLAS producer + the twoshot publisher), every check passing
+    with the partials read back from the receive views."""
+    out = tmp_path / "deployed.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", str(tp), "--heads", str(2 * tp), "--hidden", "7168",
+        "--requests", str(requests), "--tokens", "2", "--blocks", "8", "--steps", "5",
+        "--oproj-launch", "per-rank", "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    plans = report["config"]["oproj_plan"]
+    assert set(plans) == {str(requests), str(2 * requests)}
+    assert all(v["twoshot"] for v in plans.values()), plans
+    assert report["checks"]["partials landed in every receive view (twoshot)"]["of"] == 5
+    print(p.stdout)
+
+
+@pytest.mark.gpu
 def test_loopback_issue_example_sixteen_requests(tmp_path):
     """The issue's refused command: TP 8, 96 heads, HID 7168, 16 requests x 1 token."""
     out = tmp_path / "b16.json"
