@@ -66,6 +66,9 @@ from .stream import (
 PIPE_THREADS = 2 * THREADS  # the prep group, then the state group
 SMEM_LIMIT = 227 * 1024  # one CTA per SM (sm_90 / sm_100)
 PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes (bf16: half)
+# the prep group's decays: at T <= 4 only the tile's columns in use are computed
+# (``KdaPipe.gate_decays``), past it all eight (KdaStream's gate phase)
+COMPACT_DECAY_TOKENS = 4
 # named barriers (0 is __syncthreads)
 PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 6  # FULL / EMPTY: + slot (0 .. 2)
 
@@ -354,6 +357,35 @@ class KdaPipe(KdaStream):
         return weights
 
     @cute.jit
+    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
+        """KdaStream's gate phase, the decays of tokens < T only: of the warp's tile (16
+        features x 8 token columns, four accumulators per lane) the 16 T in use go to 16 T
+        lanes (``i = 32 r + lane``: feature ``i % 16``, token ``i // 16``), one decay each
+        per round instead of four per lane; ``dev.decay`` on the same fp32 values (bit for
+        bit). Gate mode 3 then settles the tile (after a warp barrier: its stores follow
+        the fast path's to the same places; no records, rows from shared memory)."""
+        tid = fresh_tid()
+        lane, warp = tid % 32, tid // 32
+        acc, bound = self.project_gate(weights, activations)
+        for r in cutlass.range_constexpr((self.tokens + 1) // 2):
+            i = 32 * r + lane
+            t, f = i // 16, i % 16
+            source = (f % 8) * 4 + t // 2  # the lane of group f % 8, quarter t // 2
+            values = [cute.arch.shuffle_sync(acc[e], offset=source) for e in range(4)]
+            e = t % 2 + 2 * (f // 8)  # the accumulator of (token t, feature f) there
+            value = cutlass.select_(e == 1, values[1], values[0])
+            value = cutlass.select_(e == 2, values[2], value)
+            value = cutlass.select_(e == 3, values[3], value)
+            if t < self.tokens:
+                feature = 16 * warp + f
+                dt_f = Float32(dt_row[feature])
+                s_decay[t, feature] = dev.decay(a, dev.to_bf16_f32(value), dt_f, op.lower_bound)
+        if cutlass.const_expr(self.gate_mode == 3):
+            cute.arch.sync_warp()
+            where = self.settling(s_decay, 16 * warp, warp, 0, 0, rows)
+            dev.settle_gate(op, acc, bound, a, dt, where)
+
+    @cute.jit
     def prep(self, op, buffers, caches, vectors, sums, requests, total):
         """The prep group's loop (threads 0-255)."""
         T = self.tokens
@@ -430,7 +462,10 @@ class KdaPipe(KdaStream):
                 )
                 self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
                 rows = self.shared_rows(fa0, Int32(fb.iterator.toint()))
-                self.gate_phase(op, weights, activations, a, dt, s_decay, request, head, rows)
+                if cutlass.const_expr(T <= COMPACT_DECAY_TOKENS):
+                    self.gate_decays(op, weights, activations, a, dt, dt_row, s_decay, rows)
+                else:
+                    self.gate_phase(op, weights, activations, a, dt, s_decay, request, head, rows)
                 if tid < T:
                     v_beta[s, tid] = dev.sigmoid(beta)
                 if section == 0:
