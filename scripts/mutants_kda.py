@@ -7,6 +7,7 @@ from mutants_table import KGPU, PDL_PTX, M
 
 PIPE = "kda/kernels/pipe.py"
 BF16_PTX = "tests/test_kda_bf16_compile.py"
+INDEX = "tests/test_kda_pipe_index.py"
 
 KDA_MUTANTS = [
     M(
@@ -20,8 +21,8 @@ KDA_MUTANTS = [
     M(
         "gpu-pipe-head-cache-stale",
         PIPE,
-        "        if (item < end) & (item // requests != head):",
-        "        if (item < end) & (item // requests != head) & (item < 0):",
+        "        if (n < count) & (new_head != head):",
+        "        if (n < count) & (new_head != head) & (n < 0):",
         KGPU,
         gpu=True,
         select="pipe",
@@ -43,6 +44,23 @@ KDA_MUTANTS = [
         KGPU,
         gpu=True,
         select="pipe",
+    ),
+    # KdaPipe's item indices: the stepped (head, request) pairs, no division per item
+    M(
+        "pipe-index-no-wrap",
+        "kda/kernels/pipe_index.py",
+        "        wrap = request + 1 == requests\n",
+        "        wrap = request == requests\n",
+        INDEX,
+        select="divmod",
+    ),
+    M(
+        "pipe-divides-per-item",
+        PIPE,
+        "            token = request * T\n",
+        "            token = (request + n // requests) * T\n",
+        INDEX,
+        select="divides",
     ),
     # KdaPipe's bf16 pages: a pair's 16-byte copies meet at a warp barrier each side of the
     # stage's read (the PTX order test; a missing one is a rare race on the GPU)

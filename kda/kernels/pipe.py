@@ -35,7 +35,7 @@ call (same rounding points and fp32 order: the same raw gates, q, k, v, decays, 
 outputs bit for bit as KdaStream). Padding items (slot <= 0) write zero output rows only.
 PDL: the first pages, the head cache and the conv window are read before
 ``griddepcontrol.wait``, all else after it. No record mode (the launcher runs KdaStream
-there).
+there). Each group divides by ``requests`` once, then steps (head, request) (``pipe_index``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from tpcomm.cuteutil import (
 
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .pipe_index import first_item, next_item
 from .stream import (
     KdaStream,
     fresh_index,
@@ -243,11 +244,12 @@ class KdaPipe(KdaStream):
         return (cta * total) // self.ctas, ((cta + 1) * total) // self.ctas
 
     @cute.jit
-    def slots_of(self, op, item, end, requests):
-        """(state slot, conv slot, window offset) of ``item``; (0, 0, 0) past ``end``."""
+    def slots_of(self, op, n, count, request):
+        """(state slot, conv slot, window offset) of the range's item ``n`` (of request
+        ``request``); (0, 0, 0) past its ``count`` items."""
         slot, conv_slot, offset = Int32(0), Int32(0), Int32(0)
-        if item < end:
-            slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, item % requests)
+        if n < count:
+            slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         return slot, conv_slot, offset
 
     @cute.jit
@@ -307,22 +309,21 @@ class KdaPipe(KdaStream):
             cp_async_4(Int32(betas.iterator.toint()) + (parity * 8 + tid) * 4, word)
 
     @cute.jit
-    def advance(self, op, buffers, item, requests, nxt, parity):
-        """After the current item's staged operands are read: cp.async item ``item``'s
+    def advance(self, op, buffers, head, request, nxt, parity):
+        """After the current item's staged operands are read: cp.async the next item's
         window and rows (``nxt``: its (slot, conv slot, offset)); one commit group."""
-        head = item // requests
         if nxt[0] > 0:
             convs = buffers[0]
             self.stage_conv(op.conv_state, convs, head, nxt[1], nxt[2])
-            self.stage_rows(op, buffers, head, item % requests, parity)
+            self.stage_rows(op, buffers, head, request, parity)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def next_head(self, op, caches, item, end, requests, head):
-        """When item ``item`` starts a new head: cp.async its parameters into the head cache
-        (the current item is done with it); one commit group."""
-        if (item < end) & (item // requests != head):
-            self.stage_head(op, caches, item // requests)
+    def next_head(self, op, caches, n, count, new_head, head):
+        """When the range's item ``n`` starts a new head, ``new_head``: cp.async its
+        parameters into the head cache (the current item is done with it); one commit group."""
+        if (n < count) & (new_head != head):
+            self.stage_head(op, caches, new_head)
             cute.arch.cp_async_commit_group()
 
     def shared_rows(self, fa0, fb0):
@@ -391,31 +392,32 @@ class KdaPipe(KdaStream):
         T = self.tokens
         convs, xs, gs, fas, betas = buffers
         v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot = vectors
-        first, end = self.item_range(total)
-        head0 = first // requests
-        slot_a, conv_a, offset_a = self.slots_of(op, first, end, requests)
-        if first < end:
-            self.stage_head(op, caches, head0)
+        # (head, request) of items n (a), n + 1 (b), n + 2 (c) of the range's ``count``
+        count, head_a, request_a = first_item(*self.item_range(total), requests)
+        slot_a, conv_a, offset_a = self.slots_of(op, 0, count, request_a)
+        if count > 0:
+            self.stage_head(op, caches, head_a)
             if slot_a > 0:
-                self.stage_conv(op.conv_state, convs, head0, conv_a, offset_a)
+                self.stage_conv(op.conv_state, convs, head_a, conv_a, offset_a)
         cute.arch.griddepcontrol_wait()
         if slot_a > 0:
-            self.stage_rows(op, buffers, head0, first % requests, 0)
+            self.stage_rows(op, buffers, head_a, request_a, 0)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
-        slot_b, conv_b, offset_b = self.slots_of(op, first + 1, end, requests)
-        item = first
-        while item < end:
+        head_b, request_b = next_item(head_a, request_a, requests)
+        slot_b, conv_b, offset_b = self.slots_of(op, 1, count, request_b)
+        n = Int32(0)
+        while n < count:
             tid = fresh_tid()
             lane, warp, channel, section = dev.thread_layout(tid)
             group, quarter = lane // 4, lane % 4
             parts = (2 * section, 1)
-            n = item - first
             s, parity = n % self.slots, n % 2  # the vector slot, the staging parity
-            head, request = item // requests, item % requests
+            head, request = head_a, request_a
             slot, conv_slot, offset = slot_a, conv_a, offset_a
             nxt = (slot_b, conv_b, offset_b)
-            slot_c, conv_c, offset_c = self.slots_of(op, item + 2, end, requests)  # item n + 2
+            head_c, request_c = next_item(head_b, request_b, requests)
+            slot_c, conv_c, offset_c = self.slots_of(op, n + 2, count, request_c)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
             fb, cw, cb, dt_row, al = caches
@@ -448,7 +450,7 @@ class KdaPipe(KdaStream):
                 gates = [dev.sigmoid(Float32(gs[0, t, channel])) for t in range(T)]
                 # the staging buffers are free: the next item's window and rows stream in
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
-                self.advance(op, buffers, item + 1, requests, nxt, 1 - parity)
+                self.advance(op, buffers, head_b, request_b, nxt, 1 - parity)
                 if n >= self.slots:  # the state group is done with slot s (its last item)
                     cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
                 if tid == 0:
@@ -472,11 +474,11 @@ class KdaPipe(KdaStream):
                     for t in cutlass.range_constexpr(T):
                         v_g[s, t, channel] = gates[t]
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
-                self.next_head(op, caches, item + 1, end, requests, head)
+                self.next_head(op, caches, n + 1, count, head_b, head)
             else:
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
-                self.advance(op, buffers, item + 1, requests, nxt, 1 - parity)
-                self.next_head(op, caches, item + 1, end, requests, head)
+                self.advance(op, buffers, head_b, request_b, nxt, 1 - parity)
+                self.next_head(op, caches, n + 1, count, head_b, head)
                 if n >= self.slots:
                     cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
                 if tid == 0:
@@ -484,7 +486,8 @@ class KdaPipe(KdaStream):
             cute.arch.barrier_arrive(barrier_id=FULL_BAR + s, number_of_threads=PIPE_THREADS)
             slot_a, conv_a, offset_a = slot_b, conv_b, offset_b
             slot_b, conv_b, offset_b = slot_c, conv_c, offset_c
-            item = item + 1
+            head_a, request_a, head_b, request_b = head_b, request_b, head_c, request_c
+            n = n + 1
 
     # ------------------------------------------------------------------ the state group
     @cute.jit
@@ -492,24 +495,24 @@ class KdaPipe(KdaStream):
         """The state group's loop (threads 256-511)."""
         T = self.tokens
         v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot = vectors
-        first, end = self.item_range(total)
+        # (head, request) of the range's item n; those of the items ``stages`` and
+        # ``stages + 1`` on stepped from it afresh (carried, they cost spills)
+        count, head, request = first_item(*self.item_range(total), requests)
         for j in cutlass.range_constexpr(self.stages):
-            ahead = self.slots_of(op, first + j, end, requests)[0]
+            head_j, request_j = next_item(head, request, requests, j)
+            ahead = self.slots_of(op, j, count, request_j)[0]
             if ahead > 0:
-                self.stage_state(
-                    op.state, staged[j, None, None, None], (first + j) // requests, ahead
-                )
+                self.stage_state(op.state, staged[j, None, None, None], head_j, ahead)
             cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])
-        ahead = self.slots_of(op, first + self.stages, end, requests)[0]
-        item = first
-        while item < end:
-            n = item - first
+        request_j = next_item(head, request, requests, self.stages)[1]
+        ahead = self.slots_of(op, self.stages, count, request_j)[0]
+        n = Int32(0)
+        while n < count:
             s = n % self.slots
             stage = n % self.stages
-            head, request = item // requests, item % requests
             token = request * T
             cute.arch.cp_async_wait_group(self.stages - 1)
             if cutlass.const_expr(self.bf16_state):  # the partner's copies have landed
@@ -517,11 +520,12 @@ class KdaPipe(KdaStream):
             history = self.load_history(staged[stage, None, None, None])
             if cutlass.const_expr(self.bf16_state):  # the partner has read its slots
                 cute.arch.sync_warp()
+            head_far, request_far = next_item(head, request, requests, self.stages)
             if ahead > 0:  # the page of the item ``stages`` on, into the stage just read
-                far = item + self.stages
-                self.stage_state(op.state, staged[stage, None, None, None], far // requests, ahead)
+                self.stage_state(op.state, staged[stage, None, None, None], head_far, ahead)
             cute.arch.cp_async_commit_group()
-            ahead = self.slots_of(op, item + self.stages + 1, end, requests)[0]
+            request_far = next_item(head_far, request_far, requests)[1]
+            ahead = self.slots_of(op, n + self.stages + 1, count, request_far)[0]
             cute.arch.barrier(barrier_id=FULL_BAR + s, number_of_threads=PIPE_THREADS)
             slot = v_slot[s]
             if slot > 0:
@@ -545,9 +549,10 @@ class KdaPipe(KdaStream):
                 if tid < HEAD_DIM:
                     for t in cutlass.range_constexpr(T):
                         op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
-            if item + self.slots < end:  # slot s is free for the prep group's next use
+            if n + self.slots < count:  # slot s is free for the prep group's next use
                 cute.arch.barrier_arrive(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
-            item = item + 1
+            head, request = next_item(head, request, requests)
+            n = n + 1
 
     @cute.kernel
     def kernel(self, op):
