@@ -3,7 +3,10 @@
 ``--ablate``: KdaPipe beside variants with one group's math removed (timing only: their
 outputs are garbage): ``no_state`` (the recurrence, its math and page stores; the page
 loads stay), ``no_prep`` (conv, gate and conv write-back), ``no_gate``, ``no_conv`` and
-``neither``. The full kernel against ``no_prep`` / ``no_state`` says which group bounds.
+``neither``; ``copy_only`` (the pages read and written back unchanged, no recurrence math)
+and ``copy_no_prep`` (that without the prep group's math: the state bytes alone, in this
+kernel's pattern). The full kernel against ``no_prep`` / ``no_state`` says which group
+bounds; ``copy_no_prep`` against the copy bandwidth what the pattern itself reaches.
 
 ``--baseline MODULE``: another KdaPipe beside this tree's, same graphs, each ``--repeats``
 times alternately (e.g. main's: ``git show main:kda/kernels/pipe.py >
@@ -29,6 +32,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
 import kda.kernels.pipe as pipe  # noqa: E402
@@ -50,6 +54,22 @@ class NoState(KdaPipe):
     @cute.jit
     def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
         pass
+
+
+class CopyOnly(KdaPipe):
+    """The recurrence's page traffic without its math: each token's page written back as
+    loaded (KdaStream's chunk writer). Against ``full`` it says how far the state bytes
+    alone, read and written in this kernel's pattern, are from the copy bandwidth."""
+
+    @cute.jit
+    def recurrence(self, op, history, shared, s_beta, s_o, slot, request, head):
+        target = self.state_target(op.slots, slot, request)
+        state0 = cutlass.Int64(op.state.iterator.toint())
+        for t in cutlass.range_constexpr(self.tokens):
+            write = self.chunk_writer(state0, target(t), head)
+            for i in cutlass.range_constexpr(len(history)):
+                for c in cutlass.range_constexpr(len(history[0])):
+                    write(i, c, history[i][c])
 
 
 class NoGate(KdaPipe):
@@ -80,8 +100,19 @@ class Neither(NoPrep, NoState):
     pass
 
 
+class CopyNoPrep(NoPrep, CopyOnly):
+    """``copy_only`` with the prep group's math removed too: the state bytes alone."""
+
+
 ABLATIONS = dict(
-    full=KdaPipe, no_state=NoState, no_prep=NoPrep, no_gate=NoGate, no_conv=NoConv, neither=Neither
+    full=KdaPipe,
+    no_state=NoState,
+    no_prep=NoPrep,
+    no_gate=NoGate,
+    no_conv=NoConv,
+    neither=Neither,
+    copy_only=CopyOnly,
+    copy_no_prep=CopyNoPrep,
 )
 
 

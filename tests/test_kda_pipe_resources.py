@@ -45,7 +45,7 @@ def test_pipe_probe_variants_compile(tmp_path):
     """scripts/probe_pipe.py's ablations still remove KdaPipe's phases (a renamed phase
     would leave a variant whole): compiled for sm_90a at T 1, each removal shortens the PTX
     (no_gate, no_conv, no_state < full; no_prep < no_gate and no_conv; neither < no_prep
-    and no_state)."""
+    and no_state; the copy variants between their neighbours)."""
     cute = require_dsl()
     import os
     import sys
@@ -65,4 +65,7 @@ def test_pipe_probe_variants_compile(tmp_path):
         assert n[name] < n["full"], n
     assert n["no_prep"] < min(n["no_gate"], n["no_conv"]), n
     assert n["neither"] < min(n["no_prep"], n["no_state"]), n
+    # the copy variants store the page (more than no_state), without the math (less than full)
+    assert n["no_state"] < n["copy_only"] < n["full"], n
+    assert n["neither"] < n["copy_no_prep"] < n["copy_only"], n
     print(n)
