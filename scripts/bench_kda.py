@@ -347,14 +347,23 @@ def parse_args(argv=None):
     parser.add_argument(
         "--deployed", action="store_true", help="H 6, 12, 96; B 8, 32, 128, 256; T 1, 4"
     )
-    grid = "the per-step rows: the product of --heads, --requests and --tokens (no replay rows)"
+    grid = "the per-step rows: the product of --heads, --requests and --tokens"
     parser.add_argument("--heads", type=int, nargs="+", default=None, help=grid)
     parser.add_argument("--requests", type=int, nargs="+", default=None, help=grid)
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help=grid)
+    parser.add_argument(
+        "--replay-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with the grid: replay rows of every grid shape at these ring sizes (e.g. 4 8)",
+    )
     args = parser.parse_args(argv)
     given = [args.heads, args.requests, args.tokens]
     if any(v is not None for v in given) and not all(v is not None for v in given):
         parser.error("--heads, --requests and --tokens go together")
+    if args.replay_sizes is not None and args.heads is None:
+        parser.error("--replay-sizes goes with --heads, --requests and --tokens")
     if args.replay_only and (args.small or args.verify or args.splits or args.diag):
         parser.error("--replay-only times the replay grid alone (with --quick at most)")
     return args
@@ -379,8 +388,12 @@ def per_step_shapes(args):
 
 def replay_shapes(args):
     """The replay rows (H, B, T, R) this run times: after the default or quick table, or
-    alone with ``--replay-only``; none after ``--small`` / ``--verify``."""
+    alone with ``--replay-only``; with the grid, its shapes at ``--replay-sizes`` (fp32
+    pages); none after ``--small`` / ``--verify``."""
     grid = args.heads is not None
+    if grid and args.replay_sizes and args.state_dtype != "bf16":
+        shapes = [(H, B, T) for T in args.tokens for H in args.heads for B in args.requests]
+        return [(H, B, T, R) for H, B, T in shapes for R in args.replay_sizes]
     if args.small or args.verify or args.deployed or grid or args.state_dtype == "bf16":
         return []
     return replay_grid(quick=args.quick)

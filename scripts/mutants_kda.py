@@ -62,6 +62,26 @@ KDA_MUTANTS = [
         INDEX,
         select="divides",
     ),
+    # KdaPipe's decays of the tokens in use (gate_decays): the lane holding (t, f), the
+    # accumulator chosen there, and the warp barrier before gate mode 3's settle
+    M(
+        "gpu-pipe-decay-lane",
+        PIPE,
+        "            source = (f % 8) * 4 + t // 2",
+        "            source = (f % 8) * 4",
+        KGPU,
+        gpu=True,
+        select="pipe",
+    ),
+    M(
+        "gpu-pipe-decay-accumulator",
+        PIPE,
+        "            e = t % 2 + 2 * (f // 8)",
+        "            e = t % 2 + 2 * (f % 2)",
+        KGPU,
+        gpu=True,
+        select="pipe",
+    ),
     # KdaPipe's bf16 pages: a pair's 16-byte copies meet at a warp barrier each side of the
     # stage's read (the PTX order test; a missing one is a rare race on the GPU)
     M(

@@ -44,8 +44,27 @@ PHASES = {
     "page_chunk": "page products + ring terms",
     "norm_sums": "output",
     "write_output": "output",
+    # KdaPipe (and KdaStream's staging): the prep group's phases, then the state group's
+    "prep": "prep loop",
+    "stage_head": "head cache",
+    "next_head": "head cache",
+    "advance": "input loads",
+    "stage_rows": "input loads",
+    "stage_conv": "input loads",
+    "stage_inputs": "input loads",
+    "gate_weights": "gate",
+    "gate_decays": "gate",
+    "state_loop": "state loop",
+    "load_history": "page loads",
+    "stage_state": "page loads",
+    "recurrence": "recurrence",
 }
-PHASE_FILES = ("kda/kernels/replay.py", "kda/kernels/wide.py")
+PHASE_FILES = (
+    "kda/kernels/replay.py",
+    "kda/kernels/wide.py",
+    "kda/kernels/pipe.py",
+    "kda/kernels/stream.py",
+)
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 

@@ -20,15 +20,16 @@ from bench_kda import fla_recurrence, ours, replay, replay_setup, setup  # noqa:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--kernel", default="stream", help="wide, stream, split, fla or replay (R steps)"
+        "--kernel", default="stream", help="wide, pipe, stream, split, fla or replay (R steps)"
     )
     p.add_argument("--ring", type=int, default=8, help="replay: the ring size R")
     p.add_argument("--heads", type=int, default=96)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"))
     args = p.parse_args(argv)
     H, B, T = args.heads, args.requests, args.tokens
-    layer, steps = setup(H, B, T, rotations=1)
+    layer, steps = setup(H, B, T, rotations=1, state_dtype=args.state_dtype)
     if args.kernel == "fla":
         fn = fla_recurrence(layer, steps, H, B, T)
     elif args.kernel == "replay":

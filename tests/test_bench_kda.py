@@ -179,3 +179,17 @@ def test_grid_flags_are_the_product():
     assert bench_kda.replay_shapes(args) == []
     with pytest.raises(SystemExit):
         bench_kda.parse_args(["--heads", "6"])
+
+
+def test_grid_replay_sizes():
+    """``--replay-sizes``: replay rows of every grid shape at each ring size (fp32 pages:
+    none with ``--state-dtype bf16``); only with the grid."""
+    argv = ["--heads", "6", "96", "--requests", "32", "--tokens", "1", "4"]
+    args = bench_kda.parse_args([*argv, "--replay-sizes", "4", "8"])
+    rows = bench_kda.replay_shapes(args)
+    assert len(rows) == 8 and rows[:2] == [(6, 32, 1, 4), (6, 32, 1, 8)]
+    assert {(H, B, T) for H, B, T, _ in rows} == set(bench_kda.per_step_shapes(args))
+    bf16 = bench_kda.parse_args([*argv, "--replay-sizes", "4", "--state-dtype", "bf16"])
+    assert bench_kda.replay_shapes(bf16) == []
+    with pytest.raises(SystemExit):
+        bench_kda.parse_args(["--replay-sizes", "4"])

@@ -45,6 +45,33 @@ def fake_args(heads, tokens, *, record=False, has_bias=True, conv_dim_first=True
     return [KernelOperands(*values), fake_stream()]
 
 
+def dynamic_args(heads, tokens, state_dtype="fp32", **kw):
+    """``fake_args`` with the batch's extents dynamic, as the launcher compiles (``to_cute``
+    views): rows (B * T), requests (B) and the pools' slots (S). ``fake_args``' static
+    extents let the compiler fold ``// requests`` into multiplies, so its PTX (and ptxas'
+    registers and spills) is not the launched kernel's."""
+    cute = require_dsl()
+    from cutlass import BFloat16, Float32, Int32
+
+    operands, stream = fake_args(heads, tokens, **kw)
+    rows, batch, pool = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    D, W = heads * 128, operands.conv_state.shape[2]
+    conv_order = (2, 1, 0) if kw.get("conv_dim_first", True) else (2, 0, 1)
+    page = BFloat16 if state_dtype == "bf16" else Float32
+    operands = operands._replace(
+        x=fake_tensor(BFloat16, (rows, 3 * D)),
+        conv_state=fake_tensor(BFloat16, (pool, 3 * D, W), stride_order=conv_order),
+        f_a=fake_tensor(BFloat16, (rows, 128)),
+        beta=fake_tensor(BFloat16, (rows, heads)),
+        slots=fake_tensor(Int32, (batch,) if tokens == 1 else (batch, tokens)),
+        state=fake_tensor(page, (pool, heads, 128, 128)),
+        output=fake_tensor(BFloat16, (rows, D)),
+        gate=fake_tensor(BFloat16, (rows, D)),
+        accepted=fake_tensor(Int32, (batch,)),
+    )
+    return [operands, stream]
+
+
 WIDE_CASES = [
     # heads, tokens, record, gate_mode, has_bias, ahead, pdl
     (2, 1, False, 0, True, 0, False),

@@ -13,37 +13,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from compile_harness import fake_tensor, require_dsl
-from test_kda_compile import fake_args
+from compile_harness import require_dsl
+from test_kda_compile import dynamic_args
 
 pytestmark = pytest.mark.compile
 
 DIVISIONS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:div|rem)\.[su](?:32|64)\b", re.M)
-
-
-def dynamic_args(heads, tokens, state_dtype, **kw):
-    """``fake_args`` with the batch's extents dynamic: rows (B * T), requests (B) and the
-    pools' slots (S)."""
-    cute = require_dsl()
-    from cutlass import BFloat16, Float32, Int32
-
-    operands, stream = fake_args(heads, tokens, **kw)
-    rows, batch, pool = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    D, W = heads * 128, operands.conv_state.shape[2]
-    conv_order = (2, 1, 0) if kw.get("conv_dim_first", True) else (2, 0, 1)
-    page = BFloat16 if state_dtype == "bf16" else Float32
-    operands = operands._replace(
-        x=fake_tensor(BFloat16, (rows, 3 * D)),
-        conv_state=fake_tensor(BFloat16, (pool, 3 * D, W), stride_order=conv_order),
-        f_a=fake_tensor(BFloat16, (rows, 128)),
-        beta=fake_tensor(BFloat16, (rows, heads)),
-        slots=fake_tensor(Int32, (batch,) if tokens == 1 else (batch, tokens)),
-        state=fake_tensor(page, (pool, heads, 128, 128)),
-        output=fake_tensor(BFloat16, (rows, D)),
-        gate=fake_tensor(BFloat16, (rows, D)),
-        accepted=fake_tensor(Int32, (batch,)),
-    )
-    return [operands, stream]
 
 
 CASES = {

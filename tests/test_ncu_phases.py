@@ -55,3 +55,17 @@ def test_phases_follow_address_order():
 def test_function_at_is_the_innermost():
     assert ncu_phases.function_at(SOURCE, 3) == "read_inputs"
     assert ncu_phases.function_at(SOURCE, 1) == "?"
+
+
+def test_phase_methods_exist():
+    """Every phase method named in ``PHASES`` is a method of one of ``PHASE_FILES`` (a
+    renamed method would silently fold its phase into the one before it)."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    names = set()
+    for path in ncu_phases.PHASE_FILES:
+        with open(os.path.join(root, path)) as f:
+            tree = ast.parse(f.read())
+        names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert not set(ncu_phases.PHASES) - names, set(ncu_phases.PHASES) - names
