@@ -37,6 +37,21 @@ def pyplot():
     return plt
 
 
+def rows_axes(ax, ticks) -> None:
+    """A rows-per-step panel: x log2 with a tick at each measured rows count (``ticks``),
+    y log10 with 1-2-5 labels in plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    if ticks:
+        ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
+        ax.minorticks_off()
+
+
 def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
     """``fig`` laid out tight, written to ``out`` (its folder made first) and closed; prints
     ``wrote out (what)``."""

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import pyplot, save_figure  # noqa: E402
+from _common import pyplot, rows_axes, save_figure  # noqa: E402
 
 CHAIN_TARGET = 1.3
 ALONE_TARGET_US = 12.0
@@ -68,7 +68,6 @@ def main(argv=None) -> int:
         print("no rows to plot")
         return 1
     plt = pyplot()
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     tps = sorted({tp for tp, _ in shown})
     tokens = sorted({t for _, t in shown})
@@ -115,14 +114,7 @@ def main(argv=None) -> int:
                     markersize=10,
                     label=f"B 8 target {ALONE_TARGET_US:g} us",
                 )
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(NullFormatter())
-            if ticks:
-                ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
-                ax.minorticks_off()
+            rows_axes(ax, ticks)
             ax.set_xlabel(f"rows per step (requests x {t})")
             ax.set_ylabel("us (median)")
             kind = "decode" if t == 1 else f"verify, T = {t}"

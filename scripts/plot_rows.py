@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import pyplot, save_figure  # noqa: E402
+from _common import pyplot, rows_axes, save_figure  # noqa: E402
 
 SERIES = (
     ("ours_us", "-", "o", "ours"),
@@ -87,7 +87,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     shown = panels(args.decode, args.oproj)
     plt = pyplot()
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     n = len(shown)
     fig, axes = plt.subplots(1, n, figsize=(5.6 * n, 4.8), squeeze=False)
@@ -109,14 +108,7 @@ def main(argv=None) -> int:
             )
             ticks.update(x for x, _ in points)
             count += len(points)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        if ticks:
-            ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
-            ax.minorticks_off()
+        rows_axes(ax, ticks)
         ax.set_xlabel("rows per step (requests x tokens)")
         ax.set_ylabel("latency, us (median)")
         ax.set_title(f"{title}\n{', '.join(devices)}", fontsize=9)

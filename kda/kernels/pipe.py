@@ -54,14 +54,12 @@ from tpcomm.cuteutil import (
 )
 
 from . import device as dev
-from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
+from .device import HEAD_DIM, KCHUNKS, ROWS, THREADS
 from .pipe_index import first_item, next_item
 from .stream import (
     KdaStream,
     fresh_index,
     fresh_tid,
-    st_global_bf16x4_masked,
-    st_global_f32x4_masked,
 )
 
 PIPE_THREADS = 2 * THREADS  # the prep group, then the state group
@@ -198,22 +196,10 @@ class KdaPipe(KdaStream):
             history.append(row)
         return history
 
-    def chunk_writer(self, state0, target, head):
-        """KdaStream's streamed writer on the local thread index (a bf16 page rounded to
-        nearest-even here, once per stored page), ``head`` as it is: KdaStream's
-        ``opaque(head)`` here costs KdaPipe spills (fp32, T 4: 72 B against 20)."""
-        tid_t = local_tid()
-        page = (Int64(target) * self.heads + head) * (HEAD_DIM * HEAD_DIM)
-        key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
-        size = self.state_bytes
-        row0 = state0 + (page + Int64(key0)) * size
-        store = st_global_bf16x4_masked if self.bf16_state else st_global_f32x4_masked
-
-        def write(i, c, values):
-            offset = (64 * i * HEAD_DIM + 4 * LANES * c) * size
-            store(row0 + offset, values, target)
-
-        return write
+    def page_head(self, head):
+        """``head`` as it is: KdaStream's ``opaque(head)`` in the chunk writer costs KdaPipe
+        spills (fp32, T 4: 72 B against 20)."""
+        return head
 
     @cute.jit
     def per_channel(self, body):

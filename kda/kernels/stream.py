@@ -303,12 +303,17 @@ class KdaStream(KdaWide):
         address = Int64(v_records.iterator.toint()) + Int64(index) * 4
         st_global_f32_if_zero(address, v, lane_in)
 
+    def page_head(self, head):
+        """``head`` as the page address takes it: from a fresh register (``opaque``)."""
+        return opaque(head)
+
     def chunk_writer(self, state0, target, head):
         """Trace-time helper: the thread's page address of ``target`` (from fresh
-        registers), and the writer of chunk ``c`` of row ``i`` (stored when ``target`` >
-        0)."""
-        tid_t = fresh_tid()
-        page = (Int64(target) * self.heads + opaque(head)) * (HEAD_DIM * HEAD_DIM)
+        registers: ``thread_index``, ``page_head``), and the writer of chunk ``c`` of row
+        ``i`` (stored when ``target`` > 0; a bf16 page rounded to nearest-even here, once
+        per stored page)."""
+        tid_t = self.thread_index()
+        page = (Int64(target) * self.heads + self.page_head(head)) * (HEAD_DIM * HEAD_DIM)
         key0 = (tid_t // LANES) * HEAD_DIM + 4 * (tid_t % LANES)
         size = self.state_bytes
         row0 = state0 + (page + Int64(key0)) * size
