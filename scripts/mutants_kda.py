@@ -6,6 +6,7 @@ from __future__ import annotations
 from mutants_table import KGPU, PDL_PTX, M
 
 PIPE = "kda/kernels/pipe.py"
+PIPE_PREP = "kda/kernels/pipe_prep.py"
 BF16_PTX = "tests/test_kda_bf16_compile.py"
 INDEX = "tests/test_kda_pipe_index.py"
 
@@ -66,7 +67,7 @@ KDA_MUTANTS = [
     # accumulator chosen there, and the warp barrier before gate mode 3's settle
     M(
         "gpu-pipe-decay-lane",
-        PIPE,
+        PIPE_PREP,
         "            source = (f % 8) * 4 + t // 2",
         "            source = (f % 8) * 4",
         KGPU,
@@ -75,9 +76,19 @@ KDA_MUTANTS = [
     ),
     M(
         "gpu-pipe-decay-accumulator",
-        PIPE,
+        PIPE_PREP,
         "            e = t % 2 + 2 * (f // 8)",
         "            e = t % 2 + 2 * (f % 2)",
+        KGPU,
+        gpu=True,
+        select="pipe",
+    ),
+    # KdaPipe at T >= 3 (prep_output): the prep group's output rows of a padding item
+    M(
+        "gpu-pipe-prep-output-padding",
+        PIPE_PREP,
+        "                if live <= 0:\n",
+        "                if live < 0:\n",
         KGPU,
         gpu=True,
         select="pipe",

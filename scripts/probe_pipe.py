@@ -8,8 +8,8 @@ and ``copy_no_prep`` (that without the prep group's math: the state bytes alone,
 kernel's pattern). The full kernel against ``no_prep`` / ``no_state`` says which group
 bounds; ``copy_no_prep`` against the copy bandwidth what the pattern itself reaches.
 
-``--baseline MODULE``: another KdaPipe beside this tree's, same graphs, each ``--repeats``
-times alternately (e.g. main's: ``git show main:kda/kernels/pipe.py >
+``--baseline MODULE`` (repeatable): other KdaPipes beside this tree's, same graphs, each
+``--repeats`` times alternately (e.g. main's: ``git show main:kda/kernels/pipe.py >
 kda/kernels/pipe_baseline.py`` and ``--baseline kda.kernels.pipe_baseline``; delete the copy
 after).
 
@@ -47,6 +47,10 @@ ROWS = [
     (6, 128, 1, "fp32"),
     (12, 128, 2, "fp32"),
     (12, 128, 4, "fp32"),
+    (12, 128, 4, "bf16"),
+    (12, 32, 4, "fp32"),
+    (96, 128, 4, "fp32"),
+    (12, 128, 8, "fp32"),
 ]
 
 
@@ -149,16 +153,19 @@ def time_rows(variants, rows, repeats, json_path=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ablate", action="store_true")
-    p.add_argument("--baseline", default=None, help="a module holding another KdaPipe")
+    p.add_argument(
+        "--baseline", action="append", default=[], help="a module holding a KdaPipe (repeatable)"
+    )
     p.add_argument("--repeats", type=int, default=None, help="rounds (ablate 1, baseline 2)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    if a.ablate == (a.baseline is not None):
+    if a.ablate == bool(a.baseline):
         p.error("give --ablate or --baseline MODULE")
     if a.ablate:
         variants = ABLATIONS
     else:
-        variants = dict(baseline=importlib.import_module(a.baseline).KdaPipe, tree=KdaPipe)
+        variants = {m.rsplit(".", 1)[-1]: importlib.import_module(m).KdaPipe for m in a.baseline}
+        variants["tree"] = KdaPipe
     repeats = a.repeats or (1 if a.ablate else 2)
     time_rows(variants, ROWS, repeats, a.json)
 

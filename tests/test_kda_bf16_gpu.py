@@ -130,7 +130,7 @@ def test_bf16_decode_matches_reference(kernel, cluster, seed, case):
              record=record, holes=holes, seed=seed)  # fmt: skip
 
 
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("dim_first", [True, False], ids=["df", "wf"])
 def test_bf16_pipe_many_items_per_cta(T, dim_first):
     """KdaPipe on bf16 pages with ~12 items per CTA (H 12, B 130 on an H200: every one of

@@ -56,6 +56,7 @@ from tpcomm.cuteutil import (
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, ROWS, THREADS
 from .pipe_index import first_item, next_item
+from .pipe_prep import PipePrep
 from .stream import (
     KdaStream,
     fresh_index,
@@ -68,6 +69,9 @@ PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes (bf16: half)
 # the prep group's decays: at T <= 4 only the tile's columns in use are computed
 # (``KdaPipe.gate_decays``), past it all eight (KdaStream's gate phase)
 COMPACT_DECAY_TOKENS = 4
+# from this T on the prep group writes the output (``KdaPipe.prep_output``): the state
+# group's T recurrences bound the step there, the prep group's work at T <= 2
+PREP_OUTPUT_TOKENS = 3
 # named barriers (0 is __syncthreads)
 PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 6  # FULL / EMPTY: + slot (0 .. 2)
 
@@ -118,7 +122,7 @@ def local_tid():
     return fresh_tid() & Int32(THREADS - 1)
 
 
-class KdaPipe(KdaStream):
+class KdaPipe(PipePrep, KdaStream):
     """KdaStream's operands and semantics (no record mode; fp32 or bf16 pages,
     ``state_dtype``); ``ctas`` persistent CTAs (one per SM); ``conv_bytes``: the conv
     cache's element size (its window's share of shared memory)."""
@@ -155,6 +159,7 @@ class KdaPipe(KdaStream):
             pdl=pdl,
             state_dtype=state_dtype,
         )
+        self.prep_output = tokens >= PREP_OUTPUT_TOKENS
         layout = pipe_layout(tokens, window, conv_bytes, conv_dim_first, self.state_bytes)
         self.stages, self.slots = layout
         if self.stages == 0:
@@ -222,6 +227,21 @@ class KdaPipe(KdaStream):
     def output_gate(self, gate, token, t, head, channel):
         """sigmoid(output gate), computed by the prep group into the item's slot."""
         return gate[t, channel]
+
+    @cute.jit
+    def flush_outputs(self, op, v_o, v_g, v_slot, out_sums, first, count, requests):
+        """``prep_output``, after the prep loop: the outputs of the range's last ``slots``
+        items."""
+        for j in cutlass.range_constexpr(self.slots):
+            n = count - self.slots + j
+            if n >= 0:
+                s = n % self.slots
+                cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
+                taken = self.take_output(v_o[s, None, None], v_g[s, None, None], out_sums)
+                live = v_slot[s]
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
+                self.finish_output(op, taken, out_sums, live, first + n, requests)
+                cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
 
     # ------------------------------------------------------------------ the prep group
     def item_range(self, total):
@@ -312,73 +332,16 @@ class KdaPipe(KdaStream):
             self.stage_head(op, caches, new_head)
             cute.arch.cp_async_commit_group()
 
-    def shared_rows(self, fa0, fb0):
-        """Trace-time helper: the settle's row loader (``dev.GateTile.rows``): the
-        undecided raw gates' f_a rows from the item's staged rows at ``fa0``, f_b rows from
-        the head cache at ``fb0`` (swizzled)."""
-        lane = cute.arch.lane_idx()
-
-        def rows(t, feature):
-            granule = lane // 2
-            swizzled = (granule & 8) | ((granule ^ feature) & 7)
-            words_a = ld_shared_b32x2(fa0 + t * (HEAD_DIM * 2) + lane * 8)
-            words_b = ld_shared_b32x2(fb0 + feature * 256 + swizzled * 16 + (lane % 2) * 8)
-            return words_a, words_b
-
-        return rows
-
     @cute.jit
-    def gate_weights(self, fb, tile, lane):
-        """f_b A fragments of gate tile ``tile`` from the head cache (KdaWide's
-        ``load_gate_weights`` order)."""
-        group, quarter = lane // 4, lane % 4
-        fb0 = Int32(fb.iterator.toint())
-        weights = []
-        for chunk in cutlass.range_constexpr(8):
-            granule = 2 * chunk + quarter // 2
-            swizzled = (granule & 8) | ((granule ^ group) & 7)
-            offset = swizzled * 16 + (quarter % 2) * 8
-            low = ld_shared_b32x2(fb0 + (16 * tile + group) * 256 + offset)
-            high = ld_shared_b32x2(fb0 + (16 * tile + group + 8) * 256 + offset)
-            weights.append((low[0], high[0], low[1], high[1]))
-        return weights
-
-    @cute.jit
-    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
-        """KdaStream's gate phase, the decays of tokens < T only: of the warp's tile (16
-        features x 8 token columns, four accumulators per lane) the 16 T in use go to 16 T
-        lanes (``i = 32 r + lane``: feature ``i % 16``, token ``i // 16``), one decay each
-        per round instead of four per lane; ``dev.decay`` on the same fp32 values (bit for
-        bit). Gate mode 3 then settles the tile (after a warp barrier: its stores follow
-        the fast path's to the same places; no records, rows from shared memory)."""
-        tid = fresh_tid()
-        lane, warp = tid % 32, tid // 32
-        acc, bound = self.project_gate(weights, activations)
-        for r in cutlass.range_constexpr((self.tokens + 1) // 2):
-            i = 32 * r + lane
-            t, f = i // 16, i % 16
-            source = (f % 8) * 4 + t // 2  # the lane of group f % 8, quarter t // 2
-            values = [cute.arch.shuffle_sync(acc[e], offset=source) for e in range(4)]
-            e = t % 2 + 2 * (f // 8)  # the accumulator of (token t, feature f) there
-            value = cutlass.select_(e == 1, values[1], values[0])
-            value = cutlass.select_(e == 2, values[2], value)
-            value = cutlass.select_(e == 3, values[3], value)
-            if t < self.tokens:
-                feature = 16 * warp + f
-                dt_f = Float32(dt_row[feature])
-                s_decay[t, feature] = dev.decay(a, dev.to_bf16_f32(value), dt_f, op.lower_bound)
-        if cutlass.const_expr(self.gate_mode == 3):
-            cute.arch.sync_warp()
-            where = self.settling(s_decay, 16 * warp, warp, 0, 0, rows)
-            dev.settle_gate(op, acc, bound, a, dt, where)
-
-    @cute.jit
-    def prep(self, op, buffers, caches, vectors, sums, requests, total):
-        """The prep group's loop (threads 0-255)."""
+    def prep(self, op, buffers, caches, vectors, v_o, sums, out_sums, requests, total):
+        """The prep group's loop (threads 0-255); with ``prep_output`` also the output of
+        item n - slots, which the state group left in slot n % slots, before item n's
+        vectors go there."""
         T = self.tokens
         convs, xs, gs, fas, betas = buffers
         v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot = vectors
         # (head, request) of items n (a), n + 1 (b), n + 2 (c) of the range's ``count``
+        first = self.item_range(total)[0]
         count, head_a, request_a = first_item(*self.item_range(total), requests)
         slot_a, conv_a, offset_a = self.slots_of(op, 0, count, request_a)
         if count > 0:
@@ -439,7 +402,10 @@ class KdaPipe(KdaStream):
                 self.advance(op, buffers, head_b, request_b, nxt, 1 - parity)
                 if n >= self.slots:  # the state group is done with slot s (its last item)
                     cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
-                if tid == 0:
+                if cutlass.const_expr(self.prep_output):
+                    taken = self.take_output(v_o[s, None, None], v_g[s, None, None], out_sums)
+                    live = v_slot[s]
+                elif tid == 0:
                     v_slot[s] = slot
                 s_q, s_k, s_v = v_q[s, None, None], v_k[s, None, None], v_v[s, None, None]
                 s_decay = v_decay[s, None, None]
@@ -461,19 +427,37 @@ class KdaPipe(KdaStream):
                         v_g[s, t, channel] = gates[t]
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
                 self.next_head(op, caches, n + 1, count, head_b, head)
+                if cutlass.const_expr(self.prep_output):  # noqa: SIM102 (trace-time, then runtime)
+                    if n >= self.slots:
+                        self.finish_output(
+                            op, taken, out_sums, live, first + n - self.slots, requests
+                        )
             else:
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
                 self.advance(op, buffers, head_b, request_b, nxt, 1 - parity)
                 self.next_head(op, caches, n + 1, count, head_b, head)
                 if n >= self.slots:
                     cute.arch.barrier(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
-                if tid == 0:
+                if cutlass.const_expr(self.prep_output):
+                    taken = self.take_output(v_o[s, None, None], v_g[s, None, None], out_sums)
+                    live = v_slot[s]
+                    cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
+                    if n >= self.slots:
+                        self.finish_output(
+                            op, taken, out_sums, live, first + n - self.slots, requests
+                        )
+                elif tid == 0:
+                    v_slot[s] = slot
+            if cutlass.const_expr(self.prep_output):  # noqa: SIM102 (trace-time, then runtime)
+                if tid == 0:  # after every prep thread read the slot's last item
                     v_slot[s] = slot
             cute.arch.barrier_arrive(barrier_id=FULL_BAR + s, number_of_threads=PIPE_THREADS)
             slot_a, conv_a, offset_a = slot_b, conv_b, offset_b
             slot_b, conv_b, offset_b = slot_c, conv_c, offset_c
             head_a, request_a, head_b, request_b = head_b, request_b, head_c, request_c
             n = n + 1
+        if cutlass.const_expr(self.prep_output):
+            self.flush_outputs(op, v_o, v_g, v_slot, out_sums, first, count, requests)
 
     # ------------------------------------------------------------------ the state group
     @cute.jit
@@ -524,18 +508,21 @@ class KdaPipe(KdaStream):
                 shared = (*shared, v_decay[s, None, None])
                 s_o = v_o[s, None, None]
                 self.recurrence(op, history, shared, v_beta[s, None], s_o, slot, request, head)
-                cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
-                if local_tid() < HEAD_DIM:
-                    self.norm_sums(s_o, out_sums)
-                cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
-                gate = v_g[s, None, None]
-                self.write_output(s_o, out_sums, gate, nw, op.eps, op.output, token, head)
-            else:
+                if cutlass.const_expr(not self.prep_output):
+                    cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
+                    if local_tid() < HEAD_DIM:
+                        self.norm_sums(s_o, out_sums)
+                    cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
+                    gate = v_g[s, None, None]
+                    self.write_output(s_o, out_sums, gate, nw, op.eps, op.output, token, head)
+            elif cutlass.const_expr(not self.prep_output):
                 tid = local_tid()
                 if tid < HEAD_DIM:
                     for t in cutlass.range_constexpr(T):
                         op.output[token + t, head * HEAD_DIM + tid] = BFloat16(0.0)
-            if n + self.slots < count:  # slot s is free for the prep group's next use
+            # slot s is free for the prep group's next use; prep_output: after every item
+            # (its o to the prep group, which writes the output, then its next item)
+            if n + (0 if self.prep_output else self.slots) < count:
                 cute.arch.barrier_arrive(barrier_id=EMPTY_BAR + s, number_of_threads=PIPE_THREADS)
             head, request = next_item(head, request, requests)
             n = n + 1
@@ -580,6 +567,7 @@ class KdaPipe(KdaStream):
         out_sums = smem_tensor(smem, Float32, (T, 4))
         vectors = (v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot)
         if tid < THREADS:
-            self.prep(op, (convs, xs, gs, fas, betas), caches, vectors, sums, requests, total)
+            buffers = (convs, xs, gs, fas, betas)
+            self.prep(op, buffers, caches, vectors, v_o, sums, out_sums, requests, total)
         else:
             self.state_loop(op, staged, vectors, v_o, sums, out_sums, requests, total)

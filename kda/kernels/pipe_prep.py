@@ -1,0 +1,116 @@
+"""KdaPipe's prep-group helpers (a mixin of ``pipe.KdaPipe``): the f_b fragments and rows
+from the head cache, the decays of the tokens in use only, and (``prep_output``, T >= 3)
+the gated RMSNorm of an item the state group is done with."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from tpcomm.cuteutil import ld_shared_b32x2, warp_sum
+
+from . import device as dev
+from .device import HEAD_DIM
+from .stream import fresh_tid
+
+__all__ = ["PipePrep"]
+
+
+class PipePrep:
+    """Needs ``tokens``, ``gate_mode``, ``project_gate`` and ``settling`` (KdaStream's)."""
+
+    def shared_rows(self, fa0, fb0):
+        """Trace-time helper: the settle's row loader (``dev.GateTile.rows``): the
+        undecided raw gates' f_a rows from the item's staged rows at ``fa0``, f_b rows from
+        the head cache at ``fb0`` (swizzled)."""
+        lane = cute.arch.lane_idx()
+
+        def rows(t, feature):
+            granule = lane // 2
+            swizzled = (granule & 8) | ((granule ^ feature) & 7)
+            words_a = ld_shared_b32x2(fa0 + t * (HEAD_DIM * 2) + lane * 8)
+            words_b = ld_shared_b32x2(fb0 + feature * 256 + swizzled * 16 + (lane % 2) * 8)
+            return words_a, words_b
+
+        return rows
+
+    @cute.jit
+    def gate_weights(self, fb, tile, lane):
+        """f_b A fragments of gate tile ``tile`` from the head cache (KdaWide's
+        ``load_gate_weights`` order)."""
+        group, quarter = lane // 4, lane % 4
+        fb0 = Int32(fb.iterator.toint())
+        weights = []
+        for chunk in cutlass.range_constexpr(8):
+            granule = 2 * chunk + quarter // 2
+            swizzled = (granule & 8) | ((granule ^ group) & 7)
+            offset = swizzled * 16 + (quarter % 2) * 8
+            low = ld_shared_b32x2(fb0 + (16 * tile + group) * 256 + offset)
+            high = ld_shared_b32x2(fb0 + (16 * tile + group + 8) * 256 + offset)
+            weights.append((low[0], high[0], low[1], high[1]))
+        return weights
+
+    @cute.jit
+    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
+        """KdaStream's gate phase, the decays of tokens < T only: of the warp's tile (16
+        features x 8 token columns, four accumulators per lane) the 16 T in use go to 16 T
+        lanes (``i = 32 r + lane``: feature ``i % 16``, token ``i // 16``), one decay each
+        per round instead of four per lane; ``dev.decay`` on the same fp32 values (bit for
+        bit). Gate mode 3 then settles the tile (after a warp barrier: its stores follow
+        the fast path's to the same places; no records, rows from shared memory)."""
+        tid = fresh_tid()
+        lane, warp = tid % 32, tid // 32
+        acc, bound = self.project_gate(weights, activations)
+        for r in cutlass.range_constexpr((self.tokens + 1) // 2):
+            i = 32 * r + lane
+            t, f = i // 16, i % 16
+            source = (f % 8) * 4 + t // 2  # the lane of group f % 8, quarter t // 2
+            values = [cute.arch.shuffle_sync(acc[e], offset=source) for e in range(4)]
+            e = t % 2 + 2 * (f // 8)  # the accumulator of (token t, feature f) there
+            value = cutlass.select_(e == 1, values[1], values[0])
+            value = cutlass.select_(e == 2, values[2], value)
+            value = cutlass.select_(e == 3, values[3], value)
+            if t < self.tokens:
+                feature = 16 * warp + f
+                dt_f = Float32(dt_row[feature])
+                s_decay[t, feature] = dev.decay(a, dev.to_bf16_f32(value), dt_f, op.lower_bound)
+        if cutlass.const_expr(self.gate_mode == 3):
+            cute.arch.sync_warp()
+            where = self.settling(s_decay, 16 * warp, warp, 0, 0, rows)
+            dev.settle_gate(op, acc, bound, a, dt, where)
+
+    @cute.jit
+    def take_output(self, s_o, s_g, out_sums):
+        """``prep_output``: the prep group's first half of an earlier item's output (its
+        slot's o and sigmoid(gate), the state group done with them): the thread's channel
+        (``tid % 128``) of each token into registers, per-warp sums of o^2 into ``out_sums``
+        (warps 0-3)."""
+        tid = fresh_tid()
+        channel = tid % HEAD_DIM
+        o = [s_o[t, channel] for t in range(self.tokens)]
+        g = [s_g[t, channel] for t in range(self.tokens)]
+        for t in cutlass.range_constexpr(self.tokens):
+            total = warp_sum(o[t] * o[t])
+            if (tid < HEAD_DIM) & (tid % 32 == 0):
+                out_sums[t, tid // 32] = total
+        return o, g
+
+    @cute.jit
+    def finish_output(self, op, taken, out_sums, live, item, requests):
+        """The second half, after a prep barrier: the gated RMSNorm of ``item``'s rows
+        (threads 0-127; KdaWide's ``write_output`` order), zero rows for a padding item.
+        One division: at T >= ``PREP_OUTPUT_TOKENS`` it is noise beside the item."""
+        tid = fresh_tid()
+        o, g = taken
+        head = item // requests
+        request = item - head * requests
+        if tid < HEAD_DIM:
+            nw = Float32(op.norm_weight[tid])
+            for t in cutlass.range_constexpr(self.tokens):
+                sumsq = dev.quad_sum([out_sums[t, w] for w in range(4)])
+                rstd = dev.rsqrt_f32(sumsq * (1.0 / HEAD_DIM) + op.eps)
+                result = ((o[t] * rstd) * nw) * g[t]
+                if live <= 0:
+                    result = Float32(0.0)
+                op.output[request * self.tokens + t, head * HEAD_DIM + tid] = BFloat16(result)
