@@ -23,12 +23,16 @@ SPLIT_MAX_CTAS_PER_SM = 1
 # with the default gate (bench_kda.py --verify, docs/kda_dispatch.md): Stream ahead of Wide
 # on every row at T = 2 and 4 (3-10%), behind at T = 8 (up to 1.5x: T = 5..8 still spill).
 STREAM_MAX_TOKENS = 4
-# KdaPipe (fp32 or bf16 pages; measured on fp32) for several waves up to this many tokens,
-# KdaStream past it: H200, 2026-12-01, us per step pipe / stream: T 1 H96 B128 482 / 545,
-# H12 B128 70 / 81; T 2 H96 B128 805 / 816, H12 B128 108 / 119; T 4 H96 B128 1678 / 1330,
-# H12 B128 217 / 192 (its state group, which normalises q and k and runs T tokens of
-# recurrence, is then the slower one).
-PIPE_MAX_TOKENS = 2
+# KdaPipe (fp32 or bf16 pages) for several waves at these tokens per step. H200, 2026-12-01,
+# bench_kda.py, us per step pipe / stream / wide (docs/kda_dispatch.md): T 1 H96 B128
+# 482 / 545 / -, H12 B128 70 / 81 / -; T 2 H96 B128 805 / 816, H12 B128 108 / 119. At T >= 3
+# the prep group writes the output (KdaPipe.prep_output): T 4 pipe ahead of stream on every
+# several-wave row (H96 B128 1284 / 1322, H12 B128 171 / 190, H12 B32 50 / 63), T 6 ahead of
+# stream and wide (H96 B128 1765 / 1829 / 1955, H12 B128 241 / 267 / 273). T 3 behind
+# stream (H96 B128 1317 / 1087, H12 B128 168 / 158: its ptxas spills are the highest,
+# 56 / 48 B against 36 / 24 at T 4) and T 5 not yet measured: stream / wide there. T 7-8
+# do not fit pipe's shared memory at W = T + 2.
+PIPE_TOKENS = (1, 2, 4, 6)
 H200_SMS = 132
 PACKED_FMA_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_110a")
 
@@ -104,7 +108,7 @@ def choose(
             )
         elif items <= resident:
             kernel, why = "wide", f"{items} items fit one wave of {resident} resident CTAs: wide"
-        elif tokens <= PIPE_MAX_TOKENS:
+        elif tokens in PIPE_TOKENS:
             kernel = "pipe"
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens}: "
@@ -115,9 +119,9 @@ def choose(
         elif tokens <= STREAM_MAX_TOKENS:
             kernel = "stream"
             why = (
-                f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens} > "
-                f"{PIPE_MAX_TOKENS}: stream overlaps each next item's state load with the "
-                "current recurrence (pipe measured behind there)"
+                f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens} "
+                f"not in {PIPE_TOKENS}: stream overlaps each next item's state load with the "
+                "current recurrence (pipe measured behind or not measured there)"
             )
         else:
             kernel = "wide"

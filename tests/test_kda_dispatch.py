@@ -31,15 +31,14 @@ def test_several_waves_verify_picks_wide_with_prefetch():
 
 
 def test_stream_token_limit_is_the_switch(monkeypatch):
-    """Pipe serves several waves up to PIPE_MAX_TOKENS (2), Stream up to STREAM_MAX_TOKENS
-    (4, as measured), Wide past it."""
-    assert dispatch.STREAM_MAX_TOKENS == 4 and dispatch.PIPE_MAX_TOKENS == 2
-    assert dispatch.choose(128, 12, 2, sms=132).kernel == "pipe"
-    assert dispatch.choose(128, 12, 3, sms=132).kernel == "stream"
-    assert dispatch.choose(128, 12, 4, sms=132).kernel == "stream"
-    assert dispatch.choose(128, 12, 5, sms=132).kernel == "wide"
+    """Pipe serves several waves at PIPE_TOKENS (1, 2, 4, 6: measured ahead), Stream the
+    other T up to STREAM_MAX_TOKENS (4), Wide past it."""
+    assert dispatch.STREAM_MAX_TOKENS == 4 and dispatch.PIPE_TOKENS == (1, 2, 4, 6)
+    expect = {1: "pipe", 2: "pipe", 3: "stream", 4: "pipe", 5: "wide", 6: "pipe", 7: "wide"}
+    for tokens, kernel in {**expect, 8: "wide"}.items():
+        assert dispatch.choose(128, 12, tokens, sms=132).kernel == kernel, tokens
     monkeypatch.setattr(dispatch, "STREAM_MAX_TOKENS", 8)
-    monkeypatch.setattr(dispatch, "PIPE_MAX_TOKENS", 8)
+    monkeypatch.setattr(dispatch, "PIPE_TOKENS", tuple(range(1, 9)))
     for tokens in range(1, 9):
         choice = dispatch.choose(128, 12, tokens, sms=132)
         assert choice.kernel == "pipe" and choice.ctas == 132, tokens
