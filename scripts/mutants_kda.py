@@ -9,6 +9,7 @@ PIPE = "kda/kernels/pipe.py"
 PIPE_PREP = "kda/kernels/pipe_prep.py"
 BF16_PTX = "tests/test_kda_bf16_compile.py"
 INDEX = "tests/test_kda_pipe_index.py"
+BATCH = "tests/test_kda_pipe_batch.py"
 
 KDA_MUTANTS = [
     M(
@@ -82,6 +83,24 @@ KDA_MUTANTS = [
         KGPU,
         gpu=True,
         select="pipe",
+    ),
+    # KdaPipe at T = 1: the gate batch's decays row of the item, and its batches' limits
+    M(
+        "gpu-pipe-batch-row",
+        "kda/kernels/pipe.py",
+        "batch[1][place, feature]",
+        "batch[1][0, feature]",
+        KGPU,
+        gpu=True,
+        select="pipe",
+    ),
+    M(
+        "pipe-batch-past-head",
+        PIPE_PREP,
+        "size = cutlass.select_(requests - request < GATE_BATCH, requests - request, GATE_BATCH)",
+        "size = Int32(GATE_BATCH)",
+        BATCH,
+        select="batches",
     ),
     # KdaPipe at T >= 3 (prep_output): the prep group's output rows of a padding item
     M(

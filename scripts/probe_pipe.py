@@ -85,6 +85,10 @@ class NoGate(KdaPipe):
     def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head, rows=None):
         pass
 
+    @cute.jit
+    def gate_batch(self, op, batch, caches, n, count, request, requests):
+        pass
+
 
 class NoConv(KdaPipe):
     @cute.jit

@@ -13,7 +13,9 @@ threads into two groups that work on different items at once:
   one item ahead (KdaStream's staging, f_a and beta parity-buffered), its head's f_b rows
   (16-byte granules XOR-swizzled by row: conflict-free mma fragments and exact-dot rows),
   conv weights, bias, dt_bias and a_log sit in a head cache refilled when a CTA's range
-  reaches the next head, and the item slots are read two items ahead;
+  reaches the next head, and the item slots are read two items ahead. At T = 1 the raw
+  gates of up to eight items of one head are one mma tile (``gate_batch``: its eight
+  columns, at the batch's first item), each item's decays copied from it into its slot;
 - the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
   from its shared stage into registers, q and k normalised, the delta rule
   (``dev.delta_rule``, KdaStream's streamed store), the gated RMSNorm and the output row;
@@ -56,7 +58,7 @@ from tpcomm.cuteutil import (
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, ROWS, THREADS
 from .pipe_index import first_item, next_item
-from .pipe_prep import PipePrep
+from .pipe_prep import GATE_BATCH, PipePrep
 from .stream import (
     KdaStream,
     fresh_index,
@@ -69,8 +71,7 @@ PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes (bf16: half)
 # the prep group's decays: at T <= 4 only the tile's columns in use are computed
 # (``KdaPipe.gate_decays``), past it all eight (KdaStream's gate phase)
 COMPACT_DECAY_TOKENS = 4
-# from this T on the prep group writes the output (``KdaPipe.prep_output``): the state
-# group's T recurrences bound the step there, the prep group's work at T <= 2
+# from this T on the prep group writes the output (``prep_output``): the state group bounds
 PREP_OUTPUT_TOKENS = 3
 # named barriers (0 is __syncthreads)
 PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 6  # FULL / EMPTY: + slot (0 .. 2)
@@ -92,8 +93,10 @@ def pipe_smem_bytes(
     # per slot: q, k, v, o, sigmoid(gate), decays (8 rows), beta, slot, sums of q^2 / k^2
     vectors = slots * ((5 * tokens + 8) * HEAD_DIM * 4 + 36 + tokens * 64)
     out_sums = tokens * 16
+    # T = 1: a gate batch's f_a rows (bf16) and its decays (fp32)
+    batch = GATE_BATCH * HEAD_DIM * (2 + 4) if tokens == 1 else 0
     pages = stages * PAGE * state_bytes // 4
-    return pages + HEAD_CACHE + conv + inputs + vectors + out_sums + 1024
+    return pages + HEAD_CACHE + conv + inputs + vectors + out_sums + batch + 1024
 
 
 def pipe_layout(tokens, window, conv_bytes, conv_dim_first, state_bytes=4):
@@ -130,6 +133,7 @@ class KdaPipe(PipePrep, KdaStream):
     # gate mode 3: undecided raw gates settled four per round, their rows read from shared
     # memory (``shared_rows``)
     settle_batch = 4
+    prep_barrier = PREP_BAR
 
     def __init__(
         self,
@@ -160,6 +164,7 @@ class KdaPipe(PipePrep, KdaStream):
             state_dtype=state_dtype,
         )
         self.prep_output = tokens >= PREP_OUTPUT_TOKENS
+        self.batch_gate = tokens == 1
         layout = pipe_layout(tokens, window, conv_bytes, conv_dim_first, self.state_bytes)
         self.stages, self.slots = layout
         if self.stages == 0:
@@ -333,7 +338,7 @@ class KdaPipe(PipePrep, KdaStream):
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def prep(self, op, buffers, caches, vectors, v_o, sums, out_sums, requests, total):
+    def prep(self, op, buffers, caches, vectors, v_o, sums, out_sums, batch, requests, total):
         """The prep group's loop (threads 0-255); with ``prep_output`` also the output of
         item n - slots, which the state group left in slot n % slots, before item n's
         vectors go there."""
@@ -351,10 +356,13 @@ class KdaPipe(PipePrep, KdaStream):
         cute.arch.griddepcontrol_wait()
         if slot_a > 0:
             self.stage_rows(op, buffers, head_a, request_a, 0)
+        if cutlass.const_expr(self.batch_gate):  # the first batch's f_a rows
+            self.stage_batch_rows(op, batch[0], request_a, requests)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
         head_b, request_b = next_item(head_a, request_a, requests)
         slot_b, conv_b, offset_b = self.slots_of(op, 1, count, request_b)
+        place = Int32(GATE_BATCH)  # T = 1: the item's place in its gate batch
         n = Int32(0)
         while n < count:
             tid = fresh_tid()
@@ -370,14 +378,20 @@ class KdaPipe(PipePrep, KdaStream):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
             fb, cw, cb, dt_row, al = caches
+            if cutlass.const_expr(self.batch_gate):  # noqa: SIM102 (trace-time, then runtime)
+                # a gate batch starts every GATE_BATCH items and with every head
+                if (place == GATE_BATCH) | (request == 0):
+                    place = Int32(0)
+                    self.gate_batch(op, batch, caches, n, count, request, requests)
             if slot > 0:
                 coeff = [[Float32(cw[parts[p], e, channel]) for e in range(4)] for p in range(2)]
                 bias = [Float32(0.0), Float32(0.0)]
                 if cutlass.const_expr(self.has_bias):
                     bias = [Float32(cb[parts[p], channel]) for p in range(2)]
-                a = Float32(al[0])
-                dt = [Float32(dt_row[16 * warp + group + 8 * i]) for i in range(2)]
-                weights = self.gate_weights(fb, warp, lane)
+                if cutlass.const_expr(not self.batch_gate):
+                    a = Float32(al[0])
+                    dt = [Float32(dt_row[16 * warp + group + 8 * i]) for i in range(2)]
+                    weights = self.gate_weights(fb, warp, lane)
                 size = op.beta.element_type.width // 8
                 half = ((((request * T + tid) * self.heads + head) * size) % 4) // 2
                 beta = Float32(betas[parity, tid % 8, half % (4 // size)])
@@ -393,9 +407,11 @@ class KdaPipe(PipePrep, KdaStream):
                     inputs.append([xs[t, parts[p], channel] for t in range(T)])
                 fa0 = Int32(fas.iterator.toint()) + parity * (T * HEAD_DIM * 2)
                 activations = []
-                for chunk in cutlass.range_constexpr(8):
-                    col = 16 * chunk + 4 * quarter
-                    activations.append(ld_shared_b32x2(fa0 + ((group % T) * HEAD_DIM + col) * 2))
+                if cutlass.const_expr(not self.batch_gate):
+                    for chunk in cutlass.range_constexpr(8):
+                        col = 16 * chunk + 4 * quarter
+                        address = fa0 + ((group % T) * HEAD_DIM + col) * 2
+                        activations.append(ld_shared_b32x2(address))
                 gates = [dev.sigmoid(Float32(gs[0, t, channel])) for t in range(T)]
                 # the staging buffers are free: the next item's window and rows stream in
                 cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
@@ -416,7 +432,11 @@ class KdaPipe(PipePrep, KdaStream):
                 )
                 self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
                 rows = self.shared_rows(fa0, Int32(fb.iterator.toint()))
-                if cutlass.const_expr(T <= COMPACT_DECAY_TOKENS):
+                if cutlass.const_expr(self.batch_gate):  # the warp's features of its batch row
+                    if lane < 16:
+                        feature = 16 * warp + lane
+                        s_decay[0, feature] = batch[1][place, feature]
+                elif cutlass.const_expr(T <= COMPACT_DECAY_TOKENS):
                     self.gate_decays(op, weights, activations, a, dt, dt_row, s_decay, rows)
                 else:
                     self.gate_phase(op, weights, activations, a, dt, s_decay, request, head, rows)
@@ -455,6 +475,7 @@ class KdaPipe(PipePrep, KdaStream):
             slot_a, conv_a, offset_a = slot_b, conv_b, offset_b
             slot_b, conv_b, offset_b = slot_c, conv_c, offset_c
             head_a, request_a, head_b, request_b = head_b, request_b, head_c, request_c
+            place = place + 1
             n = n + 1
         if cutlass.const_expr(self.prep_output):
             self.flush_outputs(op, v_o, v_g, v_slot, out_sums, first, count, requests)
@@ -476,7 +497,6 @@ class KdaPipe(PipePrep, KdaStream):
             cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])
         request_j = next_item(head, request, requests, self.stages)[1]
         ahead = self.slots_of(op, self.stages, count, request_j)[0]
         n = Int32(0)
@@ -514,6 +534,7 @@ class KdaPipe(PipePrep, KdaStream):
                         self.norm_sums(s_o, out_sums)
                     cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
                     gate = v_g[s, None, None]
+                    nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])  # not held: registers
                     self.write_output(s_o, out_sums, gate, nw, op.eps, op.output, token, head)
             elif cutlass.const_expr(not self.prep_output):
                 tid = local_tid()
@@ -566,8 +587,14 @@ class KdaPipe(PipePrep, KdaStream):
         sums = smem_tensor(smem, Float32, (slots, T, 2, 8))
         out_sums = smem_tensor(smem, Float32, (T, 4))
         vectors = (v_q, v_k, v_v, v_g, v_decay, v_beta, v_slot)
+        batch = None
+        if cutlass.const_expr(self.batch_gate):  # a gate batch's f_a rows, its decays
+            batch = (
+                smem_tensor(smem, BFloat16, (GATE_BATCH, HEAD_DIM), align=16),
+                smem_tensor(smem, Float32, (GATE_BATCH, HEAD_DIM), align=16),
+            )
         if tid < THREADS:
             buffers = (convs, xs, gs, fas, betas)
-            self.prep(op, buffers, caches, vectors, v_o, sums, out_sums, requests, total)
+            self.prep(op, buffers, caches, vectors, v_o, sums, out_sums, batch, requests, total)
         else:
             self.state_loop(op, staged, vectors, v_o, sums, out_sums, requests, total)

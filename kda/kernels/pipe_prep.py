@@ -6,19 +6,37 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
-from tpcomm.cuteutil import ld_shared_b32x2, warp_sum
+from tpcomm.cuteutil import cp_async_16, ld_shared_b32x2, warp_sum
 
 from . import device as dev
-from .device import HEAD_DIM
+from .device import HEAD_DIM, THREADS
 from .stream import fresh_tid
 
-__all__ = ["PipePrep"]
+__all__ = ["GATE_BATCH", "PipePrep"]
+
+# At T = 1 the raw gates of up to this many consecutive items of one head are one mma tile
+# (its eight columns), computed when the first of them is prepared (``KdaPipe.batch_gate``)
+GATE_BATCH = 8
+
+
+def batch_size(n, count, request, requests):
+    """The items of the gate batch starting at the range's item n (of ``count``), request
+    ``request``: up to ``GATE_BATCH``, within the head and the range."""
+    size = cutlass.select_(requests - request < GATE_BATCH, requests - request, GATE_BATCH)
+    return cutlass.select_(count - n < size, count - n, size)
+
+
+def batch_follower(request, size, requests):
+    """The request of the first item after a batch of ``size`` from ``request`` (the next
+    head's first at the head's end): its f_a rows are the next batch's."""
+    return cutlass.select_(request + size == requests, Int32(0), request + size)
 
 
 class PipePrep:
-    """Needs ``tokens``, ``gate_mode``, ``project_gate`` and ``settling`` (KdaStream's)."""
+    """Needs ``tokens``, ``gate_mode``, ``project_gate`` and ``settling`` (KdaStream's),
+    ``batch_gate`` and ``prep_barrier`` (the prep group's named barrier: KdaPipe's)."""
 
     def shared_rows(self, fa0, fb0):
         """Trace-time helper: the settle's row loader (``dev.GateTile.rows``): the
@@ -114,3 +132,54 @@ class PipePrep:
                 if live <= 0:
                     result = Float32(0.0)
                 op.output[request * self.tokens + t, head * HEAD_DIM + tid] = BFloat16(result)
+
+    @cute.jit
+    def stage_batch_rows(self, op, rows, request, requests):
+        """T = 1: cp.async the f_a rows of requests ``request`` .. (up to ``GATE_BATCH``, not
+        past the last request) into ``rows`` (threads 0-127, 16 bytes each)."""
+        tid = fresh_tid()
+        row, k = tid // 16, tid % 16
+        if (tid < GATE_BATCH * 16) & (row < requests - request):
+            source = Int64(op.f_a.iterator.toint()) + Int64((request + row) * HEAD_DIM + 8 * k) * 2
+            cp_async_16(Int32(rows.iterator.toint()) + (row * HEAD_DIM + 8 * k) * 2, source)
+
+    @cute.jit
+    def gate_batch(self, op, batch, caches, n, count, request, requests):
+        """T = 1, at the first item n of a batch: the raw gates and decays of items n .. n +
+        size - 1 (``batch_size``: one head) as one mma tile, column j item n + j (f_a rows
+        in ``batch[0]``), decays into row j of ``batch[1]``; gate mode 3 settles columns
+        < size. Per value the same mma, bound, recompute and decay as one item's tile (whose
+        columns all held that item): the same decays bit for bit. Each warp writes and later
+        reads its own 16 features of the decays (a warp barrier); after a prep barrier (every
+        warp done with the rows) the next batch's f_a rows are cp.asynced into the buffer
+        (in the item's commit group, waited for with the next item's inputs)."""
+        rows, decays = batch
+        fb, _, _, dt_row, al = caches
+        tid = fresh_tid()
+        lane, warp = tid % 32, tid // 32
+        group, quarter = lane // 4, lane % 4
+        a = Float32(al[0])
+        dt = [Float32(dt_row[16 * warp + group + 8 * i]) for i in range(2)]
+        weights = self.gate_weights(fb, warp, lane)
+        fa0 = Int32(rows.iterator.toint())
+        activations = []
+        for chunk in cutlass.range_constexpr(8):
+            col = 16 * chunk + 4 * quarter
+            activations.append(ld_shared_b32x2(fa0 + (group * HEAD_DIM + col) * 2))
+        acc, bound = self.project_gate(weights, activations)
+        for e in cutlass.range_constexpr(4):
+            j = 2 * quarter + e % 2
+            feature = 16 * warp + group + 8 * (e // 2)
+            raw_g = dev.to_bf16_f32(acc[e])
+            decays[j, feature] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
+        size = batch_size(n, count, request, requests)
+        if cutlass.const_expr(self.gate_mode == 3):
+            cute.arch.sync_warp()
+            shared = self.shared_rows(fa0, Int32(fb.iterator.toint()))
+            where = dev.GateTile(
+                decays, 16 * warp, warp, 0, 0, size, False, self.settle_batch, shared
+            )
+            dev.settle_gate(op, acc, bound, a, dt, where)
+        cute.arch.barrier(barrier_id=self.prep_barrier, number_of_threads=THREADS)
+        if n + size < count:
+            self.stage_batch_rows(op, rows, batch_follower(request, size, requests), requests)
