@@ -54,6 +54,8 @@ PHASES = {
     "stage_inputs": "input loads",
     "gate_weights": "gate",
     "gate_decays": "gate",
+    "take_output": "output",
+    "finish_output": "output",
     "state_loop": "state loop",
     "load_history": "page loads",
     "stage_state": "page loads",
@@ -63,6 +65,7 @@ PHASE_FILES = (
     "kda/kernels/replay.py",
     "kda/kernels/wide.py",
     "kda/kernels/pipe.py",
+    "kda/kernels/pipe_prep.py",
     "kda/kernels/stream.py",
 )
 SAMPLES = "Warp Stall Sampling (All Samples)"
