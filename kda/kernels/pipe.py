@@ -76,7 +76,6 @@ PREP_OUTPUT_TOKENS = 3
 # named barriers (0 is __syncthreads)
 PREP_BAR, STATE_BAR, FULL_BAR, EMPTY_BAR = 1, 2, 3, 6  # FULL / EMPTY: + slot (0 .. 2)
 
-
 STAGES = 2  # fp32 page stages of the state group (three do not fit beside the head cache)
 MAX_STAGES = 4  # bf16 pages: up to four 32 KB stages
 # f_b rows of a head (bf16), conv weights and bias (at most fp32), dt_bias, a_log
@@ -356,8 +355,9 @@ class KdaPipe(PipePrep, KdaStream):
         cute.arch.griddepcontrol_wait()
         if slot_a > 0:
             self.stage_rows(op, buffers, head_a, request_a, 0)
-        if cutlass.const_expr(self.batch_gate):  # the first batch's f_a rows
-            self.stage_batch_rows(op, batch[0], request_a, requests)
+        if cutlass.const_expr(self.batch_gate):  # noqa: SIM102 (trace-time, then runtime)
+            if count > 0:  # the first batch's f_a rows (none in flight at an idle CTA's exit)
+                self.stage_batch_rows(op, batch[0], request_a, requests)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_launch_dependents()
         head_b, request_b = next_item(head_a, request_a, requests)
