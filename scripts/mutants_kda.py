@@ -31,7 +31,7 @@ KDA_MUTANTS = [
     ),
     M(
         "gpu-pipe-no-swizzle",
-        PIPE,
+        PIPE_PREP,
         "            swizzled = (granule & 8) | ((granule ^ row) & 7)\n",
         "            swizzled = granule\n",
         KGPU,

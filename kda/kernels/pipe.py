@@ -47,7 +47,6 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from tpcomm.cuteutil import (
-    cp_async_16,
     launch,
     ld_shared_b32x2,
     ld_shared_f32x4,
@@ -58,7 +57,7 @@ from tpcomm.cuteutil import (
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, ROWS, THREADS
 from .pipe_index import first_item, next_item
-from .pipe_prep import GATE_BATCH, PipePrep
+from .pipe_prep import GATE_BATCH, PipePrep, cp_async_4
 from .stream import (
     KdaStream,
     fresh_index,
@@ -110,13 +109,6 @@ def pipe_layout(tokens, window, conv_bytes, conv_dim_first, state_bytes=4):
             if need <= SMEM_LIMIT:
                 return stages, slots
     return 0, 0
-
-
-def cp_async_4(shared: Int32, source: Int64):
-    """4-byte ``cp.async.ca`` global -> shared."""
-    cute.arch.inline_ptx(
-        "cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", read_only_args=[shared, source]
-    )
 
 
 def local_tid():
@@ -261,49 +253,6 @@ class KdaPipe(PipePrep, KdaStream):
         if n < count:
             slot, conv_slot, offset = self.item_slots(op.slots, op.accepted, request)
         return slot, conv_slot, offset
-
-    @cute.jit
-    def stage_head(self, op, cache, head):
-        """cp.async ``head``'s parameters into a head cache: its 128 f_b rows (16-byte
-        granules XOR-swizzled by row, conflict-free fragment and row reads), conv weights,
-        bias, dt_bias and a_log."""
-        fb, cw, cb, dt, al = cache
-        tid = fresh_tid()
-        dim = self.heads * HEAD_DIM
-        base = Int64(op.f_b.iterator.toint()) + Int64(head * HEAD_DIM * HEAD_DIM) * 2
-        fb0 = Int32(fb.iterator.toint())
-        for j in cutlass.range_constexpr(HEAD_DIM * 16 // THREADS):
-            g = tid + THREADS * j
-            row, granule = g // 16, g % 16
-            swizzled = (granule & 8) | ((granule ^ row) & 7)
-            cp_async_16(fb0 + row * 256 + swizzled * 16, base + Int64(g * 16))
-        # conv weights [part, tap, channel] and bias [part, channel] of the head's channels
-        w_size = op.conv_weight.element_type.width // 8
-        per_row = HEAD_DIM * w_size // 16
-        w0 = Int64(op.conv_weight.iterator.toint())
-        cw0 = Int32(cw.iterator.toint())
-        for j in cutlass.range_constexpr((12 * per_row + THREADS - 1) // THREADS):
-            g = tid + THREADS * j
-            if g < 12 * per_row:
-                row, k = g // per_row, g % per_row
-                source = w0 + Int64((row * dim + head * HEAD_DIM) * w_size + k * 16)
-                cp_async_16(cw0 + row * HEAD_DIM * w_size + k * 16, source)
-        if cutlass.const_expr(self.has_bias):
-            b_size = op.conv_bias.element_type.width // 8
-            b_row = HEAD_DIM * b_size // 16
-            b0 = Int64(op.conv_bias.iterator.toint())
-            cb0 = Int32(cb.iterator.toint())
-            if (tid >= 128) & (tid < 128 + 3 * b_row):
-                row, k = (tid - 128) // b_row, (tid - 128) % b_row
-                source = b0 + Int64((row * dim + head * HEAD_DIM) * b_size + k * 16)
-                cp_async_16(cb0 + row * HEAD_DIM * b_size + k * 16, source)
-        if (tid >= 192) & (tid < 224):
-            k = tid - 192
-            source = Int64(op.dt_bias.iterator.toint()) + Int64(head * HEAD_DIM * 4 + k * 16)
-            cp_async_16(Int32(dt.iterator.toint()) + k * 16, source)
-        if tid == 224:
-            source = Int64(op.a_log.iterator.toint()) + Int64(head * 4)
-            cp_async_4(Int32(al.iterator.toint()), source)
 
     @cute.jit
     def stage_rows(self, op, buffers, head, request, parity):
