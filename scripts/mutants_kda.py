@@ -64,32 +64,12 @@ KDA_MUTANTS = [
         INDEX,
         select="divides",
     ),
-    # KdaPipe's decays of the tokens in use (gate_decays): the lane holding (t, f), the
-    # accumulator chosen there, and the warp barrier before gate mode 3's settle
-    M(
-        "gpu-pipe-decay-lane",
-        PIPE_PREP,
-        "            source = (f % 8) * 4 + t // 2",
-        "            source = (f % 8) * 4",
-        KGPU,
-        gpu=True,
-        select="pipe",
-    ),
-    M(
-        "gpu-pipe-decay-accumulator",
-        PIPE_PREP,
-        "            e = t % 2 + 2 * (f // 8)",
-        "            e = t % 2 + 2 * (f % 2)",
-        KGPU,
-        gpu=True,
-        select="pipe",
-    ),
-    # KdaPipe at T = 1: the gate batch's decays row of the item, and its batches' limits
+    # KdaPipe at T <= 4: the gate batch's decays rows of the item, and its batches' limits
     M(
         "gpu-pipe-batch-row",
         "kda/kernels/pipe.py",
-        "batch[1][place, feature]",
-        "batch[1][0, feature]",
+        "batch[1][place * T + t, feature]",
+        "batch[1][t, feature]",
         KGPU,
         gpu=True,
         select="pipe",
@@ -97,8 +77,8 @@ KDA_MUTANTS = [
     M(
         "pipe-batch-past-head",
         PIPE_PREP,
-        "size = cutlass.select_(requests - request < GATE_BATCH, requests - request, GATE_BATCH)",
-        "size = Int32(GATE_BATCH)",
+        "size = cutlass.select_(requests - request < items, requests - request, items)",
+        "size = Int32(items)",
         BATCH,
         select="batches",
     ),

@@ -53,7 +53,6 @@ PHASES = {
     "stage_conv": "input loads",
     "stage_inputs": "input loads",
     "gate_weights": "gate",
-    "gate_decays": "gate",
     "gate_batch": "gate",
     "take_output": "output",
     "finish_output": "output",

@@ -78,10 +78,6 @@ class CopyOnly(KdaPipe):
 
 class NoGate(KdaPipe):
     @cute.jit
-    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
-        pass
-
-    @cute.jit
     def gate_phase(self, op, weights, activations, a, dt, s_decay, request, head, rows=None):
         pass
 

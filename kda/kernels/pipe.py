@@ -13,8 +13,8 @@ threads into two groups that work on different items at once:
   one item ahead (KdaStream's staging, f_a and beta parity-buffered), its head's f_b rows
   (16-byte granules XOR-swizzled by row: conflict-free mma fragments and exact-dot rows),
   conv weights, bias, dt_bias and a_log sit in a head cache refilled when a CTA's range
-  reaches the next head, and the item slots are read two items ahead. At T = 1 the raw
-  gates of up to eight items of one head are one mma tile (``gate_batch``: its eight
+  reaches the next head, and the item slots are read two items ahead. At T <= 4 the raw
+  gates of up to 8 / T items of one head are one mma tile (``gate_batch``: its eight token
   columns, at the batch's first item), each item's decays copied from it into its slot;
 - the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
   from its shared stage into registers, q and k normalised, the delta rule
@@ -57,7 +57,7 @@ from tpcomm.cuteutil import (
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, ROWS, THREADS
 from .pipe_index import first_item, next_item
-from .pipe_prep import GATE_BATCH, PipePrep, cp_async_4
+from .pipe_prep import BATCH_TOKENS, GATE_COLUMNS, PipePrep, cp_async_4
 from .stream import (
     KdaStream,
     fresh_index,
@@ -67,9 +67,6 @@ from .stream import (
 PIPE_THREADS = 2 * THREADS  # the prep group, then the state group
 SMEM_LIMIT = 227 * 1024  # one CTA per SM (sm_90 / sm_100)
 PAGE = ROWS * KCHUNKS * THREADS * 16  # one fp32 state page, bytes (bf16: half)
-# the prep group's decays: at T <= 4 only the tile's columns in use are computed
-# (``KdaPipe.gate_decays``), past it all eight (KdaStream's gate phase)
-COMPACT_DECAY_TOKENS = 4
 # from this T on the prep group writes the output (``prep_output``): the state group bounds
 PREP_OUTPUT_TOKENS = 3
 # named barriers (0 is __syncthreads)
@@ -91,8 +88,8 @@ def pipe_smem_bytes(
     # per slot: q, k, v, o, sigmoid(gate), decays (8 rows), beta, slot, sums of q^2 / k^2
     vectors = slots * ((5 * tokens + 8) * HEAD_DIM * 4 + 36 + tokens * 64)
     out_sums = tokens * 16
-    # T = 1: a gate batch's f_a rows (bf16) and its decays (fp32)
-    batch = GATE_BATCH * HEAD_DIM * (2 + 4) if tokens == 1 else 0
+    # T <= 4: a gate batch's f_a rows (bf16) and its decays (fp32)
+    batch = GATE_COLUMNS * HEAD_DIM * (2 + 4) if tokens <= BATCH_TOKENS else 0
     pages = stages * PAGE * state_bytes // 4
     return pages + HEAD_CACHE + conv + inputs + vectors + out_sums + batch + 1024
 
@@ -155,7 +152,7 @@ class KdaPipe(PipePrep, KdaStream):
             state_dtype=state_dtype,
         )
         self.prep_output = tokens >= PREP_OUTPUT_TOKENS
-        self.batch_gate = tokens == 1
+        self.batch_gate = tokens <= BATCH_TOKENS
         layout = pipe_layout(tokens, window, conv_bytes, conv_dim_first, self.state_bytes)
         self.stages, self.slots = layout
         if self.stages == 0:
@@ -311,7 +308,8 @@ class KdaPipe(PipePrep, KdaStream):
         cute.arch.griddepcontrol_launch_dependents()
         head_b, request_b = next_item(head_a, request_a, requests)
         slot_b, conv_b, offset_b = self.slots_of(op, 1, count, request_b)
-        place = Int32(GATE_BATCH)  # T = 1: the item's place in its gate batch
+        items = GATE_COLUMNS // T  # a gate batch's items (T <= BATCH_TOKENS)
+        place = Int32(items)  # the item's place in its gate batch
         n = Int32(0)
         while n < count:
             tid = fresh_tid()
@@ -328,8 +326,8 @@ class KdaPipe(PipePrep, KdaStream):
             cute.arch.barrier(barrier_id=PREP_BAR, number_of_threads=THREADS)
             fb, cw, cb, dt_row, al = caches
             if cutlass.const_expr(self.batch_gate):  # noqa: SIM102 (trace-time, then runtime)
-                # a gate batch starts every GATE_BATCH items and with every head
-                if (place == GATE_BATCH) | (request == 0):
+                # a gate batch starts every ``items`` items and with every head
+                if (place == items) | (request == 0):
                     place = Int32(0)
                     self.gate_batch(op, batch, caches, n, count, request, requests)
             if slot > 0:
@@ -381,13 +379,12 @@ class KdaPipe(PipePrep, KdaStream):
                 )
                 self.write_conv(op.conv_state, conv_slot, head, taps, inputs)
                 rows = self.shared_rows(fa0, Int32(fb.iterator.toint()))
-                if cutlass.const_expr(self.batch_gate):  # the warp's features of its batch row
+                if cutlass.const_expr(self.batch_gate):  # the warp's features of its batch rows
                     if lane < 16:
                         feature = 16 * warp + lane
-                        s_decay[0, feature] = batch[1][place, feature]
-                elif cutlass.const_expr(T <= COMPACT_DECAY_TOKENS):
-                    self.gate_decays(op, weights, activations, a, dt, dt_row, s_decay, rows)
-                else:
+                        for t in cutlass.range_constexpr(T):
+                            s_decay[t, feature] = batch[1][place * T + t, feature]
+                else:  # T > BATCH_TOKENS: KdaStream's gate phase, the item's own tile
                     self.gate_phase(op, weights, activations, a, dt, s_decay, request, head, rows)
                 if tid < T:
                     v_beta[s, tid] = dev.sigmoid(beta)
@@ -539,8 +536,8 @@ class KdaPipe(PipePrep, KdaStream):
         batch = None
         if cutlass.const_expr(self.batch_gate):  # a gate batch's f_a rows, its decays
             batch = (
-                smem_tensor(smem, BFloat16, (GATE_BATCH, HEAD_DIM), align=16),
-                smem_tensor(smem, Float32, (GATE_BATCH, HEAD_DIM), align=16),
+                smem_tensor(smem, BFloat16, (GATE_COLUMNS, HEAD_DIM), align=16),
+                smem_tensor(smem, Float32, (GATE_COLUMNS, HEAD_DIM), align=16),
             )
         if tid < THREADS:
             buffers = (convs, xs, gs, fas, betas)

@@ -1,6 +1,6 @@
 """KdaPipe's prep-group helpers (a mixin of ``pipe.KdaPipe``): the head cache's staging
-(``stage_head``), the f_b fragments and rows from it, the decays of the tokens in use only,
-and (``prep_output``, T >= 3) the gated RMSNorm of an item the state group is done with."""
+(``stage_head``), the f_b fragments and rows from it, the gate batches (T <= 4), and
+(``prep_output``, T >= 3) the gated RMSNorm of an item the state group is done with."""
 
 from __future__ import annotations
 
@@ -14,17 +14,19 @@ from . import device as dev
 from .device import HEAD_DIM, THREADS
 from .stream import fresh_tid
 
-__all__ = ["GATE_BATCH", "PipePrep", "cp_async_4"]
+__all__ = ["BATCH_TOKENS", "GATE_COLUMNS", "PipePrep", "cp_async_4"]
 
-# At T = 1 the raw gates of up to this many consecutive items of one head are one mma tile
-# (its eight columns), computed when the first of them is prepared (``KdaPipe.batch_gate``)
-GATE_BATCH = 8
+# At T <= BATCH_TOKENS the raw gates of up to GATE_COLUMNS // T consecutive items of one
+# head are one mma tile (its eight token columns: column j is token j % T of the batch's
+# item j // T), computed when the first of them is prepared (``KdaPipe.batch_gate``)
+GATE_COLUMNS = 8
+BATCH_TOKENS = 4
 
 
-def batch_size(n, count, request, requests):
+def batch_size(n, count, request, requests, items):
     """The items of the gate batch starting at the range's item n (of ``count``), request
-    ``request``: up to ``GATE_BATCH``, within the head and the range."""
-    size = cutlass.select_(requests - request < GATE_BATCH, requests - request, GATE_BATCH)
+    ``request``: up to ``items`` (``GATE_COLUMNS // T``), within the head and the range."""
+    size = cutlass.select_(requests - request < items, requests - request, items)
     return cutlass.select_(count - n < size, count - n, size)
 
 
@@ -77,35 +79,6 @@ class PipePrep:
         return weights
 
     @cute.jit
-    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
-        """KdaStream's gate phase, the decays of tokens < T only: of the warp's tile (16
-        features x 8 token columns, four accumulators per lane) the 16 T in use go to 16 T
-        lanes (``i = 32 r + lane``: feature ``i % 16``, token ``i // 16``), one decay each
-        per round instead of four per lane; ``dev.decay`` on the same fp32 values (bit for
-        bit). Gate mode 3 then settles the tile (after a warp barrier: its stores follow
-        the fast path's to the same places; no records, rows from shared memory)."""
-        tid = fresh_tid()
-        lane, warp = tid % 32, tid // 32
-        acc, bound = self.project_gate(weights, activations)
-        for r in cutlass.range_constexpr((self.tokens + 1) // 2):
-            i = 32 * r + lane
-            t, f = i // 16, i % 16
-            source = (f % 8) * 4 + t // 2  # the lane of group f % 8, quarter t // 2
-            values = [cute.arch.shuffle_sync(acc[e], offset=source) for e in range(4)]
-            e = t % 2 + 2 * (f // 8)  # the accumulator of (token t, feature f) there
-            value = cutlass.select_(e == 1, values[1], values[0])
-            value = cutlass.select_(e == 2, values[2], value)
-            value = cutlass.select_(e == 3, values[3], value)
-            if t < self.tokens:
-                feature = 16 * warp + f
-                dt_f = Float32(dt_row[feature])
-                s_decay[t, feature] = dev.decay(a, dev.to_bf16_f32(value), dt_f, op.lower_bound)
-        if cutlass.const_expr(self.gate_mode == 3):
-            cute.arch.sync_warp()
-            where = self.settling(s_decay, 16 * warp, warp, 0, 0, rows)
-            dev.settle_gate(op, acc, bound, a, dt, where)
-
-    @cute.jit
     def take_output(self, s_o, s_g, out_sums):
         """``prep_output``: the prep group's first half of an earlier item's output (its
         slot's o and sigmoid(gate), the state group done with them): the thread's channel
@@ -142,24 +115,25 @@ class PipePrep:
 
     @cute.jit
     def stage_batch_rows(self, op, rows, request, requests):
-        """T = 1: cp.async the f_a rows of requests ``request`` .. (up to ``GATE_BATCH``, not
-        past the last request) into ``rows`` (threads 0-127, 16 bytes each)."""
+        """cp.async the f_a rows of the tokens of requests ``request`` .. (``GATE_COLUMNS``
+        rows, not past the last request's) into ``rows`` (threads 0-127, 16 bytes each)."""
         tid = fresh_tid()
         row, k = tid // 16, tid % 16
-        if (tid < GATE_BATCH * 16) & (row < requests - request):
-            source = Int64(op.f_a.iterator.toint()) + Int64((request + row) * HEAD_DIM + 8 * k) * 2
+        if (tid < GATE_COLUMNS * 16) & (row < (requests - request) * self.tokens):
+            token = request * self.tokens + row
+            source = Int64(op.f_a.iterator.toint()) + Int64(token * HEAD_DIM + 8 * k) * 2
             cp_async_16(Int32(rows.iterator.toint()) + (row * HEAD_DIM + 8 * k) * 2, source)
 
     @cute.jit
     def gate_batch(self, op, batch, caches, n, count, request, requests):
-        """T = 1, at the first item n of a batch: the raw gates and decays of items n .. n +
-        size - 1 (``batch_size``: one head) as one mma tile, column j item n + j (f_a rows
-        in ``batch[0]``), decays into row j of ``batch[1]``; gate mode 3 settles columns
-        < size. Per value the same mma, bound, recompute and decay as one item's tile (whose
-        columns all held that item): the same decays bit for bit. Each warp writes and later
-        reads its own 16 features of the decays (a warp barrier); after a prep barrier (every
-        warp done with the rows) the next batch's f_a rows are cp.asynced into the buffer
-        (in the item's commit group, waited for with the next item's inputs)."""
+        """At the first item n of a batch: the raw gates and decays of items n .. n + size - 1
+        (``batch_size``: one head) as one mma tile, column j token j % T of item n + j // T
+        (f_a rows in ``batch[0]``), decays into row j of ``batch[1]``; gate mode 3 settles
+        the columns < size T. Per value the same mma, bound, recompute and decay as one
+        item's tile (column j: token j % T): the same decays bit for bit. Each warp writes
+        and later reads its own 16 features of the decays; after a prep barrier (every warp
+        done with the rows) the next batch's f_a rows are cp.asynced into the buffer (in the
+        item's commit group, waited for with the next item's inputs)."""
         rows, decays = batch
         fb, _, _, dt_row, al = caches
         tid = fresh_tid()
@@ -179,12 +153,12 @@ class PipePrep:
             feature = 16 * warp + group + 8 * (e // 2)
             raw_g = dev.to_bf16_f32(acc[e])
             decays[j, feature] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
-        size = batch_size(n, count, request, requests)
+        size = batch_size(n, count, request, requests, GATE_COLUMNS // self.tokens)
         if cutlass.const_expr(self.gate_mode == 3):
             cute.arch.sync_warp()
             shared = self.shared_rows(fa0, Int32(fb.iterator.toint()))
             where = dev.GateTile(
-                decays, 16 * warp, warp, 0, 0, size, False, self.settle_batch, shared
+                decays, 16 * warp, warp, 0, 0, size * self.tokens, False, self.settle_batch, shared
             )
             dev.settle_gate(op, acc, bound, a, dt, where)
         cute.arch.barrier(barrier_id=self.prep_barrier, number_of_threads=THREADS)
