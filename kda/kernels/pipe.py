@@ -85,8 +85,10 @@ def pipe_smem_bytes(
     stages of ``state_bytes`` per element (bytes, with 1 KB for alignment)."""
     conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
     inputs = 6 * tokens * HEAD_DIM * 2 + 64  # x (3 rows), the output gate, f_a twice; beta
-    # per slot: q, k, v, o, sigmoid(gate), decays (8 rows), beta, slot, sums of q^2 / k^2
-    vectors = slots * ((5 * tokens + 8) * HEAD_DIM * 4 + 36 + tokens * 64)
+    # per slot: q, k, v, o, sigmoid(gate), decays (T rows; past BATCH_TOKENS the tile's 8),
+    # beta, slot, sums of q^2 / k^2
+    decays = tokens if tokens <= BATCH_TOKENS else 8
+    vectors = slots * ((5 * tokens + decays) * HEAD_DIM * 4 + 36 + tokens * 64)
     out_sums = tokens * 16
     # T <= 4: a gate batch's f_a rows (bf16) and its decays (fp32)
     batch = GATE_COLUMNS * HEAD_DIM * (2 + 4) if tokens <= BATCH_TOKENS else 0
@@ -521,13 +523,14 @@ class KdaPipe(PipePrep, KdaStream):
         fas = smem_tensor(smem, BFloat16, (2, T, HEAD_DIM), align=16)
         b_size = op.beta.element_type.width // 8
         betas = smem_tensor(smem, op.beta.element_type, (2, 8, 4 // b_size), align=16)
-        # two slots of an item's vectors: q, k, v, sigmoid(gate), decays (8 rows), beta,
+        # two slots of an item's vectors: q, k, v, sigmoid(gate), decays, beta,
         # the item's state slot; o
         slots = self.slots
         v_q, v_k, v_v, v_g, v_o = [
             smem_tensor(smem, Float32, (slots, T, HEAD_DIM), align=16) for _ in range(5)
         ]
-        v_decay = smem_tensor(smem, Float32, (slots, 8, HEAD_DIM), align=16)
+        decays = T if self.batch_gate else 8  # gate_phase writes all the tile's 8 columns
+        v_decay = smem_tensor(smem, Float32, (slots, decays, HEAD_DIM), align=16)
         v_beta = smem_tensor(smem, Float32, (slots, 8))
         v_slot = smem_tensor(smem, Int32, (slots,))
         sums = smem_tensor(smem, Float32, (slots, T, 2, 8))
