@@ -9,16 +9,15 @@ kernel's pattern). The full kernel against ``no_prep`` / ``no_state`` says which
 bounds; ``copy_no_prep`` against the copy bandwidth what the pattern itself reaches.
 
 ``--baseline MODULE`` (repeatable): other KdaPipes beside this tree's, same graphs, each
-``--repeats`` times alternately (e.g. main's: ``git show main:kda/kernels/pipe.py >
-kda/kernels/pipe_baseline.py`` and ``--baseline kda.kernels.pipe_baseline``; delete the copy
-after).
+``--repeats`` times alternately (e.g. another revision's, by ``scripts/snapshot_pipe.py REF
+NAME`` and ``--baseline kda.kernels.snap_NAME.pipe``).
 
 Each row is timed as ``bench_kda.py`` times a forced kernel (CUDA graphs, slot tables
 rotated past L2); % of copy counts (1 + T) pages per item against a copy measured in the
 run, also for variants that store no pages.
 
     python3 scripts/probe_pipe.py --ablate [--json out.json]
-    python3 scripts/probe_pipe.py --baseline kda.kernels.pipe_baseline [--json out.json]
+    python3 scripts/probe_pipe.py --baseline kda.kernels.snap_main.pipe [--json out.json]
 """
 
 from __future__ import annotations
@@ -150,6 +149,13 @@ def time_rows(variants, rows, repeats, json_path=None):
     return out
 
 
+def variant_name(module):
+    """A baseline's name in the rows: the module's last part, its package's for a
+    ``snapshot_pipe.py`` snapshot (``kda.kernels.snap_main.pipe`` -> ``snap_main``)."""
+    parts = module.split(".")
+    return parts[-2] if parts[-1] == "pipe" and len(parts) > 1 else parts[-1]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ablate", action="store_true")
@@ -164,7 +170,7 @@ def main(argv=None):
     if a.ablate:
         variants = ABLATIONS
     else:
-        variants = {m.rsplit(".", 1)[-1]: importlib.import_module(m).KdaPipe for m in a.baseline}
+        variants = {variant_name(m): importlib.import_module(m).KdaPipe for m in a.baseline}
         variants["tree"] = KdaPipe
     repeats = a.repeats or (1 if a.ablate else 2)
     time_rows(variants, ROWS, repeats, a.json)
