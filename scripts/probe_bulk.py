@@ -15,6 +15,7 @@ Timed as ``bench_kda.py`` times kernels (CUDA graphs of launches over rotated sl
 past L2), beside the copy bandwidth measured in the run; bytes: 2 pages per item.
 
     python3 scripts/probe_bulk.py [--json out.json]
+    python3 scripts/probe_bulk.py --configs fp32:3:bulk:2:2:4096 --shapes 12x128 96x128
 """
 
 from __future__ import annotations
@@ -70,27 +71,42 @@ def st_shared_v4(shared: Int32, words):
 
 
 class BulkPages:
-    def __init__(self, page_bytes, stages, mode, ctas):
-        if stages * page_bytes + 1024 > SMEM_LIMIT or stages < 2:
+    """``page_bytes``: the unit copied (a page or a part of one); ``per_sm`` CTAs per SM
+    (``ctas`` in all), each with ``stages`` units of shared memory; ``chunk``: bytes per
+    bulk instruction."""
+
+    def __init__(self, page_bytes, stages, mode, ctas, chunk=CHUNK, per_sm=1):
+        if stages * page_bytes + 1024 > SMEM_LIMIT // per_sm or stages < 2:
             raise ValueError(f"stages must be >= 2 and fit; got {stages} of {page_bytes} B")
         if mode not in ("bulk", "regs"):
             raise ValueError(f"mode must be bulk or regs; got {mode!r}")
+        if chunk % 16 or page_bytes % chunk:
+            raise ValueError(f"chunk must divide the unit in 16-byte multiples; got {chunk}")
         self.page, self.stages, self.mode, self.ctas = page_bytes, stages, mode, ctas
+        self.chunk, self.per_sm = chunk, per_sm
 
     @cute.jit
     def __call__(self, pool: cute.Tensor, src: cute.Tensor, dst: cute.Tensor, stream):
-        launch(self.kernel(pool, src, dst), (self.ctas, 1, 1), (THREADS, 1, 1), stream)
+        grid, block = (self.ctas, 1, 1), (THREADS, 1, 1)
+        launch(
+            self.kernel(pool, src, dst),
+            grid,
+            block,
+            stream,
+            min_blocks_per_mp=self.per_sm,
+            carveout=100,
+        )
 
     @cute.jit
     def load(self, base, src, item, stage0, bars, s):
         bar = bars + s
         cute.arch.mbarrier_arrive_and_expect_tx(bar, self.page)
         source = base + Int64(src[item]) * self.page
-        for c in cutlass.range_constexpr(self.page // CHUNK):
+        for c in cutlass.range_constexpr(self.page // self.chunk):
             bulk_load(
-                stage0 + s * self.page + c * CHUNK,
-                source + c * CHUNK,
-                CHUNK,
+                stage0 + s * self.page + c * self.chunk,
+                source + c * self.chunk,
+                self.chunk,
                 Int32(bar.toint()),
             )
 
@@ -133,8 +149,8 @@ class BulkPages:
                 if cutlass.const_expr(self.mode == "bulk"):
                     cute.arch.mbarrier_wait(bars + s, phase)
                 target = base + Int64(dst[first + n]) * self.page
-                for c in cutlass.range_constexpr(self.page // CHUNK):
-                    bulk_store(target + c * CHUNK, here + c * CHUNK, CHUNK)
+                for c in cutlass.range_constexpr(self.page // self.chunk):
+                    bulk_store(target + c * self.chunk, here + c * self.chunk, self.chunk)
                 cute.arch.inline_ptx("cp.async.bulk.commit_group;")
                 # refill the stage of item n - 1 once its store has read it
                 if (n >= 1) & (n - 1 + self.stages < count):
@@ -146,11 +162,11 @@ class BulkPages:
             cute.arch.inline_ptx("cp.async.bulk.wait_group 0;")
 
 
-def compile_probe(page_bytes, stages, mode, ctas, arch=None, tensors=None):
+def compile_probe(page_bytes, stages, mode, ctas, arch=None, tensors=None, chunk=CHUNK, per_sm=1):
     """The compiled probe (``tensors``: runtime (pool, src, dst); None: fake ones)."""
     from tpcomm.cuteutil import fake_like_runtime, to_cute
 
-    kernel = BulkPages(page_bytes, stages, mode, ctas)
+    kernel = BulkPages(page_bytes, stages, mode, ctas, chunk, per_sm)
     if tensors is None:
         import cuda.bindings.driver as cuda
 
@@ -177,37 +193,63 @@ def launch_all(fn, args):
 
 
 ROWS = [(96, 128), (12, 128), (6, 128), (12, 32), (6, 32)]  # (heads, requests): H * B items
-CONFIGS = [("fp32", 2), ("fp32", 3), ("bf16", 2), ("bf16", 4), ("bf16", 6)]
+# dtype, stages, modes, parts of a page per unit, CTAs per SM, bytes per bulk instruction
+CONFIGS = [
+    ("fp32", 2, ("bulk", "regs"), 1, 1, CHUNK),
+    ("fp32", 3, ("bulk", "regs"), 1, 1, CHUNK),
+    ("bf16", 2, ("bulk", "regs"), 1, 1, CHUNK),
+    ("bf16", 4, ("bulk", "regs"), 1, 1, CHUNK),
+    ("bf16", 6, ("bulk", "regs"), 1, 1, CHUNK),
+]
+
+
+def parse_config(text):
+    """``dtype:stages:mode:parts:per_sm:chunk`` (e.g. ``fp32:3:bulk:2:2:4096``: half pages,
+    two CTAs per SM, 4 KB instructions) -> a CONFIGS entry."""
+    dtype, stages, mode, parts, per_sm, chunk = text.split(":")
+    if dtype not in ("fp32", "bf16") or mode not in ("bulk", "regs"):
+        raise ValueError(f"config {text!r}: dtype fp32|bf16, mode bulk|regs")
+    return dtype, int(stages), (mode,), int(parts), int(per_sm), int(chunk)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--configs", nargs="+", default=None, help="dtype:stages:mode:parts:per_sm:chunk"
+    )
+    p.add_argument("--shapes", nargs="+", default=None, help="HxB, e.g. 96x128 12x128")
     a = p.parse_args(argv)
+    configs = [parse_config(c) for c in a.configs] if a.configs else CONFIGS
+    rows = [tuple(int(v) for v in s.split("x")) for s in a.shapes] if a.shapes else ROWS
     import cuda.bindings.driver as cuda
     import torch
     from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph
 
     from tpcomm.cuteutil import to_cute
 
-    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     tbps = copy_bandwidth()
-    print(f"copy {tbps:.2f} TB/s, {ctas} SMs")
+    print(f"copy {tbps:.2f} TB/s, {sms} SMs")
     out = []
-    for dtype, stages in CONFIGS:
-        page = 65536 if dtype == "fp32" else 32768
-        for mode in ("bulk", "regs"):
-            for H, B in ROWS:
-                items = H * B
+    for dtype, stages, modes, parts, per_sm, chunk in configs:
+        page = (65536 if dtype == "fp32" else 32768) // parts  # the unit copied
+        ctas = sms * per_sm
+        for mode in modes:
+            for H, B in rows:
+                items = H * B * parts  # units: part p of every page, then p + 1 (other CTAs)
                 rot = max(1, min(64, -(-ROTATE_BYTES // (2 * items * page))))
                 pool = torch.randint(0, 1 << 30, (2 * rot * items + 1, page // 4), device="cuda")
                 pool = pool.to(torch.int32).view(torch.uint8).view(-1)
                 tables = []
                 for r in range(rot):
-                    src = (1 + 2 * r * items + torch.randperm(items, device="cuda")).to(torch.int32)
+                    pages = torch.randperm(items // parts, device="cuda") * parts
+                    units = torch.cat([pages + q for q in range(parts)])
+                    src = (1 + 2 * r * items + units).to(torch.int32)
                     tables.append((src, src + items))
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-                fn = compile_probe(page, stages, mode, ctas, tensors=(pool, *tables[0], stream))
+                tensors = (pool, *tables[0], stream)
+                fn = compile_probe(page, stages, mode, ctas, None, tensors, chunk, per_sm)
                 args = [(to_cute(pool), to_cute(s), to_cute(d)) for s, d in tables]
 
                 step = functools.partial(launch_all, fn, args)
@@ -219,10 +261,12 @@ def main(argv=None):
                 us = time_graph(step, inner=rot)
                 pct = 100 * 2 * items * page / (us * 1e-6) / 1e12 / tbps
                 row = dict(dtype=dtype, stages=stages, mode=mode, H=H, B=B, us=us, pct=pct, ok=ok)
+                row.update(parts=parts, per_sm=per_sm, chunk=chunk)
                 out.append(row)
                 print(
-                    f"{dtype} stages {stages} {mode:4s} H {H:3d} B {B:4d}: {us:8.1f} us "
-                    f"{pct:5.1f}% {'ok' if ok else 'MISMATCH'}"
+                    f"{dtype} stages {stages} {mode:4s} parts {parts} per SM {per_sm} chunk "
+                    f"{chunk:5d} H {H:3d} B {B:4d}: {us:8.1f} us {pct:5.1f}% "
+                    f"{'ok' if ok else 'MISMATCH'}"
                 )
                 del pool, tables, args, step
                 torch.cuda.empty_cache()
