@@ -18,7 +18,8 @@ threads into two groups that work on different items at once:
   columns, at the batch's first item), each item's decays copied from it into its slot;
 - the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
   from its shared stage into registers, q and k normalised, the delta rule
-  (``dev.delta_rule``, KdaStream's streamed store), the gated RMSNorm and the output row;
+  (``dev.delta_rule``, KdaStream's streamed store), the gated RMSNorm and the output row
+  (at T >= 3 the prep group writes the output: ``prep_output``, ``flush_outputs``);
   each thread cp.asyncs the page of item n + stages into the stage it just emptied, so
   ``stages - 1`` pages are in flight besides the one in registers. fp32 pages: two stages
   of thread-private 16-byte slots (no barrier). bf16 pages (``state_dtype="bf16"``,
