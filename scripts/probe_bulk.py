@@ -33,40 +33,18 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
-from tpcomm.cuteutil import launch, smem_tensor  # noqa: E402
+from kda.kernels.replay import st_shared_f32x4  # noqa: E402
+from tpcomm.cuteutil import bulk_copy_g2s, launch, ld_shared_f32x4, smem_tensor  # noqa: E402
 
 THREADS = 128
 SMEM_LIMIT = 227 * 1024
 CHUNK = 16 * 1024  # bytes per bulk load instruction
 
 
-def bulk_load(shared: Int32, source: Int64, size: int, bar: Int32):
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-        f" [{{$r0}}], [{{$r1}}], {int(size)}, [{{$r2}}];",
-        read_only_args=[shared, source, bar],
-    )
-
-
 def bulk_store(target: Int64, shared: Int32, size: int):
     cute.arch.inline_ptx(
         f"cp.async.bulk.global.shared::cta.bulk_group [{{$r0}}], [{{$r1}}], {int(size)};",
         read_only_args=[target, shared],
-    )
-
-
-def ld_shared_v4(shared: Int32):
-    return cute.arch.inline_ptx(
-        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[cutlass.Uint32] * 4,
-        read_only_args=[shared],
-    )
-
-
-def st_shared_v4(shared: Int32, words):
-    cute.arch.inline_ptx(
-        "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-        read_only_args=[shared, *words],
     )
 
 
@@ -103,7 +81,7 @@ class BulkPages:
         cute.arch.mbarrier_arrive_and_expect_tx(bar, self.page)
         source = base + Int64(src[item]) * self.page
         for c in cutlass.range_constexpr(self.page // self.chunk):
-            bulk_load(
+            bulk_copy_g2s(
                 stage0 + s * self.page + c * self.chunk,
                 source + c * self.chunk,
                 self.chunk,
@@ -140,9 +118,9 @@ class BulkPages:
                 cute.arch.mbarrier_wait(bars + s, phase)
                 words = []
                 for j in cutlass.range_constexpr(self.page // 16 // THREADS):
-                    words.append(ld_shared_v4(here + (j * THREADS + tid) * 16))
+                    words.append(ld_shared_f32x4(here + (j * THREADS + tid) * 16))
                 for j in cutlass.range_constexpr(self.page // 16 // THREADS):
-                    st_shared_v4(here + (j * THREADS + tid) * 16, words[j])
+                    st_shared_f32x4(here + (j * THREADS + tid) * 16, words[j])
                 cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
                 cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
             if tid == 0:

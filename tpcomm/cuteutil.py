@@ -33,6 +33,7 @@ __all__ = [
     "cvt_bf16x2",
     "bf16x2_to_f32",
     "prefetch_l2_bulk",
+    "bulk_copy_g2s",
     "xor_sum",
     "warp_sum",
     "launch",
@@ -189,6 +190,17 @@ def bf16x2_to_f32(word: Uint32):
 def ld_shared_b32x2(shared: Int32):
     """Weak 8-byte shared load as two 32-bit words."""
     return _vector_load("ld.shared.v2.b32", shared, Uint32, 2)
+
+
+def bulk_copy_g2s(shared: Int32, source: Int64, size: int, bar: Int32):
+    """``cp.async.bulk`` of ``size`` bytes (a multiple of 16, both addresses 16-byte
+    aligned) global -> shared, completing ``size`` bytes of the transaction count of the
+    mbarrier at shared address ``bar`` (sm_90+)."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+        f" [{{$r0}}], [{{$r1}}], {int(size)}, [{{$r2}}];",
+        read_only_args=[shared, source, bar],
+    )
 
 
 def prefetch_l2_bulk(address: Int64, size: int):
