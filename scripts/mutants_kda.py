@@ -64,6 +64,26 @@ KDA_MUTANTS = [
         INDEX,
         select="divides",
     ),
+    # KdaPipe's decays of the tokens in use (gate_decays, fp32 T 1): the lane holding
+    # (t, f), the accumulator chosen there
+    M(
+        "gpu-pipe-decay-lane",
+        PIPE_PREP,
+        "            source = (f % 8) * 4 + t // 2",
+        "            source = (f % 8) * 4",
+        KGPU,
+        gpu=True,
+        select="pipe",
+    ),
+    M(
+        "gpu-pipe-decay-accumulator",
+        PIPE_PREP,
+        "            e = t % 2 + 2 * (f // 8)",
+        "            e = t % 2 + 2 * (f % 2)",
+        KGPU,
+        gpu=True,
+        select="pipe",
+    ),
     # KdaPipe at T <= 4: the gate batch's decays rows of the item, and its batches' limits
     M(
         "gpu-pipe-batch-row",

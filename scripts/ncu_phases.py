@@ -54,6 +54,7 @@ PHASES = {
     "stage_inputs": "input loads",
     "gate_weights": "gate",
     "gate_batch": "gate",
+    "gate_decays": "gate",
     "take_output": "output",
     "finish_output": "output",
     "state_loop": "state loop",

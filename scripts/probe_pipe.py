@@ -83,6 +83,10 @@ class NoGate(KdaPipe):
     def gate_batch(self, op, batch, caches, n, count, request, requests):
         pass
 
+    @cute.jit
+    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
+        pass
+
 
 class NoConv(KdaPipe):
     @cute.jit

@@ -164,7 +164,8 @@ def test_pipe_layout_counts_the_page_dtype():
     for tokens in (1, 2):
         assert pipe_layout(tokens, tokens + 2, 4, True, 4) == (2, 3)
         assert pipe_layout(tokens, tokens + 2, 4, True, 2) == (4, 3)
-    assert pipe_smem_bytes(1, 4, 4, True, 3, 4, 2) == pipe_smem_bytes(1, 4, 4, True, 3, 2, 4)
+    # (T 2: both page dtypes batch the gate there, ``batches_gate``)
+    assert pipe_smem_bytes(2, 4, 4, True, 3, 4, 2) == pipe_smem_bytes(2, 4, 4, True, 3, 2, 4)
     window = next(
         w
         for w in range(4, 400)

@@ -58,7 +58,7 @@ from tpcomm.cuteutil import (
 from . import device as dev
 from .device import HEAD_DIM, KCHUNKS, ROWS, THREADS
 from .pipe_index import first_item, next_item
-from .pipe_prep import BATCH_TOKENS, GATE_COLUMNS, PipePrep, cp_async_4
+from .pipe_prep import BATCH_TOKENS, GATE_COLUMNS, PipePrep, batches_gate, cp_async_4
 from .stream import (
     KdaStream,
     fresh_index,
@@ -86,13 +86,14 @@ def pipe_smem_bytes(
     stages of ``state_bytes`` per element (bytes, with 1 KB for alignment)."""
     conv = 3 * HEAD_DIM * (window if conv_dim_first else 3) * conv_bytes
     inputs = 6 * tokens * HEAD_DIM * 2 + 64  # x (3 rows), the output gate, f_a twice; beta
-    # per slot: q, k, v, o, sigmoid(gate), decays (T rows; past BATCH_TOKENS the tile's 8),
-    # beta, slot, sums of q^2 / k^2
-    decays = tokens if tokens <= BATCH_TOKENS else 8
+    # per slot: q, k, v, o, sigmoid(gate), decays (T rows with gate batches, else the
+    # tile's 8), beta, slot, sums of q^2 / k^2
+    batched = batches_gate(tokens, state_bytes)
+    decays = tokens if batched else 8
     vectors = slots * ((5 * tokens + decays) * HEAD_DIM * 4 + 36 + tokens * 64)
     out_sums = tokens * 16
-    # T <= 4: a gate batch's f_a rows (bf16) and its decays (fp32)
-    batch = GATE_COLUMNS * HEAD_DIM * (2 + 4) if tokens <= BATCH_TOKENS else 0
+    # a gate batch's f_a rows (bf16) and its decays (fp32)
+    batch = GATE_COLUMNS * HEAD_DIM * (2 + 4) if batched else 0
     pages = stages * PAGE * state_bytes // 4
     return pages + HEAD_CACHE + conv + inputs + vectors + out_sums + batch + 1024
 
@@ -155,7 +156,7 @@ class KdaPipe(PipePrep, KdaStream):
             state_dtype=state_dtype,
         )
         self.prep_output = tokens >= PREP_OUTPUT_TOKENS
-        self.batch_gate = tokens <= BATCH_TOKENS
+        self.batch_gate = batches_gate(tokens, self.state_bytes)
         layout = pipe_layout(tokens, window, conv_bytes, conv_dim_first, self.state_bytes)
         self.stages, self.slots = layout
         if self.stages == 0:
@@ -387,6 +388,8 @@ class KdaPipe(PipePrep, KdaStream):
                         feature = 16 * warp + lane
                         for t in cutlass.range_constexpr(T):
                             s_decay[t, feature] = batch[1][place * T + t, feature]
+                elif cutlass.const_expr(T <= BATCH_TOKENS):  # fp32, T 1: the live columns
+                    self.gate_decays(op, weights, activations, a, dt, dt_row, s_decay, rows)
                 else:  # T > BATCH_TOKENS: KdaStream's gate phase, the item's own tile
                     self.gate_phase(op, weights, activations, a, dt, s_decay, request, head, rows)
                 if tid < T:
@@ -446,6 +449,9 @@ class KdaPipe(PipePrep, KdaStream):
             cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        nw = Float32(0.0)
+        if cutlass.const_expr(not self.batch_gate):  # held (the batch's registers: re-read)
+            nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])
         request_j = next_item(head, request, requests, self.stages)[1]
         ahead = self.slots_of(op, self.stages, count, request_j)[0]
         n = Int32(0)
@@ -483,7 +489,8 @@ class KdaPipe(PipePrep, KdaStream):
                         self.norm_sums(s_o, out_sums)
                     cute.arch.barrier(barrier_id=STATE_BAR, number_of_threads=THREADS)
                     gate = v_g[s, None, None]
-                    nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])  # not held: registers
+                    if cutlass.const_expr(self.batch_gate):
+                        nw = Float32(op.norm_weight[local_tid() % HEAD_DIM])
                     self.write_output(s_o, out_sums, gate, nw, op.eps, op.output, token, head)
             elif cutlass.const_expr(not self.prep_output):
                 tid = local_tid()

@@ -14,13 +14,22 @@ from . import device as dev
 from .device import HEAD_DIM, THREADS
 from .stream import fresh_tid
 
-__all__ = ["BATCH_TOKENS", "GATE_COLUMNS", "PipePrep", "cp_async_4"]
+__all__ = ["BATCH_TOKENS", "GATE_COLUMNS", "PipePrep", "batches_gate", "cp_async_4"]
 
 # At T <= BATCH_TOKENS the raw gates of up to GATE_COLUMNS // T consecutive items of one
 # head are one mma tile (its eight token columns: column j is token j % T of the batch's
 # item j // T), computed when the first of them is prepared (``KdaPipe.batch_gate``)
 GATE_COLUMNS = 8
 BATCH_TOKENS = 4
+
+
+def batches_gate(tokens, state_bytes):
+    """Whether KdaPipe batches the gate over items (``gate_batch``): at T <= BATCH_TOKENS
+    except on fp32 pages at T = 1. There the state group bounds the step and the batch's
+    registers cost it spills (H 96 B 128 461 -> 478 us, H 12 B 128 67.7 -> 69.8; the same
+    probe: bf16 T 1 H 96 B 128 420 -> 356 us, H 12 B 128 62.7 -> 51.6, fp32 T 2 111 -> 103);
+    that case keeps the per-item tile's live columns (``gate_decays``)."""
+    return tokens <= BATCH_TOKENS and not (tokens == 1 and state_bytes == 4)
 
 
 def batch_size(n, count, request, requests, items):
@@ -77,6 +86,35 @@ class PipePrep:
             high = ld_shared_b32x2(fb0 + (16 * tile + group + 8) * 256 + offset)
             weights.append((low[0], high[0], low[1], high[1]))
         return weights
+
+    @cute.jit
+    def gate_decays(self, op, weights, activations, a, dt, dt_row, s_decay, rows):
+        """KdaStream's gate phase, the decays of tokens < T only: of the warp's tile (16
+        features x 8 token columns, four accumulators per lane) the 16 T in use go to 16 T
+        lanes (``i = 32 r + lane``: feature ``i % 16``, token ``i // 16``), one decay each
+        per round instead of four per lane; ``dev.decay`` on the same fp32 values (bit for
+        bit). Gate mode 3 then settles the tile (after a warp barrier: its stores follow
+        the fast path's to the same places; no records, rows from shared memory)."""
+        tid = fresh_tid()
+        lane, warp = tid % 32, tid // 32
+        acc, bound = self.project_gate(weights, activations)
+        for r in cutlass.range_constexpr((self.tokens + 1) // 2):
+            i = 32 * r + lane
+            t, f = i // 16, i % 16
+            source = (f % 8) * 4 + t // 2  # the lane of group f % 8, quarter t // 2
+            values = [cute.arch.shuffle_sync(acc[e], offset=source) for e in range(4)]
+            e = t % 2 + 2 * (f // 8)  # the accumulator of (token t, feature f) there
+            value = cutlass.select_(e == 1, values[1], values[0])
+            value = cutlass.select_(e == 2, values[2], value)
+            value = cutlass.select_(e == 3, values[3], value)
+            if t < self.tokens:
+                feature = 16 * warp + f
+                dt_f = Float32(dt_row[feature])
+                s_decay[t, feature] = dev.decay(a, dev.to_bf16_f32(value), dt_f, op.lower_bound)
+        if cutlass.const_expr(self.gate_mode == 3):
+            cute.arch.sync_warp()
+            where = self.settling(s_decay, 16 * warp, warp, 0, 0, rows)
+            dev.settle_gate(op, acc, bound, a, dt, where)
 
     @cute.jit
     def take_output(self, s_o, s_g, out_sums):
