@@ -142,10 +142,11 @@ class DecodeLayer:
     def replay(self) -> bool:
         return self.kda_state == "replay"
 
-    def choice(self, requests: int, tokens: int):
-        """The KDA kernel for a step shape, chosen once: ``kda.dispatch.choose`` (per-step)
-        or ``kda.dispatch.choose_replay`` (replay, what ``kernel="auto"`` launches)."""
-        key = (requests, tokens)
+    def choice(self, requests: int, tokens: int, records: bool = False):
+        """The KDA kernel for a step shape, chosen once: ``kda.dispatch.choose`` (per-step;
+        ``records``: a verify step that writes records) or ``kda.dispatch.choose_replay``
+        (replay, what ``kernel="auto"`` launches)."""
+        key = (requests, tokens, bool(records))
         if key not in self._choices:
             sms = self.sms
             if sms is None:
@@ -158,7 +159,8 @@ class DecodeLayer:
                     requests, self.heads, tokens, self.ring.size, sms=sms
                 )
             else:
-                choice = dispatch.choose(requests, self.heads, tokens, sms=sms, kernel=self.kernel)
+                where = dict(sms=sms, kernel=self.kernel, records=bool(records))
+                choice = dispatch.choose(requests, self.heads, tokens, **where)
             self._choices[key] = choice
         return self._choices[key]
 
@@ -181,7 +183,7 @@ class DecodeLayer:
             return kda.replay_decode(*args, **kw, ring=self.ring, kernel="auto")
         if choice is None:
             requests = slots.shape[0]
-            choice = self.choice(requests, x.shape[0] // requests)
+            choice = self.choice(requests, x.shape[0] // requests, records is not None)
         cluster = choice.cluster if choice.kernel == "split" else None
         kernel = dict(records=records, kernel=choice.kernel, cluster=cluster)
         args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)

@@ -80,9 +80,11 @@ def choose(
     sms: int = H200_SMS,
     kernel: str = "auto",
     cluster: int | None = None,
+    records: bool = False,
 ):
     """Pick the kernel for ``requests`` x ``heads`` items of ``tokens`` tokens each;
-    ``cluster`` forces KdaSplit's cluster size (only with ``kernel="split"``)."""
+    ``cluster`` forces KdaSplit's cluster size (only with ``kernel="split"``); ``records``:
+    the step writes records (a verify step to recover from), which KdaPipe has no mode for."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     if requests < 1 or heads < 1 or not 1 <= tokens <= 8 or sms < 1:
@@ -108,7 +110,7 @@ def choose(
             )
         elif items <= resident:
             kernel, why = "wide", f"{items} items fit one wave of {resident} resident CTAs: wide"
-        elif tokens in PIPE_TOKENS:
+        elif tokens in PIPE_TOKENS and not records:
             kernel = "pipe"
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens}: "
@@ -120,8 +122,9 @@ def choose(
             kernel = "stream"
             why = (
                 f"{items} items are {waves} waves of {resident} resident CTAs, T = {tokens} "
-                f"not in {PIPE_TOKENS}: stream overlaps each next item's state load with the "
-                "current recurrence (pipe measured behind or not measured there)"
+                f"{'with records' if records else f'not in {PIPE_TOKENS}'}: stream overlaps "
+                "each next item's state load with the current recurrence (pipe has no record "
+                "mode, and is measured behind or not measured at the other T)"
             )
         else:
             kernel = "wide"

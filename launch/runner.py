@@ -203,7 +203,8 @@ class Runner:
         the SMs, so KdaSplit does not crowd out the other ranks; replay, the whole GPU's),
         kept on the bucket."""
         if bk.kda_choice is None:
-            bk.kda_choice = self.decode_layers[0].choice(self.cfg.requests, bk.tokens)
+            layer = self.decode_layers[0]
+            bk.kda_choice = layer.choice(self.cfg.requests, bk.tokens, bk.record)
         return bk.kda_choice
 
     def _kda(self, bk: Bucket, r: int) -> None:

@@ -267,6 +267,10 @@ def test_decode_layer_checks():
         DecodeLayer(L.shard, L.w_o[:, :128], L.comms, rank=0, norm=L.norm, query=L.query,
                     out_norm=L.out_norm)  # fmt: skip
     assert L.choice(B, T).kernel in ("wide", "stream", "split", "pipe")
+    # a verify step writing records is chosen apart: never KdaPipe (it has no record mode)
+    wide = DecodeLayer(L.shard, L.w_o, L.comms, rank=0, norm=L.norm, query=L.query,
+                       out_norm=L.out_norm, sms=1)  # fmt: skip
+    assert wide.choice(B, 4).kernel == "pipe" and wide.choice(B, 4, True).kernel == "stream"
 
 
 def test_all_ranks_step_checks():

@@ -46,6 +46,19 @@ def test_stream_token_limit_is_the_switch(monkeypatch):
     assert dispatch.choose(8, 12, 4, sms=132).kernel == "wide"  # one wave: still wide
 
 
+def test_records_never_pick_pipe():
+    """A verify step that writes records (to recover from) gets a kernel with a record mode:
+    stream up to STREAM_MAX_TOKENS, wide past it, where pipe would be the choice without."""
+    for tokens in dispatch.PIPE_TOKENS:
+        assert dispatch.choose(128, 12, tokens, sms=132).kernel == "pipe"
+        choice = dispatch.choose(128, 12, tokens, sms=132, records=True)
+        expect = "stream" if tokens <= dispatch.STREAM_MAX_TOKENS else "wide"
+        assert choice.kernel == expect, tokens
+        assert expect != "stream" or "with records" in choice.reason
+    assert dispatch.choose(8, 12, 4, sms=132, records=True).kernel == "wide"  # one wave
+    assert dispatch.choose(1, 6, 1, sms=132, records=True).kernel == "split"
+
+
 def test_boundary_is_resident_ctas():
     assert dispatch.choose(22, 12, 1, sms=132).kernel == "wide"  # 264 items
     assert dispatch.choose(23, 12, 1, sms=132).kernel == "pipe"  # 276 items

@@ -4,15 +4,16 @@ compiled as the launcher compiles it: the batch's extents dynamic (``dynamic_arg
 ``fake_args``' static extents the compiler folds ``// requests`` into multiplies and spills
 less than the launched kernel). Measured 2026-12-01 (gate mode 3, dim-first conv, bytes
 stored / loaded): fp32 24 / 12 at T = 1, 32 / 36 at T = 2; bf16 20 / 8 at T = 1, 20 / 12 at
-T = 2; with the stepped (head, request) pairs (no division per item): fp32 0 / 0 and 16 / 20,
-bf16 16 / 12 and 8 / 8; with the prep group writing the output at T >= 3 (session 12): fp32
-36 / 24 at T = 4, bf16 40 / 40 at T = 4 and 156 / 180 at T = 6 (T = 3 spills 56 / 48 and is
-not dispatched to KdaPipe); with the gate batches at T <= 4 (session 12, branch s12-gate8,
-T rows of decays per slot): fp32 32 / 24 at T = 2, 36 / 24 at T = 4 and bf16 4 / 4, 24 / 16,
-64 / 84 at T = 1, 2, 4 (fp32 T = 1 keeps the per-item gate, ``batches_gate``: 0 / 0), every one at the state loop's head or prologue (its item pairs and slots kept across the
-page wait: a few local loads and stores per item), none in the recurrence; ptxas moves
-them with any change of the kernel's shared-memory offsets. The bounds leave a little room; a
-change past them should say why."""
+T = 2; with the stepped (head, request) pairs (no division per item): fp32 0 / 0 and 16 /
+20, bf16 16 / 12 and 8 / 8; with the prep group writing the output at T >= 3 (session 12):
+fp32 36 / 24 at T = 4, bf16 40 / 40 at T = 4 and 156 / 180 at T = 6 (T = 3 spills 56 / 48
+and is not dispatched to KdaPipe); with the gate batches at T <= 4 (session 12, branch
+s12-gate8, T rows of decays per slot): fp32 32 / 24 at T = 2, 36 / 24 at T = 4 and bf16 4 /
+4, 24 / 16, 64 / 84 at T = 1, 2, 4 (fp32 T = 1 keeps the per-item gate, ``batches_gate``: 0
+/ 0), every one at the state loop's head or prologue (its item pairs and slots kept across
+the page wait: a few local loads and stores per item), none in the recurrence; ptxas moves
+them with any change of the kernel's shared-memory offsets. The bounds leave a little room;
+a change past them should say why."""
 
 from __future__ import annotations
 

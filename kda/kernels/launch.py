@@ -147,8 +147,9 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
     check_out(out, shape, device)
     B, T, H = shape.requests, shape.tokens, shape.heads
     arch = _arch(device)
-    choice = dispatch.choose(B, H, T, sms=sms(device), kernel=kernel, cluster=cluster)
     record = op.records is not None
+    where = dict(sms=sms(device), records=record)
+    choice = dispatch.choose(B, H, T, **where, kernel=kernel, cluster=cluster)
     v_records, kg_records = op.records if record else (None, None)
     tensors = _step_tensors(op, out)
     tensors["v_records"] = v_records if record else _dummy(device, torch.float32)
@@ -161,7 +162,7 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
         if refusal and kernel == "pipe":
             raise ValueError(f"kernel='pipe': {refusal} (use kernel='stream' or 'wide')")
         if refusal:  # "auto": KdaStream runs what KdaPipe cannot
-            choice = dispatch.choose(B, H, T, sms=sms(device), kernel="stream")
+            choice = dispatch.choose(B, H, T, **where, kernel="stream")
     config = (
         choice.kernel,
         H,
