@@ -58,7 +58,6 @@ from tpcomm.cuteutil import (  # noqa: E402
     st_global_f32x4,
 )
 
-THREADS = 128
 KEYS = 128
 SMEM_LIMIT = 227 * 1024
 VECTORS = 5  # per token: q^, k^, v, decays, beta (its first element)
@@ -67,22 +66,31 @@ STORES = ("direct", "staged")
 
 
 class RowState:
-    """``dtype`` pages, ``tokens`` per item, ``stages`` shared stages (page + vectors),
-    ``ctas`` persistent CTAs, ``per_sm`` of them per SM, ``store`` direct or staged."""
+    """``dtype`` pages, ``tokens`` per item, ``stages`` shared stages (a unit + vectors),
+    ``ctas`` persistent CTAs, ``per_sm`` of them per SM, ``store`` direct or staged;
+    ``parts``: units per page (1, 2 or 4), each ``128 / parts`` rows on as many threads (a
+    finer split of the work over the SMs; units p and p + 1 of an item are neighbours in
+    a CTA's range)."""
 
-    def __init__(self, dtype, tokens, stages, ctas, per_sm=1, store="direct", arch="sm_90a"):
-        if dtype not in ("fp32", "bf16") or store not in STORES:
-            raise ValueError(f"dtype fp32|bf16, store {STORES}; got {dtype!r}, {store!r}")
+    def __init__(
+        self, dtype, tokens, stages, ctas, per_sm=1, store="direct", arch="sm_90a", parts=1
+    ):
+        if dtype not in ("fp32", "bf16") or store not in STORES or parts not in (1, 2, 4):
+            raise ValueError(
+                f"dtype fp32|bf16, store {STORES}, parts 1|2|4; got {dtype!r}, {store!r}, {parts!r}"
+            )
         if not 1 <= tokens <= 8:
             raise ValueError(f"tokens must be in 1..8; got {tokens}")
         self.bf16, self.tokens, self.stages, self.ctas = dtype == "bf16", tokens, stages, ctas
-        self.per_sm, self.store = per_sm, store
+        self.per_sm, self.store, self.parts = per_sm, store, parts
+        self.threads = KEYS // parts  # a row each
         self.packed = dev.has_packed_fma(arch)
         self.row = KEYS * (2 if self.bf16 else 4)  # bytes of a row
         self.chunks = self.row // 16  # 16-byte chunks of a row (32 fp32, 16 bf16)
         self.page = KEYS * self.row
+        self.unit = self.threads * self.row  # the rows of a unit
         self.vectors = tokens * VECTORS * KEYS * 4
-        self.stage_bytes = self.page + self.vectors
+        self.stage_bytes = self.unit + self.vectors
         if stages < 2 or stages * self.stage_bytes + 1024 > SMEM_LIMIT // per_sm:
             raise ValueError(f"stages must be >= 2 and fit; got {stages} of {self.stage_bytes} B")
 
@@ -91,43 +99,48 @@ class RowState:
         launch(
             self.kernel(pool, src, dst, vec, out),
             (self.ctas, 1, 1),
-            (THREADS, 1, 1),
+            (self.threads, 1, 1),
             stream,
             min_blocks_per_mp=self.per_sm,
             carveout=100,
         )
 
+    def split(self, unit):
+        """Trace-time helper: (item, part) of a unit."""
+        shift = self.parts.bit_length() - 1
+        return unit >> shift, unit & (self.parts - 1)
+
     @cute.jit
-    def stage_item(self, base, vbase, src, item, stage0, s):
-        """cp.async item's page (swizzled rows) and vectors into stage ``s``."""
+    def stage_unit(self, base, vbase, src, unit, stage0, s):
+        """cp.async a unit's rows (swizzled) and its item's vectors into stage ``s``."""
         tid = fresh_tid()
+        item, part = self.split(unit)
         here = stage0 + s * self.stage_bytes
-        source = base + Int64(src[item]) * self.page + tid * 16
+        source = base + Int64(src[item]) * self.page + part * self.unit + tid * 16
         for j, shared in self.page_chunks(here, tid):
-            cp_async_16(shared, source + j * THREADS * 16)
+            cp_async_16(shared, source + j * self.threads * 16)
         vsource = vbase + Int64(item % VECTOR_SETS) * self.vectors
         n = self.vectors // 16
-        for j in cutlass.range_constexpr((n + THREADS - 1) // THREADS):
-            c = j * THREADS + tid
+        for j in cutlass.range_constexpr((n + self.threads - 1) // self.threads):
+            c = j * self.threads + tid
             if c < n:
-                cp_async_16(here + self.page + c * 16, vsource + c * 16)
+                cp_async_16(here + self.unit + c * 16, vsource + c * 16)
 
     def page_chunks(self, here, tid):
-        """Trace-time helper: (j, shared address) of the thread's 16-byte chunk j of a page
-        copy (chunk ``j * THREADS + tid`` of the page: a round of copies covers ``rows``
+        """Trace-time helper: (j, shared address) of the thread's 16-byte chunk j of a unit
+        copy (chunk ``j * threads + tid`` of the unit: a round of copies covers ``rows``
         whole rows) in the stage at ``here``, swizzled: chunk ``col`` of row r at
         ``col ^ (r % chunks)``. As r % chunks = rows * (j % period) + tid // chunks (rows
         divides chunks), the swizzle takes ``period`` base addresses and the rest are
         immediate offsets."""
-        rows = THREADS // self.chunks  # fp32 4, bf16 8
+        rows = self.threads // self.chunks  # 128 threads: fp32 4, bf16 8
         period = self.chunks // rows  # fp32 8, bf16 2
         shift = self.chunks.bit_length() - 1
         first, col = tid >> shift, tid & (self.chunks - 1)
         start = here + first * self.row
         bases = [start + ((col ^ first) ^ (rows * m)) * 16 for m in range(period)]
-        return [
-            (j, bases[j % period] + j * rows * self.row) for j in range(self.page // 16 // THREADS)
-        ]
+        rounds = self.unit // 16 // self.threads
+        return [(j, bases[j % period] + j * rows * self.row) for j in range(rounds)]
 
     @cute.jit
     def load_row(self, here):
@@ -145,8 +158,9 @@ class RowState:
         return h
 
     @cute.jit
-    def token(self, h, vt, tid):
-        """One token of the delta rule on the thread's row ``h`` (in place); returns o."""
+    def token(self, h, vt, row):
+        """One token of the delta rule on the thread's value row ``row`` (its keys ``h``, in
+        place); returns o."""
         q0, k0, v0, d0 = vt, vt + KEYS * 4, vt + 2 * KEYS * 4, vt + 3 * KEYS * 4
         packed = self.packed
         beta = ld_shared_f32(vt + 4 * KEYS * 4)
@@ -157,7 +171,7 @@ class RowState:
             dev.decay_and_dot(chunk, dots, c, d4, k4, packed)
             h[4 * c : 4 * c + 4] = chunk
         pred = sum_tree(dots)
-        v = ld_shared_f32(v0 + tid * 4)
+        v = ld_shared_f32(v0 + row * 4)
         v_new = (v - pred) * beta
         outs = [Float32(0.0)] * (2 * dev.ACCUMULATORS)
         for c in cutlass.range_constexpr(KEYS // 4):
@@ -189,18 +203,18 @@ class RowState:
                     st_shared_b32x4(address, words)
                 else:
                     st_shared_f32x4(address, h[4 * j : 4 * j + 4])
-            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             target = target + tid * 16
             for j, shared in self.page_chunks(here, fresh_tid()):
-                st_global_b32x4(target + j * THREADS * 16, ld_shared_b32x4(shared))
+                st_global_b32x4(target + j * self.threads * 16, ld_shared_b32x4(shared))
 
     @cute.kernel
     def kernel(self, pool, src, dst, vec, out):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        items = src.shape[0]
-        first = cta * items // self.ctas
-        count = (cta + 1) * items // self.ctas - first
+        units = src.shape[0] * self.parts
+        first = cta * units // self.ctas
+        count = (cta + 1) * units // self.ctas - first
         smem = cutlass.memory.SmemAllocator()
         stages = smem_tensor(smem, cutlass.Uint8, (self.stages * self.stage_bytes,), align=128)
         stage0 = Int32(stages.iterator.toint())
@@ -208,30 +222,32 @@ class RowState:
         obase = Int64(out.iterator.toint())
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < count:
-                self.stage_item(base, vbase, src, first + s, stage0, s)
+                self.stage_unit(base, vbase, src, first + s, stage0, s)
             cute.arch.cp_async_commit_group()
         n = Int32(0)
         while n < count:
             s = n % self.stages
-            ahead = n + self.stages - 1  # into the stage item n - 1 left
+            ahead = n + self.stages - 1  # into the stage unit n - 1 left
             if ahead < count:
-                self.stage_item(base, vbase, src, first + ahead, stage0, ahead % self.stages)
+                self.stage_unit(base, vbase, src, first + ahead, stage0, ahead % self.stages)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(self.stages - 1)
-            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             here = stage0 + s * self.stage_bytes
+            item, part = self.split(first + n)
+            row = part * self.threads + tid  # the thread's value row
             h = self.load_row(here)
             for t in cutlass.range_constexpr(self.tokens):
-                vt = here + self.page + t * VECTORS * KEYS * 4
-                o = self.token(h, vt, tid)
-                out_address = obase + (Int64(first + n) * self.tokens + t) * (KEYS * 4) + tid * 4
+                vt = here + self.unit + t * VECTORS * KEYS * 4
+                o = self.token(h, vt, row)
+                out_address = obase + (Int64(item) * self.tokens + t) * (KEYS * 4) + row * 4
                 cute.arch.inline_ptx(
                     "st.global.f32 [{$r0}], {$r1};", read_only_args=[out_address, Float32(o)]
                 )
-            target = base + Int64(dst[first + n]) * self.page
+            target = base + Int64(dst[item]) * self.page + part * self.unit
             self.store_row(h, target, here)
             # every thread is done with the stage before the next iteration refills it
-            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             n = n + 1
         cute.arch.cp_async_wait_group(0)
 
@@ -337,25 +353,31 @@ def check(pool, src, dst, vec, out, tokens, bf16):
 
 # (heads, requests): H * B items
 SHAPES = [(96, 128), (12, 128), (6, 128), (12, 32)]
-# dtype, tokens, stages, CTAs per SM, store
+# dtype, tokens, stages, CTAs per SM, store, parts
 CONFIGS = [
-    ("fp32", 1, 2, 1, "direct"),
-    ("fp32", 1, 3, 1, "direct"),
-    ("fp32", 1, 2, 1, "staged"),
-    ("bf16", 1, 4, 1, "direct"),
-    ("bf16", 1, 4, 1, "staged"),
-    ("bf16", 1, 3, 2, "direct"),
-    ("fp32", 4, 2, 1, "direct"),
-    ("bf16", 4, 4, 1, "direct"),
+    ("fp32", 1, 2, 1, "direct", 1),
+    ("fp32", 1, 3, 1, "direct", 1),
+    ("fp32", 1, 2, 1, "staged", 1),
+    ("fp32", 1, 3, 2, "direct", 2),
+    ("bf16", 1, 4, 1, "direct", 1),
+    ("bf16", 1, 4, 1, "staged", 1),
+    ("bf16", 1, 3, 2, "direct", 1),
+    ("bf16", 1, 4, 2, "direct", 2),
+    ("fp32", 4, 2, 1, "direct", 1),
+    ("bf16", 4, 4, 1, "direct", 1),
 ]
 
 
 def parse_config(text):
-    """``dtype:tokens:stages:per_sm:store`` (e.g. ``bf16:1:4:1:direct``) -> a CONFIGS entry."""
-    dtype, tokens, stages, per_sm, store = text.split(":")
+    """``dtype:tokens:stages:per_sm:store[:parts]`` (e.g. ``bf16:1:4:2:direct:2``) -> a
+    CONFIGS entry."""
+    fields = text.split(":")
+    if len(fields) == 5:
+        fields.append("1")
+    dtype, tokens, stages, per_sm, store, parts = fields
     if dtype not in ("fp32", "bf16") or store not in STORES:
         raise ValueError(f"config {text!r}: dtype fp32|bf16, store {STORES}")
-    return dtype, int(tokens), int(stages), int(per_sm), store
+    return dtype, int(tokens), int(stages), int(per_sm), store, int(parts)
 
 
 def launch_all(fn, args):
@@ -370,7 +392,9 @@ def launch_all(fn, args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
-    p.add_argument("--configs", nargs="+", default=None, help="dtype:tokens:stages:per_sm:store")
+    p.add_argument(
+        "--configs", nargs="+", default=None, help="dtype:tokens:stages:per_sm:store[:parts]"
+    )
     p.add_argument("--shapes", nargs="+", default=None, help="HxB, e.g. 96x128 12x128")
     a = p.parse_args(argv)
     configs = [parse_config(c) for c in a.configs] if a.configs else CONFIGS
@@ -387,8 +411,8 @@ def main(argv=None):
     tbps = copy_bandwidth()
     print(f"copy {tbps:.2f} TB/s, {sms} SMs")
     rows = []
-    for dtype, tokens, stages, per_sm, store in configs:
-        kernel = RowState(dtype, tokens, stages, sms * per_sm, per_sm, store, arch)
+    for dtype, tokens, stages, per_sm, store, parts in configs:
+        kernel = RowState(dtype, tokens, stages, sms * per_sm, per_sm, store, arch, parts)
         page_type = torch.bfloat16 if kernel.bf16 else torch.float32
         vec = make_vectors(tokens, "cuda").view(-1)
         for H, B in shapes:
@@ -413,10 +437,12 @@ def main(argv=None):
             us = time_graph(step, inner=rot)
             pct = 100 * 2 * items * kernel.page / (us * 1e-6) / 1e12 / tbps
             row = dict(dtype=dtype, tokens=tokens, stages=stages, per_sm=per_sm, store=store)
+            row.update(parts=parts)
             row.update(H=H, B=B, us=us, pct=pct, state_err=state_err, o_err=o_err)
             rows.append(row)
             print(
-                f"{dtype} T {tokens} stages {stages} per SM {per_sm} {store:6s} H {H:3d} "
+                f"{dtype} T {tokens} stages {stages} per SM {per_sm} {store:6s} parts {parts} "
+                f"H {H:3d} "
                 f"B {B:4d}: {us:8.1f} us {pct:5.1f}%  state err {state_err:.2e} "
                 f"o err {o_err:.2e}"
             )
