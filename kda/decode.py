@@ -25,16 +25,19 @@ from .operands import DecodeOperands, takes
 from .validate import check_decode, check_options, check_out
 
 
-def plan(requests, heads, tokens, device, kernel="auto", cluster=None, state_dtype="fp32"):
+def plan(
+    requests, heads, tokens, device, kernel="auto", cluster=None, state_dtype="fp32", records=False
+):
     """The dispatcher's ``Choice`` for a step on ``device`` (says why), whatever the
-    pages' ``state_dtype`` (KdaPipe takes fp32 and bf16 pages; the launcher falls back to
-    KdaStream for record mode, a window past KdaPipe's shared memory and parameters it
-    cannot copy)."""
+    pages' ``state_dtype`` (KdaPipe takes fp32 and bf16 pages); ``records``: a step that
+    writes records (never KdaPipe). The launcher also falls back to KdaStream for a window
+    past KdaPipe's shared memory and parameters it cannot copy."""
     from .kernels.launch import sms
 
     del state_dtype  # every kernel takes both page dtypes
     count = sms(device)
-    return dispatch.choose(requests, heads, tokens, sms=count, kernel=kernel, cluster=cluster)
+    where = dict(sms=count, kernel=kernel, cluster=cluster, records=records)
+    return dispatch.choose(requests, heads, tokens, **where)
 
 
 @takes(DecodeOperands, kernel="auto", cluster=None, gate_mode=3, pdl=False, out=None, validate=None)
