@@ -40,10 +40,13 @@ each row for both in one run (bytes, TB/s and % of copy with the dtype's page: 6
 32 KB; rotations sized by it); the replay rows run on fp32 pages. ``--deployed``: the
 deployed shapes H in {6, 12, 96}, B in {8, 32, 128, 256}, T in {1, 4}. ``--heads H ...
 --requests B ... --tokens T ...``: the product of the three (e.g. the KDA-bandwidth grid H 6
-12 24 96, B 1 8 32 128 256, one T per run to stay within a device call).
+12 24 96, B 1 8 32 128 256, one T per run to stay within a device call). ``--kernels auto``:
+only the dispatcher's choice of ours per row (no forced wide / stream / pipe: a quarter of
+the compiles); ``--pdl``: ours launched with programmatic dependent launch, as
+``launch/decode.py`` launches them (the replay rows without).
 
 Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify |
-       --deployed] [--state-dtype both] [--replay-only] [--diag]
+       --deployed] [--state-dtype both] [--replay-only] [--diag] [--kernels auto] [--pdl]
 """
 
 from __future__ import annotations
@@ -105,7 +108,10 @@ def setup(H, B, T, rotations, seed=0, device="cuda", state_dtype="fp32"):
     return layer, steps
 
 
-def ours(layer, steps, kernel, gate_mode=3, cluster=None):
+def ours(layer, steps, kernel, gate_mode=3, cluster=None, pdl=False):
+    """``kda.decode`` over the rotations; ``pdl``: launched as the deployment launches it
+    (programmatic dependent launch: each launch's prologue overlaps the previous one's
+    tail; the rotations keep consecutive launches' pages apart from 2 rotations on)."""
     import kda
 
     out = torch.empty_like(steps[0].gate)
@@ -114,8 +120,9 @@ def ours(layer, steps, kernel, gate_mode=3, cluster=None):
     def fn():
         for s in steps:
             kda.decode(
-                **kl.step_operands(layer, s), kernel=kernel, out=out, gate_mode=gate_mode, **extra
-            )
+                **kl.step_operands(layer, s), kernel=kernel, out=out, gate_mode=gate_mode,
+                pdl=pdl, **extra,
+            )  # fmt: skip
 
     return fn
 
@@ -339,6 +346,16 @@ def parse_args(argv=None):
     parser.add_argument("--diag", action="store_true", help="numerics diagnosis, no timing")
     parser.add_argument("--gate-mode", type=int, default=3, choices=(0, 1, 3))
     parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto", "wide", "stream", "pipe"],
+        choices=("auto", "wide", "stream", "pipe"),
+        help="ours to time per row (auto first; the others for auto / best; fewer compile faster)",
+    )
+    parser.add_argument(
+        "--pdl", action="store_true", help="launch ours with PDL, as launch/decode.py does"
+    )
+    parser.add_argument(
         "--state-dtype",
         choices=("fp32", "bf16", "both"),
         default="fp32",
@@ -366,6 +383,8 @@ def parse_args(argv=None):
         parser.error("--replay-sizes goes with --heads, --requests and --tokens")
     if args.replay_only and (args.small or args.verify or args.splits or args.diag):
         parser.error("--replay-only times the replay grid alone (with --quick at most)")
+    if "auto" not in args.kernels:
+        parser.error("--kernels: auto (the dispatcher's choice, every row's figure) is timed")
     return args
 
 
@@ -522,16 +541,17 @@ def main(argv=None):
         choice = plan(B, H, T, "cuda", state_dtype=dtype)
         result = dict(H=H, B=B, T=T, state_dtype=dtype, kernel=choice.kernel, reason=choice.reason)
         result.update(rotations=rotations, state_bytes=per_launch)
-        for name in ("auto", "wide", "stream", "pipe"):
+        result["pdl"] = args.pdl
+        for name in args.kernels:
             try:
-                fn = ours(layer, steps, name, args.gate_mode)
+                fn = ours(layer, steps, name, args.gate_mode, pdl=args.pdl)
                 result[f"{name}_us"] = time_graph(fn, inner=rotations)
             except ValueError as error:  # a kernel that refuses the shape: report, keep going
                 result[f"{name}_us"], result[f"{name}_error"] = None, repr(error)[:200]
         if args.small or args.splits:
             for cluster in (2, 4, 8):
                 try:
-                    fn = ours(layer, steps, "split", args.gate_mode, cluster=cluster)
+                    fn = ours(layer, steps, "split", args.gate_mode, cluster, args.pdl)
                     result[f"split{cluster}_us"] = time_graph(fn, inner=rotations)
                 except Exception as error:  # report, keep going
                     result[f"split{cluster}_us"] = None
@@ -540,8 +560,9 @@ def main(argv=None):
         kernels = {
             k[:-3]: v for k, v in result.items() if k.endswith("_us") and v and k[:-3] in named
         }
-        best = min(kernels, key=kernels.get)
-        result["best"], result["auto_vs_best"] = best, result["auto_us"] / kernels[best]
+        if kernels:  # the forced kernels timed (``--kernels``)
+            best = min(kernels, key=kernels.get)
+            result["best"], result["auto_vs_best"] = best, result["auto_us"] / kernels[best]
         try:
             result["fla_us"] = time_graph(fla_recurrence(layer, steps, H, B, T), inner=rotations)
         except Exception as error:  # the peer is optional: report, keep going
@@ -565,15 +586,16 @@ def main(argv=None):
         line = (
             f"{H:>3} {B:>4} {T:>2} {dtype:>5} {choice.kernel:>7} {f(us)} "
             f"{f(result['state_tbs'], 6, 2)} "
-            f"{f(result['pct_copy'], 6)} {f(result['wide_us'])} {f(result['stream_us'])} "
-            f"{f(result['pipe_us'])} "
+            f"{f(result['pct_copy'], 6)} {f(result.get('wide_us'))} "
+            f"{f(result.get('stream_us'))} {f(result.get('pipe_us'))} "
             f"{f(fla)} {f(result['speedup_fla'], 6, 2)} {f(comp, 9)} "
             f"{f(result['speedup_composed'], 6, 2)}"
         )
         print(line)
         if args.small or args.splits:
             splits = " ".join(f"split{c} {f(result[f'split{c}_us'])}" for c in (2, 4, 8))
-            print(f"    {splits}; best {result['best']}, auto / best {result['auto_vs_best']:.3f}")
+            best = f"best {result.get('best')}, auto / best {result.get('auto_vs_best', 0):.3f}"
+            print(f"    {splits}; {best}")
         timed = ("wide", "stream", "pipe", "split2", "split4", "split8", "fla", "composed")
         for key in (f"{name}_error" for name in timed):
             if key in result:

@@ -193,3 +193,14 @@ def test_grid_replay_sizes():
     assert bench_kda.replay_shapes(bf16) == []
     with pytest.raises(SystemExit):
         bench_kda.parse_args(["--replay-sizes", "4"])
+
+
+def test_kernels_and_pdl_flags():
+    """``--kernels``: which of ours each row times (auto always: every row's figure);
+    ``--pdl``: launched as the deployment launches them; default all four, no PDL."""
+    args = bench_kda.parse_args([])
+    assert args.kernels == ["auto", "wide", "stream", "pipe"] and args.pdl is False
+    args = bench_kda.parse_args(["--kernels", "auto", "--pdl"])
+    assert args.kernels == ["auto"] and args.pdl is True
+    with pytest.raises(SystemExit):
+        bench_kda.parse_args(["--kernels", "wide", "pipe"])
