@@ -18,6 +18,7 @@ run, also for variants that store no pages.
 
     python3 scripts/probe_pipe.py --ablate [--json out.json]
     python3 scripts/probe_pipe.py --baseline kda.kernels.snap_main.pipe [--json out.json]
+    python3 scripts/probe_pipe.py --ablate --of kda.kernels.pipe_rows:KdaPipeRows
 """
 
 from __future__ import annotations
@@ -154,16 +155,42 @@ def time_rows(variants, rows, repeats, json_path=None):
 
 def variant_name(module):
     """A baseline's name in the rows: the module's last part, its package's for a
-    ``snapshot_pipe.py`` snapshot (``kda.kernels.snap_main.pipe`` -> ``snap_main``)."""
+    ``snapshot_pipe.py`` snapshot (``kda.kernels.snap_main.pipe`` -> ``snap_main``), the
+    class's for ``module:Class``."""
+    if ":" in module:
+        return module.split(":")[1]
     parts = module.split(".")
     return parts[-2] if parts[-1] == "pipe" and len(parts) > 1 else parts[-1]
+
+
+def baseline_class(spec):
+    """The class ``module`` (its KdaPipe) or ``module:Class`` names."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "KdaPipe")
+
+
+def ablations_of(base):
+    """The ablation variants on ``base`` (KdaPipe or a subclass of it, e.g. KdaPipeRows):
+    each variant's overrides ahead of ``base``'s in the method order."""
+    if base is KdaPipe:
+        return dict(ABLATIONS)
+    return {
+        name: cls if cls is KdaPipe else type(f"{cls.__name__}_{base.__name__}", (cls, base), {})
+        for name, cls in ABLATIONS.items()
+    } | {"full": base}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ablate", action="store_true")
     p.add_argument(
-        "--baseline", action="append", default=[], help="a module holding a KdaPipe (repeatable)"
+        "--baseline",
+        action="append",
+        default=[],
+        help="a module holding a KdaPipe, or module:Class of another one (repeatable)",
+    )
+    p.add_argument(
+        "--of", default=None, help="--ablate: module:Class of another KdaPipe (default this tree's)"
     )
     p.add_argument("--repeats", type=int, default=None, help="rounds (ablate 1, baseline 2)")
     p.add_argument("--json", default=None)
@@ -171,9 +198,9 @@ def main(argv=None):
     if a.ablate == bool(a.baseline):
         p.error("give --ablate or --baseline MODULE")
     if a.ablate:
-        variants = ABLATIONS
+        variants = ablations_of(baseline_class(a.of) if a.of else KdaPipe)
     else:
-        variants = {variant_name(m): importlib.import_module(m).KdaPipe for m in a.baseline}
+        variants = {variant_name(m): baseline_class(m) for m in a.baseline}
         variants["tree"] = KdaPipe
     repeats = a.repeats or (1 if a.ablate else 2)
     time_rows(variants, ROWS, repeats, a.json)

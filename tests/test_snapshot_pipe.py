@@ -49,6 +49,19 @@ def test_snapshot_of_head_imports_and_cleans(tmp_path):
         import probe_pipe
 
         assert probe_pipe.variant_name(f"kda.kernels.snap_{name}.pipe") == f"snap_{name}"
+        # another class, by name (e.g. a snapshot's or a branch's KdaPipe subclass)
+        spec = f"kda.kernels.snap_{name}.pipe:KdaPipe"
+        assert probe_pipe.variant_name(spec) == "KdaPipe"
+        assert probe_pipe.baseline_class(spec) is snap.KdaPipe
+        assert probe_pipe.baseline_class(f"kda.kernels.snap_{name}.pipe") is snap.KdaPipe
+
+        class Other(pipe.KdaPipe):  # the ablations of another KdaPipe: theirs ahead of its
+            pass
+
+        variants = probe_pipe.ablations_of(Other)
+        assert variants["full"] is Other and set(variants) == set(probe_pipe.ABLATIONS)
+        assert variants["no_state"].recurrence is probe_pipe.NoState.recurrence
+        assert issubclass(variants["copy_no_prep"], Other)
     finally:
         snapshot_pipe.main(["--clean"])
     assert not os.path.exists(target)
