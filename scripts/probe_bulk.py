@@ -20,7 +20,6 @@ past L2), beside the copy bandwidth measured in the run; bytes: 2 pages per item
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -31,6 +30,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from _common import probe_args  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
 from kda.kernels.replay import st_shared_f32x4  # noqa: E402
@@ -191,15 +191,9 @@ def parse_config(text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument(
-        "--configs", nargs="+", default=None, help="dtype:stages:mode:parts:per_sm:chunk"
-    )
-    p.add_argument("--shapes", nargs="+", default=None, help="HxB, e.g. 96x128 12x128")
-    a = p.parse_args(argv)
+    a, shapes = probe_args(__doc__, "dtype:stages:mode:parts:per_sm:chunk", argv)
     configs = [parse_config(c) for c in a.configs] if a.configs else CONFIGS
-    rows = [tuple(int(v) for v in s.split("x")) for s in a.shapes] if a.shapes else ROWS
+    rows = shapes or ROWS
     import cuda.bindings.driver as cuda
     import torch
     from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph

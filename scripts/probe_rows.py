@@ -30,7 +30,6 @@ memory).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -41,6 +40,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from _common import probe_args  # noqa: E402
 from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from kda.kernels import device as dev  # noqa: E402
@@ -390,15 +390,9 @@ def launch_all(fn, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument(
-        "--configs", nargs="+", default=None, help="dtype:tokens:stages:per_sm:store[:parts]"
-    )
-    p.add_argument("--shapes", nargs="+", default=None, help="HxB, e.g. 96x128 12x128")
-    a = p.parse_args(argv)
+    a, shapes = probe_args(__doc__, "dtype:tokens:stages:per_sm:store[:parts]", argv)
     configs = [parse_config(c) for c in a.configs] if a.configs else CONFIGS
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes] if a.shapes else SHAPES
+    shapes = shapes or SHAPES
     import cuda.bindings.driver as cuda
     import torch
     from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph
