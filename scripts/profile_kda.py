@@ -14,7 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import torch  # noqa: E402
-from bench_kda import fla_recurrence, ours, replay, replay_setup, setup  # noqa: E402
+from bench_kda import ours, replay, replay_setup, setup  # noqa: E402
+from kda_peers import fla_recurrence  # noqa: E402
 
 
 def main(argv=None):
