@@ -15,7 +15,8 @@ threads into two groups that work on different items at once:
   conv weights, bias, dt_bias and a_log sit in a head cache refilled when a CTA's range
   reaches the next head, and the item slots are read two items ahead. At T <= 4 the raw
   gates of up to 8 / T items of one head are one mma tile (``gate_batch``: its eight token
-  columns, at the batch's first item), each item's decays copied from it into its slot;
+  columns, at the batch's first item), each item's decays copied from it into its slot
+  (not on fp32 pages at T = 1, ``batches_gate``: there each item's own tile);
 - the *state* group (threads 256-511, KdaWide's layout on ``tid - 256``): item n's page
   from its shared stage into registers, q and k normalised, the delta rule
   (``dev.delta_rule``, KdaStream's streamed store), the gated RMSNorm and the output row
