@@ -77,3 +77,14 @@ def probe_args(doc: str, config_help: str, argv=None):
     a = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes] if a.shapes else None
     return a, shapes
+
+
+def launch_all(fn, args):
+    """A compiled probe over every slot table (each entry ``fn``'s arguments but the
+    stream), on the current stream."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    for a in args:
+        fn(*a, stream)

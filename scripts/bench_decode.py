@@ -281,7 +281,9 @@ def _lone_rank(cfg, model):
         runner = Runner(cfg, model, backend, budget_ns=BUDGET_NS)
         plan, step, prefix, blocks = first_step(cfg, model)
         bk = runner.bucket(1, False)
-        bk.kda_choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
+        bk.kda_choice = plan_kda(
+            cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device, records=bk.record
+        )
         runner.fill(bk, plan, step, prefix, blocks)
         partial = torch.randn(bk.rows, cfg.hidden, device=runner.device).to(torch.bfloat16)
 

@@ -231,7 +231,9 @@ def lone_rank(cfg, fence=True):
             backend, rows, cfg.hidden, cfg.blocks, twoshot=plan.twoshot, fence=fence, **kw
         )
         bk = runner.bucket(step_plan.tokens, step_plan.record)
-        bk.kda_choice = plan_kda(cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device)
+        bk.kda_choice = plan_kda(
+            cfg.requests, cfg.heads_per_rank, bk.tokens, runner.device, records=bk.record
+        )
         runner.fill(bk, step_plan, step, prefix, blocks)
         bf = dict(device=runner.device)
         partial = torch.randn(rows, cfg.hidden, **bf).to(torch.bfloat16)

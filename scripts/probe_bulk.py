@@ -21,7 +21,6 @@ past L2), beside the copy bandwidth measured in the run; bytes: 2 pages per item
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from _common import probe_args  # noqa: E402
+from _common import launch_all, probe_args  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
 from kda.kernels.replay import st_shared_f32x4  # noqa: E402
@@ -160,16 +159,6 @@ def compile_probe(page_bytes, stages, mode, ctas, arch=None, tensors=None, chunk
     return cute.compile(kernel, *args, options=options)
 
 
-def launch_all(fn, args):
-    """The compiled probe over every slot table, on the current stream."""
-    import cuda.bindings.driver as cuda
-    import torch
-
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    for pool, src, dst in args:
-        fn(pool, src, dst, stream)
-
-
 ROWS = [(96, 128), (12, 128), (6, 128), (12, 32), (6, 32)]  # (heads, requests): H * B items
 # dtype, stages, modes, parts of a page per unit, CTAs per SM, bytes per bulk instruction
 CONFIGS = [
@@ -196,7 +185,7 @@ def main(argv=None):
     rows = shapes or ROWS
     import cuda.bindings.driver as cuda
     import torch
-    from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph
+    from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph, write_json
 
     from tpcomm.cuteutil import to_cute
 
@@ -243,8 +232,7 @@ def main(argv=None):
                 del pool, tables, args, step
                 torch.cuda.empty_cache()
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(copy_tbps=tbps, rows=out), f, indent=1)
+        write_json(a.json, dict(copy_tbps=tbps, rows=out))
 
 
 if __name__ == "__main__":

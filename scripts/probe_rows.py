@@ -31,7 +31,6 @@ memory).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 
@@ -40,7 +39,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from _common import probe_args  # noqa: E402
+from _common import launch_all, probe_args  # noqa: E402
 from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from kda.kernels import device as dev  # noqa: E402
@@ -170,7 +169,7 @@ class RowState:
             chunk = h[4 * c : 4 * c + 4]
             dev.decay_and_dot(chunk, dots, c, d4, k4, packed)
             h[4 * c : 4 * c + 4] = chunk
-        pred = sum_tree(dots)
+        pred = dev.tree_sum(dots)
         v = ld_shared_f32(v0 + row * 4)
         v_new = (v - pred) * beta
         outs = [Float32(0.0)] * (2 * dev.ACCUMULATORS)
@@ -180,7 +179,7 @@ class RowState:
             chunk = h[4 * c : 4 * c + 4]
             dev.update_and_out(chunk, outs, c, k4, q4, v_new, packed)
             h[4 * c : 4 * c + 4] = chunk
-        return sum_tree(outs)
+        return dev.tree_sum(outs)
 
     @cute.jit
     def store_row(self, h, target, here):
@@ -265,14 +264,6 @@ def st_shared_b32x4(shared: Int32, words):
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
         read_only_args=[shared, *[cutlass.Uint32(w) for w in words]],
     )
-
-
-def sum_tree(values):
-    """The partial sums added pairwise (trace time)."""
-    values = list(values)
-    while len(values) > 1:
-        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
-    return values[0]
 
 
 def compile_probe(kernel: RowState, tensors=None, arch=None, extra=""):
@@ -380,22 +371,13 @@ def parse_config(text):
     return dtype, int(tokens), int(stages), int(per_sm), store, int(parts)
 
 
-def launch_all(fn, args):
-    import cuda.bindings.driver as cuda
-    import torch
-
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    for a in args:
-        fn(*a, stream)
-
-
 def main(argv=None):
     a, shapes = probe_args(__doc__, "dtype:tokens:stages:per_sm:store[:parts]", argv)
     configs = [parse_config(c) for c in a.configs] if a.configs else CONFIGS
     shapes = shapes or SHAPES
     import cuda.bindings.driver as cuda
     import torch
-    from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph
+    from bench_kda import ROTATE_BYTES, copy_bandwidth, time_graph, write_json
 
     from kda.dispatch import arch_of
     from tpcomm.cuteutil import to_cute
@@ -443,8 +425,7 @@ def main(argv=None):
             del pool, tables, args, step, out
             torch.cuda.empty_cache()
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(copy_tbps=tbps, rows=rows), f, indent=1)
+        write_json(a.json, dict(copy_tbps=tbps, rows=rows))
 
 
 if __name__ == "__main__":
