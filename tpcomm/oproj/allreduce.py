@@ -22,12 +22,14 @@ from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
     GROUP_THREADS,
     MAX_TOKENS,
+    PRODUCERS,
     SLICE,
     WORD_ROW_BYTES,
     Plan,
     buffer_bytes,
     check_config,
     choose,
+    gemm_tile,
     min_blocks_per_sm,
 )
 from tpcomm.oproj.remote import RemotePuts
@@ -87,11 +89,19 @@ class OprojAllReduce:
         )
         twoshot = plan.twoshot
         producer = plan.producer if producer is None else producer
-        if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
+        if producer not in PRODUCERS or (producer == "mma" and tokens > MAX_TOKENS):
             raise ValueError(
-                f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
-                f"got {producer!r} for {tokens} rows"
+                f"producer must be 'cublas', 'wgmma' (sm_90), or 'mma' for <= {MAX_TOKENS} "
+                f"rows; got {producer!r} for {tokens} rows"
             )
+        tile = gemm_tile(tokens) if producer == "wgmma" else None
+        device = getattr(backend, "device", None)
+        if tile is not None and device is not None and torch.device(device).type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability != (9, 0):
+                raise ValueError(
+                    f"producer='wgmma' needs an sm_90 GPU; got sm_{capability[0]}{capability[1]}"
+                )
         groups = plan.groups if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not is_int(budget_ns) or budget_ns <= 0:
@@ -113,7 +123,7 @@ class OprojAllReduce:
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot, self.producer = twoshot, producer
+        self.twoshot, self.producer, self.gemm_tile = twoshot, producer, tile
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         self.remote = None  # RemotePuts with a split domain
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows

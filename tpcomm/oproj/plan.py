@@ -55,6 +55,12 @@ TILE_SMEM_BYTES = WARPS * 32 * 4 * 4  # fp32 fragments of one tile, summed in wa
 RESERVED_SMEM = 1024  # bytes the hardware reserves per CTA (sm_80+)
 SMS_PER_GPC_AT_LEAST = 16  # assumed: Hopper / Blackwell data-center GPCs hold 16+ SMs
 
+PRODUCERS = ("mma", "cublas", "wgmma")
+# OprojGemmProducer's CTA tile (rows x features) by rows: (64, 64) keeps 112 CTAs streaming
+# w_o at HID 7168 and few rows; more rows take larger tiles (fewer w_o re-reads per row).
+# Not yet measured on a GPU: the bench sweeps tiles (scripts/bench_oproj.py --gemm).
+GEMM_TILES = ((64, (64, 64)), (256, (128, 128)), (None, (128, 256)))
+
 TWOSHOT_MIN_TP = 8  # the expected crossover (``twoshot_available``) where none is measured
 TWOSHOT_MIN_TOKENS = 4
 CROSSOVERS = Path(__file__).with_name("crossovers.json")
@@ -335,6 +341,14 @@ class DeviceLimits:
 def tile_count(hid: int) -> int:
     """16-feature producer tiles: ``HID / 16``."""
     return hid // FEATURES
+
+
+def gemm_tile(rows: int) -> tuple[int, int]:
+    """``OprojGemmProducer``'s (tile_m, tile_n) for ``rows`` (``GEMM_TILES``; every tile
+    width divides every valid hid, a multiple of 1024)."""
+    if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in 1..{MAX_ROWS}; got {rows!r}")
+    return next(t for limit, t in GEMM_TILES if limit is None or rows <= limit)
 
 
 def producer_rows(hid: int, groups: int, tiles: int) -> int:
