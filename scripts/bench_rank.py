@@ -208,7 +208,8 @@ def lone_rank(cfg, fence=True, producer=None):
     ``fence``, the sys fence of a rank per GPU; yields ``(runner, bk, plan,
     publish_others)``: ``publish_others()`` publishes the other ranks' partials of parity
     0 and, twoshot, fills rank 0's gather row with the other owners' shards. ``producer``
-    "wgmma": ``OprojGemmProducer`` above 8 rows instead of the plan's cuBLAS + publisher."""
+    "wgmma": ``OprojGemmProducer`` instead of the plan's producer (mma.sync up to 8 rows,
+    cuBLAS + publisher above)."""
     from step_peers import GRIDS, first_step
 
     from kda.decode import plan as plan_kda
@@ -229,7 +230,7 @@ def lone_rank(cfg, fence=True, producer=None):
         rows = cfg.requests * step_plan.tokens
         plan = oproj_plan(cfg.tp, rows, cfg.hidden, "per-rank")
         kw = dict(groups=plan.groups, eps=EPS, out_eps=OUT_EPS, budget_ns=BUDGET_NS)
-        if producer == "wgmma" and plan.producer == "cublas":
+        if producer == "wgmma":  # every rows count: beside mma.sync too
             plan = dataclasses.replace(plan, producer="wgmma")
             kw["producer"] = "wgmma"
         runner.comms[rows] = OprojAllReduce(
@@ -368,7 +369,7 @@ def parser() -> argparse.ArgumentParser:
     about = "publish without the sys fence (loopback's default; a rank per GPU fences)"
     p.add_argument("--no-fence", action="store_true", help=about)
     p.add_argument("--no-flush", action="store_true", help="no L2 flush before each sample")
-    about = "above 8 rows: the plan's producer (cuBLAS + publisher) or wgmma (OprojGemmProducer)"
+    about = "the plan's producer (mma.sync / cuBLAS + publisher) or wgmma (OprojGemmProducer)"
     p.add_argument("--producer", choices=("plan", "wgmma"), default="plan", help=about)
     p.set_defaults(kda_state="per-step", ring=DEFAULT_RING)
     return p
