@@ -18,8 +18,9 @@ tensor core, so the result differs from ``reference.project`` (and from cuBLAS) 
 the order of the fp32 sums, the contract of the cuBLAS path it replaces.
 
 Epilogue: each thread's accumulator pairs (two adjacent features) go to a padded bf16
-tile in shared memory as one rounded word; after a CTA barrier each thread reads 16-byte
-groups of the tile (8 features of one row) and publishes them. Rows at or past ``rows``
+tile in shared memory (over the ring, every load consumed by then) as one rounded word;
+after a CTA barrier each thread reads 16-byte groups of the tile (8 features of one row)
+and publishes them. Rows at or past ``rows``
 are not published.
 
 ``ranks`` = TP (one GPU): every rank's operands contiguous (``[TP, rows, D]``,
@@ -51,11 +52,10 @@ TILES_N = (64, 128, 256)
 
 
 def gemm_stages(tile_m: int, tile_n: int, d_local: int) -> int:
-    """Stages of the A/B ring: as many as fit beside the epilogue tile, at most the k
-    tiles of one CTA's work."""
+    """Stages of the A/B ring: as many as fit (the epilogue tile reuses the ring once the
+    mainloop is done), at most the k tiles of one CTA's work (but two)."""
     stage = (tile_m + tile_n) * K_TILE * 2
-    epilogue = tile_m * (tile_n // 2 + PAD_WORDS) * 4
-    return max(2, min(d_local // K_TILE, (SMEM_BYTES - BARRIER_BYTES - epilogue) // stage))
+    return max(2, min(d_local // K_TILE, (SMEM_BYTES - BARRIER_BYTES) // stage))
 
 
 def check_gemm(tp, hid, d_local, tile_m, tile_n, stages, twoshot, ranks):
@@ -144,7 +144,6 @@ class OprojGemmProducer:
             barriers: cute.struct.MemRange[Int64, self.stages * 2]
             sa: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            out: cute.struct.Align[cute.struct.MemRange[Int32, self.tile_m * self.row_words], 16]
 
         self.storage = Storage
         call = self.kernel(
@@ -201,8 +200,12 @@ class OprojGemmProducer:
         )
         sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        # the epilogue tile over the ring (sa, then sb right after it: both 1024-aligned,
+        # sa a multiple of 1024 bytes) once the mainloop is done
+        ring_bytes = 2 * (cute.cosize(a_layout) + cute.cosize(b_layout))
+        assert self.tile_m * self.row_words * 4 <= ring_bytes
         out = cute.make_tensor(
-            storage.out.data_ptr(),
+            cute.recast_ptr(storage.sa.data_ptr(), dtype=Int32),
             cute.make_layout((self.tile_m, self.row_words), stride=(self.row_words, 1)),
         )
         coord = (bm, bn, None, r)
@@ -264,6 +267,7 @@ class OprojGemmProducer:
                 self.load_stage(ring, loads, tma_a, tas, tag, tma_b, tbs, tbg)
                 loads.advance()
         warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # every warp group's wgmma done reading the ring
 
         # epilogue: rounded pairs into the padded tile, then 16-byte groups published
         for i in cutlass.range_constexpr(0, cute.size(acc), 2):
