@@ -33,6 +33,11 @@ def pytest_addoption(parser):
         "run is cut off before pytest's summary)"
     )
     parser.addoption("--gpu-failures-out", default=None, metavar="PATH", help=what)
+    what = (
+        "run part K of N (K/N, e.g. 1/2) of the collected tests, split by the recorded GPU "
+        "durations so that the parts take about as long (a suite in several device calls)"
+    )
+    parser.addoption("--gpu-shard", default=None, metavar="K/N", help=what)
 
 
 _failures_out: list = []  # the controller's --gpu-failures-out, if any
@@ -45,7 +50,38 @@ def pytest_configure(config):
         _failures_out.append(out)
 
 
+def shard_of(nodeids, known, count):
+    """Part (0-based) of each node id when ``count`` parts share them: longest first (no
+    recorded time: the longest recorded), each to the part with the least total so far."""
+    default = max(known.values(), default=1.0)
+    order = sorted(nodeids, key=lambda n: (-known.get(n, default), n))
+    totals, part = [0.0] * count, {}
+    for nodeid in order:
+        k = min(range(count), key=lambda i: (totals[i], i))
+        part[nodeid] = k
+        totals[k] += known.get(nodeid, default)
+    return part
+
+
+def _parse_shard(text):
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--gpu-shard must be K/N; got {text!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--gpu-shard must be K/N with 1 <= K <= N; got {text!r}")
+    return k, n
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--gpu-shard")
+    if shard:
+        k, n = _parse_shard(shard)
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        part = shard_of([item.nodeid for item in items], known, n)
+        keep = [item for item in items if part[item.nodeid] == k - 1]
+        config.hook.pytest_deselected(items=[i for i in items if part[i.nodeid] != k - 1])
+        items[:] = keep
     if _has_cuda():
         # Slowest first: pytest-xdist hands out the first items first, so the long tests
         # (launcher subprocesses, fla's Triton compiles) start at once instead of last;
