@@ -38,8 +38,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from tpcomm import protocol
-from tpcomm.cuteutil import compile_cached, fake_tensor, launch, ld_shared_b32x4, pack_bf16x2, saddr
-from tpcomm.oproj.kernels.producer import twoshot_offset
+from tpcomm.cuteutil import compile_cached, launch, ld_shared_b32x4, pack_bf16x2, saddr
+from tpcomm.oproj.kernels.producer import fake_producer_arguments, twoshot_offset
 from tpcomm.oproj.operands import ProducerOperands
 from tpcomm.oproj.plan import check_producer
 
@@ -319,14 +319,9 @@ class OprojGemmProducer:
 
 
 def fake_gemm_arguments(tp: int, hid: int, d_local: int):
-    """Compile-only arguments of ``OprojGemmProducer.__call__`` (rows dynamic)."""
-    operands = ProducerOperands(
-        fake_tensor(BFloat16, (cute.sym_int(), d_local)),
-        fake_tensor(BFloat16, (hid, d_local)),
-        fake_tensor(Int64, (tp,), align=8),
-        Int64(0),
-    )
-    return operands, Int32(0), Int32(0), cute.runtime.make_fake_stream()
+    """Compile-only arguments of ``OprojGemmProducer.__call__`` (rows dynamic): the
+    mma.sync producer's."""
+    return fake_producer_arguments(tp, hid, d_local)
 
 
 def compiled_gemm_producer(
