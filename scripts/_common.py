@@ -65,7 +65,7 @@ def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
 
 
 def probe_args(doc: str, config_help: str, argv=None):
-    """The copy probes' command line (``probe_bulk.py``, ``probe_rows.py``): ``--json``,
+    """The copy probes' command line (``probe_bulk.py``): ``--json``,
     ``--configs`` (each ``config_help``-shaped, parsed by the probe) and ``--shapes HxB``;
     returns (args, [(H, B)] or None for the probe's default shapes)."""
     import argparse
