@@ -29,9 +29,6 @@ KGPU = "tests/test_kda_kernels_gpu.py"
 CGPU = "tests/test_oproj_consumer_gpu.py"
 ONE = "tests/test_oproj_one_launch_gpu.py"
 RGPU = "tests/test_kda_recover_gpu.py"
-GEMM = "tpcomm/oproj/kernels/gemm.py"
-GEMM_PTX = "tests/test_oproj_gemm_compile.py"
-GEMM_GPU = "tests/test_oproj_gemm_gpu.py"
 WIDE_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-wide]"  # record, padding
 WIDE_T1 = f"{KGPU}::test_decode_matches_reference[s2-H12B64T5-df-b1-r0-wide]"
 STREAM_CASE = f"{KGPU}::test_decode_matches_reference[s1-H6B3T2-wf-b0-r1-stream]"
@@ -599,49 +596,5 @@ MUTANTS: list[Mutant] = [
         f"{CGPU}::test_consumer_matches_reference[c4-tp8]",
         f"{CGPU}::test_consumer_matches_reference[c13-tp3]",
         gpu=True,
-    ),
-    # --- OprojGemmProducer (TMA + wgmma, publishing from its epilogue) ----------------------
-    M(
-        "gemm-one-shot-one-peer",
-        GEMM,
-        "                for p in cutlass.range_constexpr(self.tp):\n"
-        "                    protocol.publish(peers[p] + offset, words)",
-        "                for p in cutlass.range_constexpr(1):\n"
-        "                    protocol.publish(peers[p] + offset, words)",
-        f"{GEMM_PTX}::test_gemm_producer_ptx",
-    ),
-    M(
-        "gemm-pdl-wait-removed",
-        GEMM,
-        "            cute.arch.griddepcontrol_wait()  # attn_out comes from the previous kernel\n",
-        "",
-        f"{GEMM_PTX}::test_gemm_producer_ptx",
-    ),
-    M(
-        "gpu-gemm-pair-order",
-        GEMM,
-        "out[m, n // 2] = pack_bf16x2(acc[i], acc[i + 1])",
-        "out[m, n // 2] = pack_bf16x2(acc[i + 1], acc[i])",
-        f"{GEMM_GPU}::test_one_launch_publishes_the_projection",
-        gpu=True,
-        select="9",
-    ),
-    M(
-        "gpu-gemm-row-tile",
-        GEMM,
-        "            token = bm * self.tile_m + row\n",
-        "            token = row\n",
-        f"{GEMM_GPU}::test_per_rank_publishes_the_projection",
-        gpu=True,
-        select="300",
-    ),
-    M(
-        "gpu-gemm-twoshot-owner",
-        GEMM,
-        "            owner = column // (self.hid // self.tp)\n",
-        "            owner = column // self.hid\n",
-        f"{GEMM_GPU}::test_per_rank_publishes_the_projection",
-        gpu=True,
-        select="True",
     ),
 ]
