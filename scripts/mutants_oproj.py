@@ -6,18 +6,19 @@ from __future__ import annotations
 from mutants_table import M
 
 GEMM = "tpcomm/oproj/kernels/gemm.py"
+PRODUCER = "tpcomm/oproj/kernels/producer.py"
 GEMM_PTX = "tests/test_oproj_gemm_compile.py"
 GEMM_GPU = "tests/test_oproj_gemm_gpu.py"
 
 OPROJ_MUTANTS = [
     # --- OprojGemmProducer (TMA + wgmma, publishing from its epilogue) ----------------------
-    M(
+    M(  # the publish shared with PartialPublisher (GroupPublisher.publish_group)
         "gemm-one-shot-one-peer",
-        GEMM,
-        "                for p in cutlass.range_constexpr(self.tp):\n"
-        "                    protocol.publish(peers[p] + offset, words)",
-        "                for p in cutlass.range_constexpr(1):\n"
-        "                    protocol.publish(peers[p] + offset, words)",
+        PRODUCER,
+        "            for p in cutlass.range_constexpr(self.tp):\n"
+        "                protocol.publish(peers[p] + offset, words)",
+        "            for p in cutlass.range_constexpr(1):\n"
+        "                protocol.publish(peers[p] + offset, words)",
         f"{GEMM_PTX}::test_gemm_producer_ptx",
     ),
     M(
@@ -47,9 +48,10 @@ OPROJ_MUTANTS = [
     ),
     M(
         "gpu-gemm-twoshot-owner",
-        GEMM,
+        PRODUCER,
+        "        if cutlass.const_expr(self.twoshot):\n"
         "            owner = column // (self.hid // self.tp)\n",
-        "            owner = column // self.hid\n",
+        "        if cutlass.const_expr(self.twoshot):\n            owner = column // self.hid\n",
         f"{GEMM_GPU}::test_per_rank_publishes_the_projection",
         gpu=True,
         select="True",

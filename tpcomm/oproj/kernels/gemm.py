@@ -39,7 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from tpcomm import protocol
 from tpcomm.cuteutil import compile_cached, launch, ld_shared_b32x4, pack_bf16x2, saddr
-from tpcomm.oproj.kernels.producer import fake_producer_arguments, twoshot_offset
+from tpcomm.oproj.kernels.producer import GroupPublisher, fake_producer_arguments
 from tpcomm.oproj.operands import ProducerOperands
 from tpcomm.oproj.plan import check_producer
 
@@ -73,7 +73,7 @@ def check_gemm(tp, hid, d_local, tile_m, tile_n, stages, twoshot, ranks):
         )
 
 
-class OprojGemmProducer:
+class OprojGemmProducer(GroupPublisher):
     """Compile-time configuration: TP, HID, D (local width), the CTA tile, the ring's
     stages, multicast, fence, PDL, twoshot, ranks in one launch."""
 
@@ -286,7 +286,11 @@ class OprojGemmProducer:
             if token < tokens:
                 words = [Int32(w) for w in ld_shared_b32x4(saddr(out, (row, chunk * 4)))]
                 column = bn * self.tile_n + chunk * 8
-                self.publish(peers, multicast_base, tokens, rank, step, token, column, words)
+                offset = (Int64(step & 1) * self.tp + rank) * (Int64(tokens) * (self.hid * 2))
+                offset = offset + (Int64(token) * self.hid + column) * 2
+                self.publish_group(
+                    peers, multicast_base, offset, tokens, rank, step, token, column, words
+                )
 
     @cute.jit
     def load_stage(self, ring, state, tma_a, tas, tag, tma_b, tbs, tbg):
@@ -297,25 +301,6 @@ class OprojGemmProducer:
         cute.copy(tma_a, tag[(None, state.count)], tas[(None, state.index)], tma_bar_ptr=bar)
         cute.copy(tma_b, tbg[(None, state.count)], tbs[(None, state.index)], tma_bar_ptr=bar)
         ring.producer_commit(state)
-
-    @cute.jit
-    def publish(self, peers, multicast_base, tokens, rank, step, token, column, words):
-        """One 16-byte group (features ``column ..`` of row ``token``) into the slot
-        ``[step & 1, rank]`` of every rank's mailbox, the multicast one, or the twoshot
-        owner's receive view."""
-        if cutlass.const_expr(self.twoshot):
-            owner = column // (self.hid // self.tp)
-            shard = twoshot_offset(self.tp, self.hid, step, rank, tokens, token, column)
-            protocol.publish(peers[owner] + shard, words)
-        else:
-            slot_bytes = Int64(tokens) * (self.hid * 2)
-            offset = (Int64(step & 1) * self.tp + rank) * slot_bytes
-            offset = offset + (Int64(token) * self.hid + column) * 2
-            if cutlass.const_expr(self.multicast):
-                protocol.publish(multicast_base + offset, words, multicast=True)
-            else:
-                for p in cutlass.range_constexpr(self.tp):
-                    protocol.publish(peers[p] + offset, words)
 
 
 def fake_gemm_arguments(tp: int, hid: int, d_local: int):
