@@ -25,11 +25,12 @@ import json
 import sys
 
 import torch
-from _common import replay_us
+from oproj_rows import gemm_tflops, graph_us
 
 ROTATE_BYTES = 256 << 20
 TILES = ("64x64", "64x128", "128x128", "128x256")
 TARGET = 1.1
+REPEATS = 5  # replays of each graph (the median)
 
 
 def parse_tiles(texts):
@@ -52,19 +53,6 @@ def floor_us(tp, rows, hid, d_local, twoshot, tbps, tflops):
     return max(nbytes / (tbps * 1e6), 2.0 * rows * hid * d_local / (tflops * 1e6))
 
 
-def graph_us(step, launches, repeats=5):
-    """Median us per call of ``step(i)`` over a graph of ``launches`` calls."""
-    step(0)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for i in range(launches):
-            step(i)
-    return replay_us(graph, repeats, launches)
-
-
 def measure(tp, rows, hid, d_local, twoshot, tiles):
     """{column: us} for one (TP, rows, path)."""
     from tpcomm.backends.loopback import LoopbackBackend
@@ -83,23 +71,23 @@ def measure(tp, rows, hid, d_local, twoshot, tiles):
         ws = ws.to(torch.bfloat16)
         attn = torch.randn(rows, d_local, device="cuda").to(torch.bfloat16)
         partial = torch.empty(rows, hid, dtype=torch.bfloat16, device="cuda")
-        out = {"gemm": graph_us(lambda i: gemm(attn, ws[i % copies].t(), partial), copies)}
+        out = {"gemm": graph_us(lambda i: gemm(attn, ws[i % copies].t(), partial), copies, REPEATS)}
 
         def cublas_pub(i):
             gemm(attn, ws[i % copies].t(), partial)
             launcher.launch_partial(comm, launcher.publisher(comm), (partial,), 0, i)
 
-        out["cublas+pub"] = graph_us(cublas_pub, copies)
+        out["cublas+pub"] = graph_us(cublas_pub, copies, REPEATS)
 
         def producing(fn):
             return lambda i: launcher.launch_partial(comm, fn, (attn, ws[i % copies]), 0, i)
 
         if rows <= MAX_TOKENS:
             comm.producer = "mma"
-            out["mma"] = graph_us(producing(launcher.producer(comm, d_local)), copies)
+            out["mma"] = graph_us(producing(launcher.producer(comm, d_local)), copies, REPEATS)
         for m, n in tiles:
             fn = compiled_gemm_producer(tp, hid, d_local, tile_m=m, tile_n=n, twoshot=twoshot)
-            out[f"wgmma {m}x{n}"] = graph_us(producing(fn), copies)
+            out[f"wgmma {m}x{n}"] = graph_us(producing(fn), copies, REPEATS)
         out["plan_tile"] = "{}x{}".format(*gemm_tile(rows))
         return out
     finally:
@@ -118,7 +106,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     tiles = parse_tiles(args.tiles)
     from bench_kda import copy_bandwidth
-    from oproj_rows import gemm_tflops
 
     tbps, tflops = copy_bandwidth(), gemm_tflops()
     print(f"{torch.cuda.get_device_name()}: copy {tbps:.2f} TB/s, cuBLAS {tflops:.0f} TFLOP/s")
