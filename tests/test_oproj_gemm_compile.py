@@ -100,3 +100,38 @@ def test_allreduce_takes_the_wgmma_producer():
     assert OprojAllReduce(backend, 300, 7168, 2, one_launch=True).gemm_tile is None
     with pytest.raises(ValueError, match="producer"):
         OprojAllReduce(backend, 300, 7168, 2, producer="tiled", one_launch=True)
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 64), (128, 128), (128, 256)])
+def test_every_thread_publishes_its_own_accumulators(tile_m, tile_n):
+    """The epilogue's (row, feature) for each thread's accumulator pairs, traced for every
+    thread: it is the wgmma m64nNk16 C layout (thread t of warp w in warp group g holds
+    rows 64g + 16w + t/4 (+8), features 2(t%4) (+1) + 8j), pairs are adjacent features,
+    and the tile is covered once."""
+    cute = require_dsl()
+    from tpcomm.oproj.kernels.gemm import accumulator_coords, make_tiled_mma
+
+    threads = tile_m // 64 * 128
+    tids, values = tuple(range(threads)), tuple(range(tile_n // 2))  # traced, not looped
+    traced = {}
+
+    @cute.jit
+    def trace():
+        mma = make_tiled_mma(tile_m // 64, tile_n)
+        for tid in tids:
+            c = accumulator_coords(mma, tid, tile_m, tile_n)
+            assert cute.size(c) == len(values)
+            traced[tid] = [c[i] for i in values]
+
+    cute.compile(trace, options="--gpu-arch sm_90a")
+    cover = set()
+    for tid, coords in traced.items():
+        g, w, t = tid // 128, tid % 128 // 32, tid % 32
+        assert len(coords) == tile_n // 2
+        for i in range(0, len(coords), 2):
+            m, n = coords[i]
+            assert coords[i + 1] == (m, n + 1)  # one packed bf16 pair
+            assert m == 64 * g + 16 * w + t // 4 + 8 * (i // 2 % 2)
+            assert n == 2 * (t % 4) + 8 * (i // 4)
+        cover.update(coords)
+    assert len(cover) == tile_m * tile_n

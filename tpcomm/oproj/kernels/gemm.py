@@ -73,6 +73,27 @@ def check_gemm(tp, hid, d_local, tile_m, tile_n, stages, twoshot, ranks):
         )
 
 
+def make_tiled_mma(warpgroups: int, tile_n: int):
+    """``warpgroups`` warp groups of ``wgmma`` m64 n``tile_n`` k16, bf16 x bf16 -> fp32,
+    both operands K-major (call inside a CuTe DSL trace)."""
+    return sm90.make_trivial_tiled_mma(
+        BFloat16,
+        BFloat16,
+        OperandMajorMode.K,
+        OperandMajorMode.K,
+        Float32,
+        (warpgroups, 1, 1),
+        tiler_mn=(64, tile_n),
+    )
+
+
+def accumulator_coords(tiled_mma, tid, tile_m: int, tile_n: int):
+    """The (row, feature) in the CTA tile of each of thread ``tid``'s accumulators: the
+    thread's own slice of C (a warp group's slice, as A and B take, gives every thread
+    of the group its first thread's coordinates)."""
+    return tiled_mma.get_slice(tid).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+
+
 class OprojGemmProducer(GroupPublisher):
     """Compile-time configuration: TP, HID, D (local width), the CTA tile, the ring's
     stages, multicast, fence, PDL, twoshot, ranks in one launch."""
@@ -116,15 +137,7 @@ class OprojGemmProducer(GroupPublisher):
             w_o.iterator,
             cute.make_layout((self.hid, self.d, self.ranks), stride=(self.d, 1, self.hid * self.d)),
         )
-        tiled_mma = sm90.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            Float32,
-            (self.warpgroups, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
+        tiled_mma = make_tiled_mma(self.warpgroups, self.tile_n)
         a_layout = sm90.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, self.tile_mnk, BFloat16, self.stages
         )
@@ -219,12 +232,12 @@ class OprojGemmProducer(GroupPublisher):
             tma_b, 0, one, cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2)
         )
 
+        # A and B: the warp group's shared-memory descriptors; C: this thread's own values
         group = cute.arch.make_warp_uniform(tid // 128)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.warpgroups, stride=128)(group))
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
-        tile_coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        coords = thr_mma.partition_C(tile_coords)
+        coords = accumulator_coords(tiled_mma, tid, self.tile_m, self.tile_n)
         acc = cute.make_rmem_tensor(coords.shape, Float32)
         cute.arch.sync_threads()  # the ring's barriers initialised
 
