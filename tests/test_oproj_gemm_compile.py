@@ -83,7 +83,8 @@ def test_gemm_stages_fit_shared_memory():
 
 def test_gemm_tile_rule():
     assert P.gemm_tile(9) == (64, 64) and P.gemm_tile(64) == (64, 64)
-    assert P.gemm_tile(65) == (128, 128) and P.gemm_tile(256) == (128, 128)
+    assert P.gemm_tile(65) == (64, 128) and P.gemm_tile(128) == (64, 128)
+    assert P.gemm_tile(129) == (128, 128) and P.gemm_tile(256) == (128, 128)
     assert P.gemm_tile(257) == (128, 256) and P.gemm_tile(P.MAX_ROWS) == (128, 256)
     for bad in (0, P.MAX_ROWS + 1, 1.5):
         with pytest.raises(ValueError, match="rows"):
@@ -135,3 +136,13 @@ def test_every_thread_publishes_its_own_accumulators(tile_m, tile_n):
             assert n == 2 * (t % 4) + 8 * (i // 4)
         cover.update(coords)
     assert len(cover) == tile_m * tile_n
+
+
+def test_plan_picks_wgmma_above_mma_rows_on_sm90_only():
+    for rows in (1, P.MAX_TOKENS):
+        assert P.choose(8, rows, 7168, wgmma=True).producer == "mma"
+    for rows in (P.MAX_TOKENS + 1, 128, P.MAX_ROWS):
+        plan = P.choose(8, rows, 7168, wgmma=True, one_launch=True)
+        assert plan.producer == "wgmma" and "x".join(map(str, P.gemm_tile(rows))) in plan.reason
+        assert P.choose(8, rows, 7168, one_launch=True).producer == "cublas"
+    assert P.choose(16, 300, 7168, wgmma=True, twoshot=True).producer == "wgmma"

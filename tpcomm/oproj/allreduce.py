@@ -80,12 +80,16 @@ class OprojAllReduce:
             twoshot = False
         # the plan of the path this all-reduce runs (its groups, bytes and reason): the
         # measured twoshot crossover applies to per-rank launches across GPUs
+        device = getattr(backend, "device", None)
+        cuda = device is not None and torch.device(device).type == "cuda"
+        sm90 = cuda and torch.cuda.get_device_capability(device) == (9, 0)
         plan = choose(
             backend.world,
             tokens,
             hid,
             one_launch=bool(one_launch),
             twoshot=None if twoshot is None else bool(twoshot),
+            wgmma=sm90,
         )
         twoshot = plan.twoshot
         producer = plan.producer if producer is None else producer
@@ -95,13 +99,11 @@ class OprojAllReduce:
                 f"rows; got {producer!r} for {tokens} rows"
             )
         tile = gemm_tile(tokens) if producer == "wgmma" else None
-        device = getattr(backend, "device", None)
-        if tile is not None and device is not None and torch.device(device).type == "cuda":
+        if tile is not None and cuda and not sm90:
             capability = torch.cuda.get_device_capability(device)
-            if capability != (9, 0):
-                raise ValueError(
-                    f"producer='wgmma' needs an sm_90 GPU; got sm_{capability[0]}{capability[1]}"
-                )
+            raise ValueError(
+                f"producer='wgmma' needs an sm_90 GPU; got sm_{capability[0]}{capability[1]}"
+            )
         groups = plan.groups if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
         if not is_int(budget_ns) or budget_ns <= 0:
