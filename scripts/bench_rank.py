@@ -7,7 +7,7 @@ live, T = 4 a verify step (not recorded):
 
 - the plan: ``launch.bucket.oproj_plan(..., "per-rank")``, what the launcher's per-rank
   launches and a rank per GPU run (twoshot past the measured crossovers,
-  ``tpcomm/oproj/crossovers.json``; mma.sync producer <= 8 rows, else cuBLAS + publisher),
+  ``tpcomm/oproj/crossovers.json``; mma.sync producer <= 8 rows, else wgmma on sm_90),
   with the sys fence before each publish a rank per GPU has (``--no-fence``: loopback's);
 - ``alone``: rank 0 of a loopback backend as one rank of a multi-GPU run: the other ranks'
   partials (twoshot: also the other owners' reduced shards in rank 0's gather row) are
@@ -208,8 +208,8 @@ def lone_rank(cfg, fence=True, producer=None):
     ``fence``, the sys fence of a rank per GPU; yields ``(runner, bk, plan,
     publish_others)``: ``publish_others()`` publishes the other ranks' partials of parity
     0 and, twoshot, fills rank 0's gather row with the other owners' shards. ``producer``
-    "wgmma": ``OprojGemmProducer`` instead of the plan's producer (mma.sync up to 8 rows,
-    cuBLAS + publisher above)."""
+    "wgmma": ``OprojGemmProducer`` at every rows count (the plan's producer: mma.sync up to
+    8 rows, above it ``OprojGemmProducer`` on sm_90, cuBLAS + publisher elsewhere)."""
     from step_peers import GRIDS, first_step
 
     from kda.decode import plan as plan_kda
@@ -369,7 +369,7 @@ def parser() -> argparse.ArgumentParser:
     about = "publish without the sys fence (loopback's default; a rank per GPU fences)"
     p.add_argument("--no-fence", action="store_true", help=about)
     p.add_argument("--no-flush", action="store_true", help="no L2 flush before each sample")
-    about = "the plan's producer (mma.sync / cuBLAS + publisher) or wgmma (OprojGemmProducer)"
+    about = "the plan's producer (mma.sync <= 8 rows, wgmma above on sm_90) or wgmma at every row"
     p.add_argument("--producer", choices=("plan", "wgmma"), default="plan", help=about)
     p.set_defaults(kda_state="per-step", ring=DEFAULT_RING)
     return p

@@ -66,9 +66,12 @@ def _check(prefixes, outputs, partials, a, prefix, groups, tp, *, twoshot=False)
 def test_one_shot_one_launch(rows, project):
     nb, xmoe = 8, 1
     backend = LoopbackBackend(TP)
+    # projecting: cuBLAS + publisher, whose staged partials the test reads back (the plan's
+    # producer on sm_90, OprojGemmProducer, stages none: tests/test_oproj_gemm_gpu.py)
     comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, xmoe_reps=xmoe,
-                          one_launch=True)  # fmt: skip
-    assert comm.plan.producer == "cublas" and not comm.twoshot
+                          one_launch=True, producer="cublas" if project else None)  # fmt: skip
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert comm.plan.producer == ("wgmma" if sm90 else "cublas") and not comm.twoshot
     a = random_inputs(TP, rows, HID, nb, seed=rows)
     attn, w_os = _projection(TP, rows, seed=rows + 1)
     bf = dict(dtype=torch.bfloat16, device="cuda")
