@@ -185,7 +185,7 @@ def choose(
     thread in flight): ``groups = ceil(TP / 4)``. Producer: ``OprojProducer`` (mma.sync,
     N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): with ``wgmma``
     (the caller's GPU is sm_90) ``OprojGemmProducer``, publishing from its epilogue (against
-    cuBLAS + publisher at 32-1024 rows, TP 8 / 16: 1.13-1.26x faster twoshot, 1.05-1.16x
+    cuBLAS + publisher at 32-1024 rows, TP 8 / 16: 1.11-1.27x faster twoshot, 1.01-1.16x
     one-shot but for TP 16 at 128 rows, 0.91x; docs/oproj.md);
     otherwise cuBLAS into a staging partial, then ``PartialPublisher``.
 
