@@ -14,13 +14,15 @@ from tpcomm.oproj.plan import Plan, choose
 
 
 def oproj_plan(tp: int, rows: int, hidden: int, oproj_launch: str, split: bool = False) -> Plan:
-    """The o-projection plan of a rows bucket for the runner's launches: one launch for
-    every rank (``both``): one-shot; per-rank launches: the deployment's plan (one rank per
-    GPU: ``choose``'s twoshot from the measured crossovers), one-shot with a split domain
-    (puts with signal between domains need the one-shot mailbox)."""
+    """The o-projection plan of a rows bucket for the runner's launches on this process's
+    GPU (``OprojAllReduce``'s: the wgmma producer on sm_90): one launch for every rank
+    (``both``): one-shot; per-rank launches: the deployment's plan (one rank per GPU:
+    ``choose``'s twoshot from the measured crossovers), one-shot with a split domain (puts
+    with signal between domains need the one-shot mailbox)."""
+    wgmma = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if oproj_launch != "per-rank":
-        return choose(tp, rows, hidden, one_launch=True)
-    return choose(tp, rows, hidden, twoshot=False if split else None)
+        return choose(tp, rows, hidden, one_launch=True, wgmma=wgmma)
+    return choose(tp, rows, hidden, twoshot=False if split else None, wgmma=wgmma)
 
 
 def twoshot_partials(views: torch.Tensor) -> torch.Tensor:

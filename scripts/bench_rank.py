@@ -7,7 +7,7 @@ live, T = 4 a verify step (not recorded):
 
 - the plan: ``launch.bucket.oproj_plan(..., "per-rank")``, what the launcher's per-rank
   launches and a rank per GPU run (twoshot past the measured crossovers,
-  ``tpcomm/oproj/crossovers.json``; mma.sync producer <= 8 rows, else cuBLAS + publisher),
+  ``tpcomm/oproj/crossovers.json``; mma.sync producer <= 8 rows, else wgmma on sm_90),
   with the sys fence before each publish a rank per GPU has (``--no-fence``: loopback's);
 - ``alone``: rank 0 of a loopback backend as one rank of a multi-GPU run: the other ranks'
   partials (twoshot: also the other owners' reduced shards in rank 0's gather row) are
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -202,11 +203,13 @@ def stage_us(graphs, replays, before):
 
 
 @contextlib.contextmanager
-def lone_rank(cfg, fence=True):
+def lone_rank(cfg, fence=True, producer=None):
     """Rank 0 of a loopback runner with the per-rank plan (``oproj_plan``) and, with
     ``fence``, the sys fence of a rank per GPU; yields ``(runner, bk, plan,
     publish_others)``: ``publish_others()`` publishes the other ranks' partials of parity
-    0 and, twoshot, fills rank 0's gather row with the other owners' shards."""
+    0 and, twoshot, fills rank 0's gather row with the other owners' shards. ``producer``
+    "wgmma": ``OprojGemmProducer`` at every rows count (the plan's producer: mma.sync up to
+    8 rows, above it ``OprojGemmProducer`` on sm_90, cuBLAS + publisher elsewhere)."""
     from step_peers import GRIDS, first_step
 
     from kda.decode import plan as plan_kda
@@ -227,6 +230,9 @@ def lone_rank(cfg, fence=True):
         rows = cfg.requests * step_plan.tokens
         plan = oproj_plan(cfg.tp, rows, cfg.hidden, "per-rank")
         kw = dict(groups=plan.groups, eps=EPS, out_eps=OUT_EPS, budget_ns=BUDGET_NS)
+        if producer == "wgmma":  # every rows count: beside mma.sync too
+            plan = dataclasses.replace(plan, producer="wgmma")
+            kw["producer"] = "wgmma"
         runner.comms[rows] = OprojAllReduce(
             backend, rows, cfg.hidden, cfg.blocks, twoshot=plan.twoshot, fence=fence, **kw
         )
@@ -253,10 +259,10 @@ def lone_rank(cfg, fence=True):
         backend.teardown()
 
 
-def measure(cfg, replays, fence=True, flush=True):
+def measure(cfg, replays, fence=True, flush=True, producer=None):
     """Rank 0 alone: ({kda, produce, consume, chain, gemm} us, plan, KDA kernel)."""
     scrub = torch.empty(L2_FLUSH_BYTES if flush else 0, dtype=torch.uint8, device="cuda")
-    with lone_rank(cfg, fence) as (runner, bk, plan, publish_others):
+    with lone_rank(cfg, fence, producer) as (runner, bk, plan, publish_others):
 
         def on_rank0(fn):
             return lambda: runner._on_ranks([0], fn)
@@ -307,16 +313,17 @@ def run(args, tps, requests, tokens) -> int:
     device = torch.cuda.get_device_name()
     print(f"{device}: copy {tbps:.2f} TB/s, cuBLAS bf16 GEMM {tflops:.0f} TFLOP/s", flush=True)
     fence, flush = not getattr(args, "no_fence", False), not getattr(args, "no_flush", False)
+    producer = getattr(args, "producer", "plan")
     head = dict(device=f"{device} (loopback, rank 0 alone)", copy_tbps=tbps, gemm_tflops=tflops)
     head.update(date=str(datetime.date.today()), command=" ".join(sys.argv), replays=args.replays)
-    head.update(fence=fence, l2_flush=flush)
+    head.update(fence=fence, l2_flush=flush, producer=producer)
     out = []
     for tp in tps:
         for t in tokens:
             for b in requests:
                 cfg = _config(tp, b, args, t)
                 try:
-                    us, plan, kernel = measure(cfg, args.replays, fence, flush)
+                    us, plan, kernel = measure(cfg, args.replays, fence, flush, producer)
                 except (ValueError, RuntimeError) as e:
                     plan = oproj_plan(tp, b * t, cfg.hidden, "per-rank")
                     row = rank_row(cfg, plan, tbps, tflops, {})
@@ -362,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     about = "publish without the sys fence (loopback's default; a rank per GPU fences)"
     p.add_argument("--no-fence", action="store_true", help=about)
     p.add_argument("--no-flush", action="store_true", help="no L2 flush before each sample")
+    about = "the plan's producer (mma.sync <= 8 rows, wgmma above on sm_90) or wgmma at every row"
+    p.add_argument("--producer", choices=("plan", "wgmma"), default="plan", help=about)
     p.set_defaults(kda_state="per-step", ring=DEFAULT_RING)
     return p
 

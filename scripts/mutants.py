@@ -26,10 +26,11 @@ import tempfile
 import time
 
 from mutants_kda import KDA_MUTANTS
+from mutants_oproj import OPROJ_MUTANTS
 from mutants_table import MUTANTS as TABLE
 from mutants_table import M, Mutant
 
-MUTANTS = TABLE + KDA_MUTANTS
+MUTANTS = TABLE + KDA_MUTANTS + OPROJ_MUTANTS
 
 __all__ = ["MUTANTS", "M", "Mutant", "apply", "main", "run"]  # M, Mutant: the table's
 

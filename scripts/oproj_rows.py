@@ -129,7 +129,7 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
         args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
         kw = dict(eps=EPS, out_eps=EPS, budget_ns=BUDGET)
         if kind.startswith("oneshot_1l"):
-            producer = "cublas" if kind.endswith("cublas") else None
+            producer = next((p for p in ("cublas", "wgmma") if kind.endswith(p)), None)
             comm = OprojAllReduce(backend, rows, hid, nb, one_launch=True, producer=producer, **kw)
 
             def fn(i):
@@ -146,7 +146,10 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
 
             errors = comm.errors
         else:
-            comm = RowChunks(backend, rows, hid, nb, twoshot=kind == "twoshot_chunks", **kw)
+            if kind.endswith("wgmma"):
+                kw["producer"] = "wgmma"
+            twoshot = kind.startswith("twoshot_chunks")
+            comm = RowChunks(backend, rows, hid, nb, twoshot=twoshot, **kw)
 
             def fn(i):
                 AllRanks(comm).run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"])
@@ -165,9 +168,10 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
         torch.cuda.empty_cache()
 
 
-def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
+def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None, wgmma=False):
     """Every (TP, rows) row; ``on_row(rows so far, tflops)`` after each (a cut run keeps
-    what it measured)."""
+    what it measured); ``wgmma``: above 8 rows also ``OprojGemmProducer`` one launch and
+    twoshot chunks (``oneshot_1l_wgmma``, ``twoshot_chunks_wgmma``)."""
     tflops = gemm_tflops()
     print(f"cuBLAS bf16 GEMM 8192^3: {tflops:.0f} TFLOP/s; copy {tbps:.2f} TB/s")
     out = []
@@ -197,12 +201,15 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
             kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
             if rows <= 8:
                 kinds.insert(1, "oneshot_1l_cublas")
+            elif wgmma:  # OprojGemmProducer beside the plan's cuBLAS + publisher
+                kinds += ["oneshot_1l_wgmma", "twoshot_chunks_wgmma"]
             for kind in kinds:
                 us, note = _variant(tp, rows, hid, nb, a, iters, repeats, kind)
                 row[f"{kind}_us"] = us
                 row[f"{kind}_note"] = note
             row["peer_us"] = peer_us(a, iters, repeats)
-            options = [row[f"{k}_us"] for k in kinds if row[f"{k}_us"] is not None]
+            plan_kinds = [k for k in kinds if not k.endswith("wgmma")]  # best: the merged paths
+            options = [row[f"{k}_us"] for k in plan_kinds if row[f"{k}_us"] is not None]
             row["ours_us"] = row["oneshot_1l_us"]  # the launcher's loopback path
             row["best_us"] = min(options) if options else None
             out.append(row)
@@ -225,7 +232,9 @@ def print_row(r):
         f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell(ours)} (x floor {cell(ratio, 5, 2)}, "
         f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell(r['oneshot_chunks_us'])} | "
         f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS <= 8 "
-        f"{cell(r.get('oneshot_1l_cublas_us'))} | peer {cell(r['peer_us'])} | floor "
+        f"{cell(r.get('oneshot_1l_cublas_us'))} | wgmma 1l / 2-shot "
+        f"{cell(r.get('oneshot_1l_wgmma_us'))} {cell(r.get('twoshot_chunks_wgmma_us'))} | "
+        f"peer {cell(r['peer_us'])} | floor "
         f"{cell(floor)} | {r['plan']['producer']}",
         flush=True,
     )

@@ -66,7 +66,8 @@ def test_row_floors_ratios_and_targets():
     assert empty["targets"] == dict(chain=None, producer=None, alone_12us=None)
 
 
-def _fake_gpu(monkeypatch, measured):
+def _fake_gpu(monkeypatch, measured, producers=None):
+    producers = [] if producers is None else producers
     import bench_kda
     import oproj_rows
     import torch
@@ -76,8 +77,9 @@ def _fake_gpu(monkeypatch, measured):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
-    def measure(cfg, replays, fence=True, flush=True):
+    def measure(cfg, replays, fence=True, flush=True, producer="plan"):
         measured.append((cfg.tp, cfg.requests, cfg.tokens, replays, fence, flush))
+        producers.append(producer)
         if cfg.requests == 256:
             raise ValueError("does not fit")
         plan = oproj_plan(cfg.tp, cfg.requests * cfg.tokens, cfg.hidden, "per-rank")
@@ -120,8 +122,18 @@ def test_bench_decode_rows_alone_runs_the_rank_sweep(tmp_path, monkeypatch):
     assert len(json.loads(out.read_text())["rows"]) == 10
 
 
+def test_producer_option_reaches_measure(tmp_path, monkeypatch):
+    measured, producers = [], []
+    _fake_gpu(monkeypatch, measured, producers)
+    out = tmp_path / "rank.json"
+    argv = ["--tp", "8", "--requests", "32", "--tokens", "1", "--producer", "wgmma"]
+    assert bench_rank.main([*argv, "--json", str(out)]) == 0
+    assert producers == ["wgmma"] and json.loads(out.read_text())["producer"] == "wgmma"
+
+
 def test_options():
     args = bench_rank.parser().parse_args([])
+    assert args.producer == "plan"
     assert args.tp == [8, 16] and args.requests == [1, 8, 32, 128, 256] and args.tokens == [1, 4]
     assert args.kda_state == "per-step" and not args.no_fence and not args.no_flush
     with pytest.raises(SystemExit):

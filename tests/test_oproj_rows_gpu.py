@@ -66,9 +66,12 @@ def _check(prefixes, outputs, partials, a, prefix, groups, tp, *, twoshot=False)
 def test_one_shot_one_launch(rows, project):
     nb, xmoe = 8, 1
     backend = LoopbackBackend(TP)
+    # projecting: cuBLAS + publisher, whose staged partials the test reads back (the plan's
+    # producer on sm_90, OprojGemmProducer, stages none: tests/test_oproj_gemm_gpu.py)
     comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, xmoe_reps=xmoe,
-                          one_launch=True)  # fmt: skip
-    assert comm.plan.producer == "cublas" and not comm.twoshot
+                          one_launch=True, producer="cublas" if project else None)  # fmt: skip
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert comm.plan.producer == ("wgmma" if sm90 else "cublas") and not comm.twoshot
     a = random_inputs(TP, rows, HID, nb, seed=rows)
     attn, w_os = _projection(TP, rows, seed=rows + 1)
     bf = dict(dtype=torch.bfloat16, device="cuda")
@@ -215,9 +218,11 @@ def test_graph_replay_large_rows():
     backend.teardown()
 
 
-def test_dead_rank_one_launch_large_rows():
-    """Rank 3's partial never lands (its slot re-armed after the publish): every rank's
-    consumer reports it within the budget, writes nothing; after reset the step is right."""
+@pytest.mark.parametrize("project", [False, True])
+def test_dead_rank_one_launch_large_rows(project):
+    """Rank 3's partial never lands (its slot re-armed after the publish, or, projecting,
+    after the plan's producer published it from its GEMM): every rank's consumer reports
+    it within the budget, writes nothing; after reset the step is right."""
     rows, nb, dead, budget_ns = 1024, 3, 3, poll_budget_ns(2_000_000)
     backend = LoopbackBackend(TP)
     comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, budget_ns=budget_ns,
@@ -233,7 +238,13 @@ def test_dead_rank_one_launch_large_rows():
     assert int(comm.errors.abs().sum()) == 0
     before = prefixes.clone()
     poison(outputs)
-    AllRanks(comm).publish_all(a["partials"], 1)
+    if project:  # OprojGemmProducer on sm_90
+        sm90 = torch.cuda.get_device_capability() == (9, 0)
+        assert comm.producer == ("wgmma" if sm90 else "cublas")
+        attn, w_os = _projection(TP, rows, seed=6)
+        AllRanks(comm).produce_all(attn, w_os, 1, pdl=True)
+    else:
+        AllRanks(comm).publish_all(a["partials"], 1)
     torch.cuda.synchronize()
     for r in range(TP):
         arm(comm.mailbox.local(r)[1, dead])

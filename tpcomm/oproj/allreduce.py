@@ -22,12 +22,14 @@ from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
     GROUP_THREADS,
     MAX_TOKENS,
+    PRODUCERS,
     SLICE,
     WORD_ROW_BYTES,
     Plan,
     buffer_bytes,
     check_config,
     choose,
+    gemm_tile,
     min_blocks_per_sm,
 )
 from tpcomm.oproj.remote import RemotePuts
@@ -78,19 +80,29 @@ class OprojAllReduce:
             twoshot = False
         # the plan of the path this all-reduce runs (its groups, bytes and reason): the
         # measured twoshot crossover applies to per-rank launches across GPUs
+        device = getattr(backend, "device", None)
+        cuda = device is not None and torch.device(device).type == "cuda"
+        sm90 = cuda and torch.cuda.get_device_capability(device) == (9, 0)
         plan = choose(
             backend.world,
             tokens,
             hid,
             one_launch=bool(one_launch),
             twoshot=None if twoshot is None else bool(twoshot),
+            wgmma=sm90,
         )
         twoshot = plan.twoshot
         producer = plan.producer if producer is None else producer
-        if producer not in ("mma", "cublas") or (producer == "mma" and tokens > MAX_TOKENS):
+        if producer not in PRODUCERS or (producer == "mma" and tokens > MAX_TOKENS):
             raise ValueError(
-                f"producer must be 'cublas', or 'mma' for <= {MAX_TOKENS} rows; "
-                f"got {producer!r} for {tokens} rows"
+                f"producer must be 'cublas', 'wgmma' (sm_90), or 'mma' for <= {MAX_TOKENS} "
+                f"rows; got {producer!r} for {tokens} rows"
+            )
+        tile = gemm_tile(tokens) if producer == "wgmma" else None
+        if tile is not None and cuda and not sm90:
+            capability = torch.cuda.get_device_capability(device)
+            raise ValueError(
+                f"producer='wgmma' needs an sm_90 GPU; got sm_{capability[0]}{capability[1]}"
             )
         groups = plan.groups if groups is None else groups
         check_config(backend.world, hid, nb, groups, xmoe_reps, twoshot)
@@ -113,7 +125,7 @@ class OprojAllReduce:
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb
         self.has_delta, self.groups, self.xmoe_reps = bool(has_delta), groups, xmoe_reps
         self.eps, self.out_eps, self.budget_ns = float(eps), float(out_eps), budget_ns
-        self.twoshot, self.producer = twoshot, producer
+        self.twoshot, self.producer, self.gemm_tile = twoshot, producer, tile
         self.fence = (not backend.single_device) if fence is None else bool(fence)
         self.remote = None  # RemotePuts with a split domain
         if twoshot:  # hop 1 to the owner's receive view, hop 2 fan-out into gather rows

@@ -43,11 +43,19 @@ def publisher(comm, pdl=False, ranks=1):
 
 
 def producer(comm, d_local, pdl=False, ranks=1):
-    from tpcomm.oproj.kernels.producer import compiled_producer
-
+    """The producer kernel of ``comm``'s plan: ``OprojProducer`` (mma.sync, <= 8 rows) or,
+    with ``producer="wgmma"``, ``OprojGemmProducer`` at the plan's tile."""
     multicast = comm.multicast_base != 0
     config = dict(twoshot=comm.twoshot, ranks=ranks)
-    return compiled_producer(comm.tp, comm.hid, d_local, multicast, comm.fence, pdl, **config)
+    if comm.producer == "wgmma":
+        from tpcomm.oproj.kernels.gemm import compiled_gemm_producer
+
+        tile_m, tile_n = comm.gemm_tile
+        config.update(tile_m=tile_m, tile_n=tile_n)
+        fn = compiled_gemm_producer
+    else:
+        from tpcomm.oproj.kernels.producer import compiled_producer as fn
+    return fn(comm.tp, comm.hid, d_local, multicast, comm.fence, pdl, **config)
 
 
 def consumer(comm, pdl=False, ranks=1):

@@ -55,6 +55,14 @@ TILE_SMEM_BYTES = WARPS * 32 * 4 * 4  # fp32 fragments of one tile, summed in wa
 RESERVED_SMEM = 1024  # bytes the hardware reserves per CTA (sm_80+)
 SMS_PER_GPC_AT_LEAST = 16  # assumed: Hopper / Blackwell data-center GPCs hold 16+ SMs
 
+PRODUCERS = ("mma", "cublas", "wgmma")
+# OprojGemmProducer's CTA tile (rows x features) by rows: (64, 64) keeps 112 CTAs streaming
+# w_o at HID 7168 and few rows; more rows take larger tiles (fewer w_o re-reads per row).
+# Not yet measured on a GPU: the bench sweeps tiles (scripts/bench_oproj.py --gemm).
+# measured (scripts/probe_gemm.py, H200, TP 8 / 16, one-shot and twoshot, 2026-12-02):
+# the fastest tile at 8-32, 128, 256 and 1024 rows
+GEMM_TILES = ((64, (64, 64)), (128, (64, 128)), (256, (128, 128)), (None, (128, 256)))
+
 TWOSHOT_MIN_TP = 8  # the expected crossover (``twoshot_available``) where none is measured
 TWOSHOT_MIN_TOKENS = 4
 CROSSOVERS = Path(__file__).with_name("crossovers.json")
@@ -120,7 +128,9 @@ class Plan:
     groups: int
     twoshot: bool
     reason: str
-    producer: str = "mma"  # "mma": OprojProducer (rows <= 8); "cublas": GEMM + publisher
+    # "mma": OprojProducer (rows <= 8); "wgmma": OprojGemmProducer (sm_90, more rows);
+    # "cublas": cuBLAS GEMM + publisher (more rows elsewhere)
+    producer: str = "mma"
     bytes: int = 0  # symmetric memory per rank: mailbox, or receive view + gather row
 
 
@@ -167,13 +177,17 @@ def choose(
     crossovers: dict | None = None,
     one_launch: bool = False,
     twoshot: bool | None = None,
+    wgmma: bool = False,
 ):
     """The o-projection plan for a TP group size, rows (tokens) per step and hidden width.
 
     Every group polls at most ``POLL_CHUNK`` slots (one round of four 16-byte loads per
     thread in flight): ``groups = ceil(TP / 4)``. Producer: ``OprojProducer`` (mma.sync,
-    N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): cuBLAS into a
-    staging partial, then ``PartialPublisher``.
+    N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): with ``wgmma``
+    (the caller's GPU is sm_90) ``OprojGemmProducer``, publishing from its epilogue (against
+    cuBLAS + publisher at 32-1024 rows, TP 8 / 16: 1.11-1.27x faster twoshot, 1.01-1.16x
+    one-shot but for TP 16 at 128 rows, 0.91x; docs/oproj.md);
+    otherwise cuBLAS into a staging partial, then ``PartialPublisher``.
 
     One-shot or twoshot (about ``2 / TP`` of one-shot's bytes into each rank plus a second
     hop), by launch structure:
@@ -203,6 +217,9 @@ def choose(
     groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK))
     if rows <= MAX_TOKENS:
         producer, why = "mma", f"mma.sync producer (rows {rows} <= {MAX_TOKENS})"
+    elif wgmma:
+        tile = "x".join(map(str, gemm_tile(rows)))
+        producer, why = "wgmma", f"wgmma GEMM M = {rows}, tile {tile}, publishing (sm_90)"
     else:
         producer, why = "cublas", f"cuBLAS GEMM M = {rows} + publisher (mma.sync takes <= 8)"
     start = crossover(data["twoshot_from_rows"], tp)
@@ -335,6 +352,14 @@ class DeviceLimits:
 def tile_count(hid: int) -> int:
     """16-feature producer tiles: ``HID / 16``."""
     return hid // FEATURES
+
+
+def gemm_tile(rows: int) -> tuple[int, int]:
+    """``OprojGemmProducer``'s (tile_m, tile_n) for ``rows`` (``GEMM_TILES``; every tile
+    width divides every valid hid, a multiple of 1024)."""
+    if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in 1..{MAX_ROWS}; got {rows!r}")
+    return next(t for limit, t in GEMM_TILES if limit is None or rows <= limit)
 
 
 def producer_rows(hid: int, groups: int, tiles: int) -> int:

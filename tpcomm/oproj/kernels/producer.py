@@ -48,7 +48,29 @@ def twoshot_offset(tp, hid, step, rank, tokens, token, column):
     return (slot * width + Int64(column - owner * width)) * 2
 
 
-class PartialPublisher:
+class GroupPublisher:
+    """Needs ``tp``, ``hid``, ``twoshot`` and ``multicast``: where a rank's 16-byte group
+    of its partial goes (the publisher's and the wgmma producer's)."""
+
+    @cute.jit
+    def publish_group(
+        self, peers, multicast_base, offset, tokens, rank, step, token, column, words
+    ):
+        """The group of features ``column ..`` of row ``token`` into slot ``[step & 1,
+        rank]`` of every rank's mailbox at byte ``offset`` (one store per peer, or one
+        multicast store), or into the owner's twoshot receive view."""
+        if cutlass.const_expr(self.twoshot):
+            owner = column // (self.hid // self.tp)
+            offset = twoshot_offset(self.tp, self.hid, step, rank, tokens, token, column)
+            protocol.publish(peers[owner] + offset, words)
+        elif cutlass.const_expr(self.multicast):
+            protocol.publish(multicast_base + offset, words, multicast=True)
+        else:
+            for p in cutlass.range_constexpr(self.tp):
+                protocol.publish(peers[p] + offset, words)
+
+
+class PartialPublisher(GroupPublisher):
     """Compile-time configuration: TP, HID, multicast, sys fence, PDL, twoshot."""
 
     def __init__(self, tp, hid, *, multicast=False, fence=False, pdl=False, twoshot=False, ranks=1):
@@ -91,15 +113,7 @@ class PartialPublisher:
         offset = (Int64(step & 1) * self.tp + rank) * slot_bytes + row
         if cutlass.const_expr(self.fence):
             protocol.fence_sys()
-        if cutlass.const_expr(self.twoshot):
-            owner = column // (self.hid // self.tp)
-            offset = twoshot_offset(self.tp, self.hid, step, rank, tokens, token, column)
-            protocol.publish(peers[owner] + offset, words)
-        elif cutlass.const_expr(self.multicast):
-            protocol.publish(multicast_base + offset, words, multicast=True)
-        else:
-            for p in cutlass.range_constexpr(self.tp):
-                protocol.publish(peers[p] + offset, words)
+        self.publish_group(peers, multicast_base, offset, tokens, rank, step, token, column, words)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

@@ -1,0 +1,59 @@
+"""More mutants for ``scripts/mutants.py`` (``scripts/mutants_table.py`` is full): the
+o-projection's wgmma producer."""
+
+from __future__ import annotations
+
+from mutants_table import M
+
+GEMM = "tpcomm/oproj/kernels/gemm.py"
+PRODUCER = "tpcomm/oproj/kernels/producer.py"
+GEMM_PTX = "tests/test_oproj_gemm_compile.py"
+GEMM_GPU = "tests/test_oproj_gemm_gpu.py"
+
+OPROJ_MUTANTS = [
+    # --- OprojGemmProducer (TMA + wgmma, publishing from its epilogue) ----------------------
+    M(  # the publish shared with PartialPublisher (GroupPublisher.publish_group)
+        "gemm-one-shot-one-peer",
+        PRODUCER,
+        "            for p in cutlass.range_constexpr(self.tp):\n"
+        "                protocol.publish(peers[p] + offset, words)",
+        "            for p in cutlass.range_constexpr(1):\n"
+        "                protocol.publish(peers[p] + offset, words)",
+        f"{GEMM_PTX}::test_gemm_producer_ptx",
+    ),
+    M(
+        "gemm-pdl-wait-removed",
+        GEMM,
+        "            cute.arch.griddepcontrol_wait()  # attn_out comes from the previous kernel\n",
+        "",
+        f"{GEMM_PTX}::test_gemm_producer_ptx",
+    ),
+    M(
+        "gpu-gemm-pair-order",
+        GEMM,
+        "out[m, n // 2] = pack_bf16x2(acc[i], acc[i + 1])",
+        "out[m, n // 2] = pack_bf16x2(acc[i + 1], acc[i])",
+        f"{GEMM_GPU}::test_one_launch_publishes_the_projection",
+        gpu=True,
+        select="9",
+    ),
+    M(
+        "gpu-gemm-row-tile",
+        GEMM,
+        "            token = bm * self.tile_m + row\n",
+        "            token = row\n",
+        f"{GEMM_GPU}::test_per_rank_publishes_the_projection",
+        gpu=True,
+        select="300",
+    ),
+    M(
+        "gpu-gemm-twoshot-owner",
+        PRODUCER,
+        "        if cutlass.const_expr(self.twoshot):\n"
+        "            owner = column // (self.hid // self.tp)\n",
+        "        if cutlass.const_expr(self.twoshot):\n            owner = column // self.hid\n",
+        f"{GEMM_GPU}::test_per_rank_publishes_the_projection",
+        gpu=True,
+        select="True",
+    ),
+]
