@@ -21,6 +21,13 @@ OPROJ_MUTANTS = [
         "                protocol.publish(peers[p] + offset, words)",
         f"{GEMM_PTX}::test_gemm_producer_ptx",
     ),
+    M(  # the bug the first GPU run found: every thread of a warp group its first thread's C
+        "gemm-coords-per-warp-group",
+        GEMM,
+        "    return tiled_mma.get_slice(tid).partition_C(",
+        "    return tiled_mma.get_slice(tid // 128 * 128).partition_C(",
+        f"{GEMM_PTX}::test_every_thread_publishes_its_own_accumulators",
+    ),
     M(
         "gemm-pdl-wait-removed",
         GEMM,
