@@ -5,8 +5,10 @@ one shape; a rank's ``publish``, ``produce``, ``consume`` and ``produce_consume`
 the ``kimi::oproj_*`` torch ops (``tpcomm.oproj.custom_ops``, implemented by
 ``tpcomm.oproj.launcher``). Every rank of a one-GPU backend from one process:
 ``tpcomm.oproj.all_ranks.AllRanks``. Rows 1..
-``MAX_ROWS``: above ``MAX_TOKENS`` the producer is cuBLAS (fp32 sums, one rounding) into a
-staging partial, then the publisher. ``ValueError`` before any launch; no CuTe DSL import.
+``MAX_ROWS``: above ``MAX_TOKENS`` the producer is ``OprojGemmProducer`` on an sm_90 GPU (TMA +
+wgmma, publishing from its epilogue), elsewhere cuBLAS into a staging partial, then the
+publisher (fp32 sums, one rounding, either way). ``ValueError`` before any launch; no CuTe
+DSL import.
 """
 
 import contextlib
@@ -222,8 +224,8 @@ class OprojAllReduce:
 
     def produce(self, attn_out, w_o, step, rank=None, stream=None):
         """Rank ``rank``'s ``bf16(attn_out @ w_o^T)`` straight into every rank's mailbox slot
-        (above ``MAX_TOKENS`` rows, or with ``producer="cublas"``: cuBLAS, then the
-        publisher)."""
+        (mma.sync up to ``MAX_TOKENS`` rows, wgmma above on sm_90; with ``producer="cublas"``
+        or another GPU above ``MAX_TOKENS``: cuBLAS, then the publisher)."""
         rank, step = checks.hosted_rank(self, rank), checks.check_step(step)
         check_is_tensor(attn_out=attn_out, w_o=w_o)
         with _on(stream):
