@@ -275,7 +275,7 @@ def measure(cfg, replays, fence=True, flush="write", producer=None):
 
     def flush_l2():
         if flush == "clean":
-            torch.sum(scrub, out=sink)
+            torch.sum(scrub, 0, out=sink)  # reads every line; L2 left holding clean ones
         else:
             scrub.zero_()
 
