@@ -264,21 +264,27 @@ def lone_rank(cfg, fence=True, producer=None):
         backend.teardown()
 
 
-def measure(cfg, replays, fence=True, flush="write", producer=None):
-    """Rank 0 alone: ({kda, produce, consume, chain, gemm} us, plan, KDA kernel). ``flush``:
-    "write" (zero 256 MB: L2 left dirty), "clean" (read them: L2 left clean) or "none"."""
+def l2_flusher(flush: str, device="cuda", nbytes: int = L2_FLUSH_BYTES):
+    """The untimed L2 flush before each sample: "write" zeroes ``nbytes`` (L2 left dirty),
+    "clean" reads them (L2 left clean), "none" does nothing."""
     if flush not in FLUSHES:
         raise ValueError(f"flush must be one of {FLUSHES}; got {flush!r}")
-    words = L2_FLUSH_BYTES // 4 if flush != "none" else 0
-    scrub = torch.empty(words, dtype=torch.int32, device="cuda")
-    sink = torch.empty((), dtype=torch.int64, device="cuda")
+    scrub = torch.empty(nbytes // 4 if flush != "none" else 0, dtype=torch.int32, device=device)
+    sink = torch.empty((), dtype=torch.int64, device=device)
 
     def flush_l2():
         if flush == "clean":
             torch.sum(scrub, 0, out=sink)  # reads every line; L2 left holding clean ones
-        else:
+        elif flush == "write":
             scrub.zero_()
 
+    return flush_l2
+
+
+def measure(cfg, replays, fence=True, flush="write", producer=None):
+    """Rank 0 alone: ({kda, produce, consume, chain, gemm} us, plan, KDA kernel). ``flush``:
+    "write" (zero 256 MB: L2 left dirty), "clean" (read them: L2 left clean) or "none"."""
+    flush_l2 = l2_flusher(flush)
     with lone_rank(cfg, fence, producer) as (runner, bk, plan, publish_others):
 
         def on_rank0(fn):

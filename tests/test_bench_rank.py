@@ -200,3 +200,10 @@ def test_clean_flush_reaches_measure(tmp_path, monkeypatch):
     argv = ["--tp", "8", "--requests", "32", "--tokens", "1", "--no-flush", "--json", str(out)]
     assert bench_rank.main(argv) == 0
     assert measured[1][-1] == "none" and json.loads(out.read_text())["l2_flush"] == "none"
+
+
+def test_l2_flushers():
+    for how in bench_rank.FLUSHES:
+        bench_rank.l2_flusher(how, device="cpu", nbytes=1 << 12)()
+    with pytest.raises(ValueError, match="flush"):
+        bench_rank.l2_flusher("dirty", device="cpu")
