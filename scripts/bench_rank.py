@@ -15,8 +15,11 @@ live, T = 4 a verify step (not recorded):
 - ``chain``: rank 0's step as one graph; ``stages``: KDA, producer, consumer each its own
   graph, replayed in order with events between (the runner's stage pass, one rank);
   ``gemm``: the producer's cuBLAS GEMM alone (``attn @ w_o^T``, same shape);
-- before every sample an untimed L2 flush (``--no-flush``: none; one rank's ``w_o`` fits
-  L2) and the publish graph; medians of ``--replays`` samples, GPU time.
+- before every sample an untimed L2 flush and the publish graph: by default 256 MB zeroed,
+  which leaves L2 full of dirty lines, so the timed kernels' first misses also write them
+  back (as after a KDA stage that wrote its pages); ``--clean-flush``: the 256 MB read
+  instead (L2 left clean: only the kernels' own bytes move); ``--no-flush``: none (one
+  rank's ``w_o`` fits L2); medians of ``--replays`` samples, GPU time.
 
 Floors, from the copy bandwidth (read + write) and a large cuBLAS GEMM's rate, both
 measured in the run (``stage_bytes``): KDA = the rank's state pages read + written, its
@@ -29,7 +32,8 @@ TP 16 B 8 T 1 chain <= 12 us; producer <= 1.1 x max(GEMM alone, its bytes at the
 bandwidth). The KDA stage and the o-projection (producer + consumer) are reported apart.
 
     python scripts/bench_rank.py [--tp 8 16] [--requests 1 8 32 128 256] [--tokens 1 4]
-                                 [--replays 30] [--json rank.json] [--no-fence] [--no-flush]
+                                 [--replays 30] [--json rank.json] [--no-fence]
+                                 [--no-flush | --clean-flush]
     python scripts/bench_decode.py --rows --alone [--tp 8 16] [--json rank.json]
 
 Plot: ``python scripts/plot_rank.py rank8.json rank16.json --out docs/rank_rows.png``.
@@ -72,6 +76,7 @@ CHAIN_TARGET = 1.3  # chain <= 1.3 x the sum of its stage floors
 PRODUCER_TARGET = 1.1  # producer <= 1.1 x max(GEMM alone, its bytes at the copy bandwidth)
 ALONE_TARGET_US = 12.0  # TP 16, B 8, T 1
 L2_FLUSH_BYTES = 256 << 20  # > the H200's 50 MB L2
+FLUSHES = ("write", "clean", "none")
 
 
 # --- plain arithmetic (CPU-tested) --------------------------------------------------------
@@ -259,9 +264,27 @@ def lone_rank(cfg, fence=True, producer=None):
         backend.teardown()
 
 
-def measure(cfg, replays, fence=True, flush=True, producer=None):
-    """Rank 0 alone: ({kda, produce, consume, chain, gemm} us, plan, KDA kernel)."""
-    scrub = torch.empty(L2_FLUSH_BYTES if flush else 0, dtype=torch.uint8, device="cuda")
+def l2_flusher(flush: str, device="cuda", nbytes: int = L2_FLUSH_BYTES):
+    """The untimed L2 flush before each sample: "write" zeroes ``nbytes`` (L2 left dirty),
+    "clean" reads them (L2 left clean), "none" does nothing."""
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}; got {flush!r}")
+    scrub = torch.empty(nbytes // 4 if flush != "none" else 0, dtype=torch.int32, device=device)
+    sink = torch.empty((), dtype=torch.int64, device=device)
+
+    def flush_l2():
+        if flush == "clean":
+            torch.sum(scrub, 0, out=sink)  # reads every line; L2 left holding clean ones
+        elif flush == "write":
+            scrub.zero_()
+
+    return flush_l2
+
+
+def measure(cfg, replays, fence=True, flush="write", producer=None):
+    """Rank 0 alone: ({kda, produce, consume, chain, gemm} us, plan, KDA kernel). ``flush``:
+    "write" (zero 256 MB: L2 left dirty), "clean" (read them: L2 left clean) or "none"."""
+    flush_l2 = l2_flusher(flush)
     with lone_rank(cfg, fence, producer) as (runner, bk, plan, publish_others):
 
         def on_rank0(fn):
@@ -288,13 +311,13 @@ def measure(cfg, replays, fence=True, flush=True, producer=None):
         g_chain, g_stages, g_gemm = graphs[0], graphs[1:4], graphs[4]
 
         def before():
-            scrub.zero_()
+            flush_l2()
             g_pub.replay()
 
         us = dict(chain=_replays(g_chain.replay, replays, before=before))
         stages = stage_us(g_stages, replays, before)
         us.update(zip(("kda", "produce", "consume"), stages, strict=True))
-        us["gemm"] = _replays(g_gemm.replay, replays, before=scrub.zero_)
+        us["gemm"] = _replays(g_gemm.replay, replays, before=flush_l2)
         kernel = bk.kda_choice.kernel
     return us, plan, kernel
 
@@ -312,7 +335,9 @@ def run(args, tps, requests, tokens) -> int:
     tbps, tflops = copy_bandwidth(), gemm_tflops()
     device = torch.cuda.get_device_name()
     print(f"{device}: copy {tbps:.2f} TB/s, cuBLAS bf16 GEMM {tflops:.0f} TFLOP/s", flush=True)
-    fence, flush = not getattr(args, "no_fence", False), not getattr(args, "no_flush", False)
+    fence = not getattr(args, "no_fence", False)
+    flush = "none" if getattr(args, "no_flush", False) else "write"
+    flush = "clean" if getattr(args, "clean_flush", False) else flush
     producer = getattr(args, "producer", "plan")
     head = dict(device=f"{device} (loopback, rank 0 alone)", copy_tbps=tbps, gemm_tflops=tflops)
     head.update(date=str(datetime.date.today()), command=" ".join(sys.argv), replays=args.replays)
@@ -368,7 +393,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
     about = "publish without the sys fence (loopback's default; a rank per GPU fences)"
     p.add_argument("--no-fence", action="store_true", help=about)
-    p.add_argument("--no-flush", action="store_true", help="no L2 flush before each sample")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--no-flush", action="store_true", help="no L2 flush before each sample")
+    about = "flush L2 by reading 256 MB (clean lines) instead of zeroing them (dirty lines)"
+    how.add_argument("--clean-flush", action="store_true", help=about)
     about = "the plan's producer (mma.sync <= 8 rows, wgmma above on sm_90) or wgmma at every row"
     p.add_argument("--producer", choices=("plan", "wgmma"), default="plan", help=about)
     p.set_defaults(kda_state="per-step", ring=DEFAULT_RING)

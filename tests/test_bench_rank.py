@@ -77,7 +77,7 @@ def _fake_gpu(monkeypatch, measured, producers=None):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
-    def measure(cfg, replays, fence=True, flush=True, producer="plan"):
+    def measure(cfg, replays, fence=True, flush="write", producer="plan"):
         measured.append((cfg.tp, cfg.requests, cfg.tokens, replays, fence, flush))
         producers.append(producer)
         if cfg.requests == 256:
@@ -97,9 +97,9 @@ def test_sweep_writes_json_and_table(tmp_path, monkeypatch, capsys):
     out = tmp_path / "rank.json"
     argv = ["--tp", "16", "--requests", "8", "256", "--tokens", "1", "4", "--replays", "7"]
     assert bench_rank.main([*argv, "--json", str(out), "--no-fence"]) == 0
-    assert measured == [(16, b, t, 7, False, True) for t in (1, 4) for b in (8, 256)]
+    assert measured == [(16, b, t, 7, False, "write") for t in (1, 4) for b in (8, 256)]
     data = json.loads(out.read_text())
-    assert data["fence"] is False and data["l2_flush"] and data["copy_tbps"] == TBPS
+    assert data["fence"] is False and data["l2_flush"] == "write" and data["copy_tbps"] == TBPS
     assert "rank 0 alone" in data["device"] and data["replays"] == 7
     rows = data["rows"]
     assert [(r["requests"], r["tokens"]) for r in rows] == [(8, 1), (256, 1), (8, 4), (256, 4)]
@@ -117,7 +117,7 @@ def test_bench_decode_rows_alone_runs_the_rank_sweep(tmp_path, monkeypatch):
     out = tmp_path / "rank.json"
     argv = ["--rows", "--alone", "--tp", "8", "--replays", "3", "--json", str(out)]
     assert bench_decode.main(argv) == 0
-    want = [(8, b, t, 3, True, True) for t in (1, 4) for b in bench_decode.ROWS_REQUESTS]
+    want = [(8, b, t, 3, True, "write") for t in (1, 4) for b in bench_decode.ROWS_REQUESTS]
     assert measured == want
     assert len(json.loads(out.read_text())["rows"]) == 10
 
@@ -136,6 +136,9 @@ def test_options():
     assert args.producer == "plan"
     assert args.tp == [8, 16] and args.requests == [1, 8, 32, 128, 256] and args.tokens == [1, 4]
     assert args.kda_state == "per-step" and not args.no_fence and not args.no_flush
+    assert not args.clean_flush
+    with pytest.raises(SystemExit):  # one flush or none
+        bench_rank.parser().parse_args(["--no-flush", "--clean-flush"])
     with pytest.raises(SystemExit):
         bench_rank.parser().parse_args(["--state-dtype", "fp16"])
 
@@ -163,19 +166,44 @@ def test_plot_rank_from_the_json(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tp,requests,tokens,twoshot",
-    [(8, 1, 4, False), (8, 8, 1, True), (8, 8, 2, True), (16, 4, 1, True)],
-    ids=["oneshot-4", "twoshot-8", "twoshot-cublas-16", "tp16-twoshot-4"],
+    "tp,requests,tokens,twoshot,flush",
+    [
+        (8, 1, 4, False, "write"),
+        (8, 8, 1, True, "write"),
+        (8, 8, 2, True, "write"),
+        (16, 4, 1, True, "clean"),
+    ],
+    ids=["oneshot-4", "twoshot-8", "twoshot-gemm-16", "tp16-twoshot-4-clean"],
 )
-def test_measure_alone_on_the_gpu(tp, requests, tokens, twoshot):
+def test_measure_alone_on_the_gpu(tp, requests, tokens, twoshot, flush):
     """Rank 0 alone with the per-rank plan (one-shot, twoshot with the mma.sync producer
-    and with cuBLAS + publisher): every stage timed, no consumer timeout (``measure``
-    raises on one), HID 7168 with two heads per rank."""
+    and with the GEMM producer above 8 rows, wgmma on sm_90), both L2 flushes: every stage
+    timed, no consumer timeout (``measure`` raises on one), HID 7168 with two heads per
+    rank."""
     args = argparse.Namespace(
         heads=2 * tp, hidden=7168, blocks=8, kda_state="per-step", ring=4, state_dtype="fp32"
     )
     cfg = bench_decode._config(tp, requests, args, tokens)
-    us, plan, kernel = bench_rank.measure(cfg, 3)
+    us, plan, kernel = bench_rank.measure(cfg, 3, flush=flush)
     assert plan.twoshot is twoshot and kernel
     assert set(us) == {"kda", "produce", "consume", "chain", "gemm"}
     assert all(v > 0 for v in us.values()), us
+
+
+def test_clean_flush_reaches_measure(tmp_path, monkeypatch):
+    measured = []
+    _fake_gpu(monkeypatch, measured)
+    out = tmp_path / "rank.json"
+    argv = ["--tp", "8", "--requests", "32", "--tokens", "1", "--clean-flush", "--json", str(out)]
+    assert bench_rank.main(argv) == 0
+    assert measured[0][-1] == "clean" and json.loads(out.read_text())["l2_flush"] == "clean"
+    argv = ["--tp", "8", "--requests", "32", "--tokens", "1", "--no-flush", "--json", str(out)]
+    assert bench_rank.main(argv) == 0
+    assert measured[1][-1] == "none" and json.loads(out.read_text())["l2_flush"] == "none"
+
+
+def test_l2_flushers():
+    for how in bench_rank.FLUSHES:
+        bench_rank.l2_flusher(how, device="cpu", nbytes=1 << 12)()
+    with pytest.raises(ValueError, match="flush"):
+        bench_rank.l2_flusher("dirty", device="cpu")
