@@ -34,24 +34,24 @@ def _armed(t):
 
 def _one_shot_partials(comm, step):
     """Rank r's partial as every rank's mailbox holds it (all copies equal), [TP, rows, HID]."""
-    layout, out = comm.mailbox.layout, []
-    for r in range(TP):
-        copies = [layout.slot(comm.mailbox.local(d), step, r) for d in range(TP)]
-        for d in range(1, TP):
+    layout, out, tp = comm.mailbox.layout, [], comm.tp
+    for r in range(tp):
+        copies = [layout.slot(comm.mailbox.local(d), step, r) for d in range(tp)]
+        for d in range(1, tp):
             assert torch.equal(_bits(copies[d]), _bits(copies[0])), f"rank {r} in mailbox {d}"
-        assert all(_armed(layout.slot(comm.mailbox.local(d), step + 1, r)) for d in range(TP))
+        assert all(_armed(layout.slot(comm.mailbox.local(d), step + 1, r)) for d in range(tp))
         out.append(copies[0].clone())
     return torch.stack(out)
 
 
 def _twoshot_partials(comm, step):
     """Rank r's partial reassembled from every owner's receive view, [TP, rows, HID]."""
-    parity = step & 1
-    views = [comm.rows.receive_view(o) for o in range(TP)]
-    for o in range(TP):
+    parity, tp = step & 1, comm.tp
+    views = [comm.rows.receive_view(o) for o in range(tp)]
+    for o in range(tp):
         assert _armed(views[o][1 - parity]), f"owner {o}: the other parity was written"
-    return torch.stack([torch.cat([views[o][parity, r] for o in range(TP)], dim=-1)
-                        for r in range(TP)])  # fmt: skip
+    return torch.stack([torch.cat([views[o][parity, r] for o in range(tp)], dim=-1)
+                        for r in range(tp)])  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [9, 64, 100, 256, 1024])
@@ -81,21 +81,23 @@ def test_one_launch_publishes_the_projection(rows):
     backend.teardown()
 
 
-@pytest.mark.parametrize("twoshot", [False, True])
-@pytest.mark.parametrize("rows", [9, 300, 1024])
-def test_per_rank_publishes_the_projection(rows, twoshot):
+@pytest.mark.parametrize(
+    "tp, rows, twoshot",
+    [(8, r, t) for r in (9, 300, 1024) for t in (False, True)] + [(16, 300, True), (16, 9, False)],
+)
+def test_per_rank_publishes_the_projection(tp, rows, twoshot):
     nb = 2
-    backend = LoopbackBackend(TP)
+    backend = LoopbackBackend(tp)
     backend.check_coresident = lambda *args: None  # no consumer runs in this test
     comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, twoshot=twoshot,
                           producer="wgmma")  # fmt: skip
     assert comm.twoshot == twoshot
-    attn, w_os = _projection(TP, rows, seed=rows + 5)
-    for r in range(TP):
+    attn, w_os = _projection(tp, rows, seed=rows + 5)
+    for r in range(tp):
         comm.produce(attn[r], w_os[r], 1, rank=r)
     torch.cuda.synchronize()
     partials = _twoshot_partials(comm, 1) if twoshot else _one_shot_partials(comm, 1)
-    for r in range(TP):
+    for r in range(tp):
         ulp_check(partials[r], R.project(attn[r], w_os[r]))
     backend.teardown()
 
