@@ -10,6 +10,7 @@ import torch
 from kda import synthetic as kt
 from kda.validate import GATE_RANK, HEAD_DIM
 from launch.layer import step_kind
+from tpcomm.oproj.allreduce import wgmma_device
 from tpcomm.oproj.plan import Plan, choose
 
 
@@ -19,7 +20,7 @@ def oproj_plan(tp: int, rows: int, hidden: int, oproj_launch: str, split: bool =
     (``both``): one-shot; per-rank launches: the deployment's plan (one rank per GPU:
     ``choose``'s twoshot from the measured crossovers), one-shot with a split domain (puts
     with signal between domains need the one-shot mailbox)."""
-    wgmma = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    wgmma = wgmma_device()
     if oproj_launch != "per-rank":
         return choose(tp, rows, hidden, one_launch=True, wgmma=wgmma)
     return choose(tp, rows, hidden, twoshot=False if split else None, wgmma=wgmma)

@@ -230,8 +230,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", default="1,4,8", help="comma-separated token counts")
     parser.add_argument("--rows", action="store_true", help="the 1..1024 rows sweep")
-    about = "--rows: also OprojGemmProducer (producer='wgmma') above 8 rows"
-    parser.add_argument("--wgmma", action="store_true", help=about)
     parser.add_argument("--xmoe", action="store_true", help="the MoE copies' rows sweep")
     parser.add_argument("--reps", type=int, default=2, help="--xmoe: copies per row")
     parser.add_argument("--tp", type=int, nargs="+", default=None, help="--rows: TP (8 16)")
@@ -319,16 +317,7 @@ def rows_main(args):
                 json.dump(dict(summary, rows=out), f, indent=1)
 
     out, _ = oproj_rows.sweep(
-        args.tp,
-        rows,
-        7168,
-        8,
-        args.heads,
-        iters,
-        args.repeats,
-        tbps,
-        on_row=dump,
-        wgmma=args.wgmma,
+        args.tp, rows, 7168, 8, args.heads, iters, args.repeats, tbps, on_row=dump
     )
     if args.write_crossovers:
         oproj_rows.write_crossovers(out, device)

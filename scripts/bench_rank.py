@@ -213,8 +213,8 @@ def lone_rank(cfg, fence=True, producer=None):
     ``fence``, the sys fence of a rank per GPU; yields ``(runner, bk, plan,
     publish_others)``: ``publish_others()`` publishes the other ranks' partials of parity
     0 and, twoshot, fills rank 0's gather row with the other owners' shards. ``producer``
-    "wgmma": ``OprojGemmProducer`` at every rows count (the plan's producer: mma.sync up to
-    8 rows, above it ``OprojGemmProducer`` on sm_90, cuBLAS + publisher elsewhere)."""
+    "cublas": cuBLAS + publisher at every rows count instead of the plan's producer (mma.sync
+    up to 8 rows, above it ``OprojGemmProducer`` on sm_90): the path it replaced."""
     from step_peers import GRIDS, first_step
 
     from kda.decode import plan as plan_kda
@@ -235,9 +235,9 @@ def lone_rank(cfg, fence=True, producer=None):
         rows = cfg.requests * step_plan.tokens
         plan = oproj_plan(cfg.tp, rows, cfg.hidden, "per-rank")
         kw = dict(groups=plan.groups, eps=EPS, out_eps=OUT_EPS, budget_ns=BUDGET_NS)
-        if producer == "wgmma":  # every rows count: beside mma.sync too
-            plan = dataclasses.replace(plan, producer="wgmma")
-            kw["producer"] = "wgmma"
+        if producer == "cublas":
+            plan = dataclasses.replace(plan, producer="cublas")
+            kw["producer"] = "cublas"
         runner.comms[rows] = OprojAllReduce(
             backend, rows, cfg.hidden, cfg.blocks, twoshot=plan.twoshot, fence=fence, **kw
         )
@@ -397,8 +397,8 @@ def parser() -> argparse.ArgumentParser:
     how.add_argument("--no-flush", action="store_true", help="no L2 flush before each sample")
     about = "flush L2 by reading 256 MB (clean lines) instead of zeroing them (dirty lines)"
     how.add_argument("--clean-flush", action="store_true", help=about)
-    about = "the plan's producer (mma.sync <= 8 rows, wgmma above on sm_90) or wgmma at every row"
-    p.add_argument("--producer", choices=("plan", "wgmma"), default="plan", help=about)
+    about = "the plan's producer (mma.sync <= 8 rows, wgmma above on sm_90) or cuBLAS + publisher"
+    p.add_argument("--producer", choices=("plan", "cublas"), default="plan", help=about)
     p.set_defaults(kda_state="per-step", ring=DEFAULT_RING)
     return p
 

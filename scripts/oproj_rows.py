@@ -31,7 +31,7 @@ from _common import replay_us
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks
-from tpcomm.oproj.allreduce import OprojAllReduce
+from tpcomm.oproj.allreduce import OprojAllReduce, wgmma_device
 from tpcomm.oproj.plan import CROSSOVERS, buffer_bytes, choose
 from tpcomm.oproj.rows import RowChunks
 
@@ -129,7 +129,7 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
         args = (a["blocks"], a["norm"], a["query"], a["out_norm"])
         kw = dict(eps=EPS, out_eps=EPS, budget_ns=BUDGET)
         if kind.startswith("oneshot_1l"):
-            producer = next((p for p in ("cublas", "wgmma") if kind.endswith(p)), None)
+            producer = "cublas" if kind.endswith("cublas") else None
             comm = OprojAllReduce(backend, rows, hid, nb, one_launch=True, producer=producer, **kw)
 
             def fn(i):
@@ -146,10 +146,7 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
 
             errors = comm.errors
         else:
-            if kind.endswith("wgmma"):
-                kw["producer"] = "wgmma"
-            twoshot = kind.startswith("twoshot_chunks")
-            comm = RowChunks(backend, rows, hid, nb, twoshot=twoshot, **kw)
+            comm = RowChunks(backend, rows, hid, nb, twoshot=kind == "twoshot_chunks", **kw)
 
             def fn(i):
                 AllRanks(comm).run_ranks(a["attn"], prefixes, *args, outputs, i, w_os=a["w_os"])
@@ -168,10 +165,10 @@ def _variant(tp, rows, hid, nb, a, iters, repeats, kind):
         torch.cuda.empty_cache()
 
 
-def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None, wgmma=False):
+def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
     """Every (TP, rows) row; ``on_row(rows so far, tflops)`` after each (a cut run keeps
-    what it measured); ``wgmma``: above 8 rows also ``OprojGemmProducer`` one launch and
-    twoshot chunks (``oneshot_1l_wgmma``, ``twoshot_chunks_wgmma``)."""
+    what it measured). Where the plan's producer is not cuBLAS + publisher (mma.sync up to
+    8 rows, wgmma above on sm_90), that one is timed beside it (``oneshot_1l_cublas``)."""
     tflops = gemm_tflops()
     print(f"cuBLAS bf16 GEMM 8192^3: {tflops:.0f} TFLOP/s; copy {tbps:.2f} TB/s")
     out = []
@@ -179,8 +176,9 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None, wgm
         d_local = heads * 128 // tp
         for rows in rows_list:
             a = inputs(tp, rows, hid, nb, d_local)
-            plan = choose(tp, rows, hid, one_launch=True)  # ours: one launch, one-shot
-            chunks = choose(tp, rows, hid)  # per-rank launches (RowChunks): the crossover
+            wgmma = wgmma_device()  # the producer OprojAllReduce picks here
+            plan = choose(tp, rows, hid, one_launch=True, wgmma=wgmma)  # ours: one launch
+            chunks = choose(tp, rows, hid, wgmma=wgmma)  # per-rank launches (RowChunks)
             exchange = tp * buffer_bytes(tp, rows, hid, False) // 2
             floor = floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops)
             row = dict(
@@ -199,17 +197,14 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None, wgm
                 chunks_plan=dict(twoshot=chunks.twoshot, reason=chunks.reason),
             )
             kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
-            if rows <= 8:
+            if plan.producer != "cublas":
                 kinds.insert(1, "oneshot_1l_cublas")
-            elif wgmma:  # OprojGemmProducer beside the plan's cuBLAS + publisher
-                kinds += ["oneshot_1l_wgmma", "twoshot_chunks_wgmma"]
             for kind in kinds:
                 us, note = _variant(tp, rows, hid, nb, a, iters, repeats, kind)
                 row[f"{kind}_us"] = us
                 row[f"{kind}_note"] = note
             row["peer_us"] = peer_us(a, iters, repeats)
-            plan_kinds = [k for k in kinds if not k.endswith("wgmma")]  # best: the merged paths
-            options = [row[f"{k}_us"] for k in plan_kinds if row[f"{k}_us"] is not None]
+            options = [row[f"{k}_us"] for k in kinds if row[f"{k}_us"] is not None]
             row["ours_us"] = row["oneshot_1l_us"]  # the launcher's loopback path
             row["best_us"] = min(options) if options else None
             out.append(row)
@@ -231,10 +226,8 @@ def print_row(r):
     print(
         f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell(ours)} (x floor {cell(ratio, 5, 2)}, "
         f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell(r['oneshot_chunks_us'])} | "
-        f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS <= 8 "
-        f"{cell(r.get('oneshot_1l_cublas_us'))} | wgmma 1l / 2-shot "
-        f"{cell(r.get('oneshot_1l_wgmma_us'))} {cell(r.get('twoshot_chunks_wgmma_us'))} | "
-        f"peer {cell(r['peer_us'])} | floor "
+        f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS 1l "
+        f"{cell(r.get('oneshot_1l_cublas_us'))} | peer {cell(r['peer_us'])} | floor "
         f"{cell(floor)} | {r['plan']['producer']}",
         flush=True,
     )

@@ -126,9 +126,11 @@ def test_producer_option_reaches_measure(tmp_path, monkeypatch):
     measured, producers = [], []
     _fake_gpu(monkeypatch, measured, producers)
     out = tmp_path / "rank.json"
-    argv = ["--tp", "8", "--requests", "32", "--tokens", "1", "--producer", "wgmma"]
+    argv = ["--tp", "8", "--requests", "32", "--tokens", "1", "--producer", "cublas"]
     assert bench_rank.main([*argv, "--json", str(out)]) == 0
-    assert producers == ["wgmma"] and json.loads(out.read_text())["producer"] == "wgmma"
+    assert producers == ["cublas"] and json.loads(out.read_text())["producer"] == "cublas"
+    with pytest.raises(SystemExit):  # wgmma is the plan's above 8 rows; not forced below
+        bench_rank.parser().parse_args(["--producer", "wgmma"])
 
 
 def test_options():

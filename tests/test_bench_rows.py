@@ -141,24 +141,28 @@ def test_xmoe_rows_target(capsys):
     assert ("met" if r["met"] else "MISSED") in capsys.readouterr().out
 
 
-def test_rows_sweep_times_the_wgmma_producer_beside_the_plan(monkeypatch, capsys):
-    """``--rows --wgmma``: above 8 rows the sweep also times OprojGemmProducer (one launch
-    and twoshot chunks); the best-of row stays the merged paths'."""
+def test_rows_sweep_times_cublas_beside_the_plans_producer(monkeypatch, capsys):
+    """cuBLAS + publisher is timed beside the plan's producer where that is another one:
+    mma.sync up to 8 rows, wgmma above on sm_90 (elsewhere the plan's is cuBLAS)."""
     kinds = []
 
     def fake_variant(tp, rows, hid, nb, a, iters, repeats, kind):
         kinds.append((rows, kind))
-        return (1.0 if kind.endswith("wgmma") else 10.0 + len(kind)), rows
+        return 10.0 + len(kind), rows
 
     monkeypatch.setattr(oproj_rows, "gemm_tflops", lambda: 800.0)
     monkeypatch.setattr(oproj_rows, "inputs", lambda *args: None)
     monkeypatch.setattr(oproj_rows, "_variant", fake_variant)
     monkeypatch.setattr(oproj_rows, "peer_us", lambda *args: 99.0)
     monkeypatch.setattr(oproj_rows.torch.cuda, "empty_cache", lambda: None)
-    out, _ = oproj_rows.sweep([8], [4, 64], 7168, 8, 96, 1, 1, 4.0, wgmma=True)
-    assert [k for r, k in kinds if r == 4] == [
-        "oneshot_1l", "oneshot_1l_cublas", "oneshot_chunks", "twoshot_chunks"
-    ]  # fmt: skip
-    assert [k for r, k in kinds if r == 64][-2:] == ["oneshot_1l_wgmma", "twoshot_chunks_wgmma"]
-    assert out[1]["oneshot_1l_wgmma_us"] == 1.0 and out[1]["best_us"] == 10.0 + len("oneshot_1l")
-    assert "wgmma 1l / 2-shot" in capsys.readouterr().out
+    for sm90 in (True, False):
+        kinds.clear()
+        monkeypatch.setattr(oproj_rows, "wgmma_device", lambda sm90=sm90: sm90)
+        out, _ = oproj_rows.sweep([8], [4, 64], 7168, 8, 96, 1, 1, 4.0)
+        assert [k for r, k in kinds if r == 4] == [
+            "oneshot_1l", "oneshot_1l_cublas", "oneshot_chunks", "twoshot_chunks"
+        ]  # fmt: skip
+        assert ("oneshot_1l_cublas" in [k for r, k in kinds if r == 64]) == sm90
+        assert out[1]["plan"]["producer"] == ("wgmma" if sm90 else "cublas")
+        assert out[1]["best_us"] == 10.0 + len("oneshot_1l")
+    assert "cuBLAS 1l" in capsys.readouterr().out

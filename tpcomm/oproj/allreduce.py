@@ -39,6 +39,12 @@ from tpcomm.oproj.remote import RemotePuts
 __all__ = ["OprojAllReduce", "Plan", "choose"]
 
 
+def wgmma_device(device=None) -> bool:
+    """Whether ``OprojGemmProducer`` (``wgmma``, sm_90 only) runs on this CUDA device (the
+    current one by default): what the plan's producer above ``MAX_TOKENS`` rows follows."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 class OprojAllReduce:
     """Mailbox, error words and hints for one (TP, rows, HID, nb) shape on ``backend``.
 
@@ -84,7 +90,7 @@ class OprojAllReduce:
         # measured twoshot crossover applies to per-rank launches across GPUs
         device = getattr(backend, "device", None)
         cuda = device is not None and torch.device(device).type == "cuda"
-        sm90 = cuda and torch.cuda.get_device_capability(device) == (9, 0)
+        sm90 = cuda and wgmma_device(device)
         plan = choose(
             backend.world,
             tokens,
