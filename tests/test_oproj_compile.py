@@ -297,3 +297,19 @@ def test_hint_reader_ctas():
         ctas = reader_ctas(rows, 2, 7168, ranks, 132)
         assert ctas >= 1 and ctas * ranks <= READER_CTAS_PER_SM * 132
     assert reader_ctas(1024, 8, 7168, 16, 132) == READER_CTAS_PER_SM * 132 // 16
+
+
+@pytest.mark.parametrize("tp, nb, groups, twoshot", [(16, 8, 1, True), (8, 8, 2, False)])
+def test_consumer_shared_memory_is_the_plans(tp, nb, groups, twoshot):
+    """The launch asks for ``plan.smem_bytes`` (the residency figure), and one group
+    allocates no helper sums: the twoshot consumer at nb 8 fits 8 CTAs per SM (7 with them)."""
+    cute = require_dsl()
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
+    from tpcomm.oproj.plan import RESERVED_SMEM, min_blocks_per_sm, smem_bytes
+
+    kernel = OprojConsumerKernel(tp, 7168, nb, groups=groups, twoshot=twoshot)
+    f = cute.compile(kernel, *fake_arguments(tp, 7168, nb, 0, twoshot), options="--gpu-arch sm_90a")
+    want = smem_bytes(7168, nb, groups)
+    assert f"llvm.mlir.constant({want} : i64)" in str(f.ir_module)
+    if groups == 1:
+        assert 228 * 1024 // (want + RESERVED_SMEM) >= min_blocks_per_sm(1) == 8

@@ -94,9 +94,14 @@ def test_plan_refuses_when_not_coresident():
     # a forced T that does not fit
     with pytest.raises(ValueError, match="co-resident"):
         P.plan_fused(8, 4, 7168, 8, 2, H200, launches=8, tiles=1)
-    # shared memory the limit: groups 1, nb 8 -> 7 CTAs per SM
+    # shared memory the limit (a made-up GPU with 100 KiB per SM: 3 CTAs of 27 KiB)
     with pytest.raises(ValueError, match="shared memory"):
-        P.plan_fused(16, 8, 7168, 8, 1, H200, launches=16)
+        P.plan_fused(16, 8, 7168, 8, 1, P.DeviceLimits(sms=132, smem_per_sm=100 * 1024),
+                     launches=16)  # fmt: skip
+    # on the H200 the same shape fits: one group allocates no helper sums, so 8 CTAs per
+    # SM (the launch bound), not 7
+    fits = P.plan_fused(16, 8, 7168, 8, 1, H200, launches=16)
+    assert fits.per_sm == 8 and fits.tiles == 64
     # fits on a bigger (made-up) GPU
     assert P.plan_fused(16, 1, 7168, 8, 4, P.DeviceLimits(sms=264), launches=16).tiles == 8
 

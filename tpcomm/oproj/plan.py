@@ -290,10 +290,11 @@ def smem_layout(hid: int, nb: int, groups: int) -> list[tuple[int, int]]:
     """(bytes, alignment) of each shared allocation of the consumer, in its order."""
     ctas = hid // SLICE
     kpre, kpost = max(1, pow2_at_least(2 * nb) if nb else 0), 4 if nb else 1
+    helpers = [((groups - 1) * GROUP_THREADS * 8 * 4, 16)] if groups > 1 else []
     return [
         (2 * 8, 8),  # the two exchange mbarriers
         ((4 + nb) * GROUP_THREADS * 16, 16),  # prefetch rows
-        (max(1, groups - 1) * GROUP_THREADS * 8 * 4, 16),  # the helper groups' sums
+        *helpers,  # the helper groups' sums (none with one group)
         (4 * kpre * 4, 16),
         (4 * kpost * 4, 16),
         (ctas * kpre * 4, 16),

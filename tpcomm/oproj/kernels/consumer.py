@@ -171,7 +171,9 @@ class OprojConsumerKernel:
         bars = smem.allocate_array(Int64, 2, byte_alignment=8)
         rows = ROW_BLOCK + self.nb
         pf = smem_tensor(smem, Uint32, (rows, GROUP_THREADS, 4))
-        parts = smem_tensor(smem, Float32, (max(1, self.groups - 1), GROUP_THREADS, 8))
+        parts = None  # the helper groups' sums (none with one group)
+        if cutlass.const_expr(self.groups > 1):
+            parts = smem_tensor(smem, Float32, (self.groups - 1, GROUP_THREADS, 8))
         kpre = max(1, self.kpre)
         warp_pre = smem_tensor(smem, Float32, (4, kpre))
         warp_post = smem_tensor(smem, Float32, (4, self.kpost))
