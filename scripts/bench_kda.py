@@ -602,7 +602,9 @@ def main(argv=None):
             f"{f(result['speedup_composed'], 6, 2)}"
         )
         print(line)
-        if peer:
+        if peer and dtype != "fp32":
+            print(f"    SGLang's fp32 kernel {f(peer_us)} us: ours {f(result['vs_sglang'], 5, 2)}x")
+        elif peer:
             print(
                 f"    sglang {f(result.get('sglang_us'))} us ({f(result.get('sglang_pct_copy'), 4)}"
                 f"% copy; fp32 kernel {f(peer_us)}): ours {f(result['vs_sglang'], 5, 2)}x; "
