@@ -276,7 +276,7 @@ def test_hint_waiter_validation():
     from tpcomm.oproj.hints import HintReader, HintWaiter, hint_quota
 
     assert hint_quota(7168, 64) == 7 * 64
-    for kw, match in ((dict(hid=1000, reps=1), "1024"), (dict(hid=1024, reps=0), "reps"),
+    for kw, match in ((dict(hid=1000, reps=1), "256"), (dict(hid=1024, reps=0), "reps"),
                       (dict(hid=1024, reps=1, ranks=17), "ranks")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             HintReader(**kw)
