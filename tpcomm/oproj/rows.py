@@ -1,7 +1,7 @@
 """``RowChunks``: a step's rows as chunks that per-rank launches on one GPU can hold.
 
 Per-rank launches of every rank on one GPU (loopback) spin side by side, so every rank's
-consumer CTAs (``HID / 1024`` per row) must be resident together, and while they spin
+consumer CTAs (``slicing(hid).ctas`` per row) must be resident together, and while they spin
 they must leave room for the publisher CTAs they wait on (as many again: a consumer CTA
 in the slot a publisher needs would spin until its poll budget ran out). Above that (TP
 8, HID 7168: about 4 rows one-shot, 8 twoshot) per-rank runs take the step's rows in
