@@ -53,7 +53,7 @@ MAX_CTA_THREADS = 1024
 REGISTER_THREADS = 1024  # threads per SM the launch bound keeps resident (64 registers each)
 WORD_ROW_BYTES = 16  # a rank's row of error words / hint counters: int32 [4]
 
-THREADS = CTA_THREADS  # a publisher CTA, a producer tile
+THREADS = CTA_THREADS  # a producer tile: four warps
 FEATURES = 16  # output features per producer tile (the MMA's M)
 K_CHUNK = 32  # k per warp iteration (two m16n8k16)
 WARPS = 4
