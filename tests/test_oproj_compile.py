@@ -334,3 +334,24 @@ def test_consumer_shared_memory_is_the_plans(tp, hid, nb, groups, twoshot):
     if groups == 1:  # 8 CTAs per SM at 1024 columns, 10 at 2304's 768
         bound = min_blocks_per_sm(1, kernel.group_threads)
         assert 228 * 1024 // (want + RESERVED_SMEM) >= bound == {7168: 8, 2304: 10}[hid]
+
+
+@pytest.mark.parametrize(
+    "tp, hid, nb, groups",
+    [(8, 2304, 8, 4), (2, 256, 2, 1), (5, 1280, 8, 2), (4, 2816, 8, 2)],
+)
+def test_consumer_slices_spill_nothing(tmp_path, tp, hid, nb, groups):
+    """Slices of 96, 32 (5 CTAs: 80 exchange values over 32 lead threads) and 352 threads a
+    group assemble within their launch bound's registers without spilling. (992 threads,
+    7936 = 31 x 256 in one CTA, hold 64 registers and spill 4 bytes with xmoe copies.)"""
+    cute = require_dsl()
+    from compile_harness import ptxas_sm90a
+
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
+
+    kernel = OprojConsumerKernel(tp, hid, nb, groups=groups, xmoe_reps=1)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    text = cute.compile(kernel, *fake_arguments(tp, hid, nb, 1), options=options).__ptx__
+    assert f".reqntid {kernel.threads}" in text
+    report = ptxas_sm90a(text, tmp_path / "consumer.ptx")
+    assert "0 bytes spill stores" in report and "0 bytes spill loads" in report, report
