@@ -109,13 +109,17 @@ class Slicing:
         return max(1, min(MAX_GROUPS, MAX_CTA_THREADS // self.threads))
 
 
-@functools.cache
 def slicing(hid: int) -> Slicing:
     """The consumer cluster for ``hid``: the fewest CTAs (n <= ``MAX_CLUSTER``, dividing
     ``hid / 256``) whose slices are at most ``SLICE_COLUMNS`` (1024) columns; where no n
     gives one that narrow, the most CTAs (the narrowest slices). Multiples of 1024 get
     ``hid / 1024`` CTAs of 1024 columns; 2304 = 3 x 768; 1280 = 5 x 256; 2816 = 1 x 2816."""
-    check_hidden(hid, "hid")
+    check_hidden(hid, "hid")  # before the cache: 1024.0 hashes as 1024
+    return _slicing(hid)
+
+
+@functools.cache
+def _slicing(hid: int) -> Slicing:
     units = hid // HID_STEP
     ctas = [n for n in range(1, MAX_CLUSTER + 1) if units % n == 0]
     narrow = [n for n in ctas if hid // n <= SLICE_COLUMNS]

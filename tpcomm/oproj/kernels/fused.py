@@ -100,7 +100,7 @@ class OprojFused:
             if team == g:
                 for t in cutlass.range(self.tiles, unroll=1):
                     index = tile_index(row, cta, g, t, self.ctas, self.teams, self.tiles)
-                    if index < tile_count(self.hid):  # uniform in the group: barrier-safe
+                    if index < tile_count(self.hid):  # uniform in the team: barrier-safe
                         self.producer.tile(p, index, tid, red, g * WARPS, 1 + g, False)
                         if cutlass.const_expr(self.tiles > 1):  # the next tile reuses red
                             cute.arch.barrier(barrier_id=1 + g, number_of_threads=THREADS)
