@@ -159,7 +159,9 @@ CASES = [  # tp, tokens, hid, nb, has_delta, groups, xmoe
 
 
 @pytest.mark.parametrize(
-    "index, case", list(enumerate(CASES)), ids=[f"c{i}-tp{c[0]}-hid{c[2]}" for i, c in enumerate(CASES)]
+    "index, case",
+    list(enumerate(CASES)),
+    ids=[f"c{i}-tp{c[0]}-hid{c[2]}" for i, c in enumerate(CASES)],
 )
 def test_consumer_matches_reference(index, case):
     """Four steps: parity 0 and parity 1 on clean data against the reference, a step with a
