@@ -151,7 +151,7 @@ CASES = [  # tp, tokens, hid, nb, has_delta, groups, xmoe
     # other multiples of 256 (plan.slicing): 3 CTAs of 768 columns (Kimi-Linear), 5 of 1024,
     # 1 of 256, 5 of 256 (more exchange pushes than lead threads), 1 of 2816 (352 threads)
     (8, 2, 2304, 8, True, 4, 1),
-    (16, 2, 5120, 3, True, None, 1),
+    (16, 1, 5120, 3, True, None, 1),
     (2, 1, 256, 2, True, 1, 0),
     (5, 2, 1280, 8, False, 2, 0),
     (4, 2, 2816, 2, True, 2, 1),
