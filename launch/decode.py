@@ -28,6 +28,7 @@ from launch.liveness import hard_exit
 from launch.procs import env_rank, job_processes, nvshmem_installed
 from launch.report import check_json_path
 from tpcomm.host import launcher
+from tpcomm.mailbox import HID_STEP, MAX_HID
 
 HOST_TOKENS = 3  # --tokens default on the host
 GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 1024)
@@ -63,8 +64,9 @@ def refusal_ticks() -> int:
     return SPEAKER_TICKS if env_rank() == 0 else QUIET_TICKS
 
 
-def ranged(kind, low, high=None):
-    """An argparse type: ``kind`` (int or float) within ``low .. high``, finite."""
+def ranged(kind, low, high=None, step=None):
+    """An argparse type: ``kind`` (int or float) within ``low .. high``, finite (and, with
+    ``step``, a multiple of it)."""
 
     def parse(text):
         try:
@@ -77,6 +79,8 @@ def ranged(kind, low, high=None):
             raise argparse.ArgumentTypeError(f"must be >= {low}; got {text}")
         if high is not None and not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be in {low} .. {high}; got {text}")
+        if step is not None and value % step:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {step}; got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -96,8 +100,9 @@ def parse_args(argv=None):
         "backends take the job's process count")
     add("--heads", type=ranged(int, 1, 4096), default=16,
         help="KDA heads of the whole layer (96 in Kimi-K3); a multiple of the ranks")
-    add("--hidden", type=ranged(int, 1024, 8192), default=1024,
-        help="hidden width, a multiple of 1024 up to 8192 (7168 in Kimi-K3)")
+    add("--hidden", type=ranged(int, HID_STEP, MAX_HID, HID_STEP), default=1024,
+        help=f"hidden width, a multiple of {HID_STEP} up to {MAX_HID} (7168 in Kimi-K3, "
+        "2304 in Kimi-Linear)")
     add("--requests", type=ranged(int, 1, MAX_ROWS), default=4,
         help=f"requests per step (B); requests x tokens <= {MAX_ROWS}, and the job's memory "
         "estimate within the host's")
