@@ -62,29 +62,3 @@ def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     print(f"wrote {out}" + (f" ({what})" if what else ""))
-
-
-def probe_args(doc: str, config_help: str, argv=None):
-    """The copy probes' command line (``probe_bulk.py``): ``--json``,
-    ``--configs`` (each ``config_help``-shaped, parsed by the probe) and ``--shapes HxB``;
-    returns (args, [(H, B)] or None for the probe's default shapes)."""
-    import argparse
-
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument("--configs", nargs="+", default=None, help=config_help)
-    p.add_argument("--shapes", nargs="+", default=None, help="HxB, e.g. 96x128 12x128")
-    a = p.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes] if a.shapes else None
-    return a, shapes
-
-
-def launch_all(fn, args):
-    """A compiled probe over every slot table (each entry ``fn``'s arguments but the
-    stream), on the current stream."""
-    import cuda.bindings.driver as cuda
-    import torch
-
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    for a in args:
-        fn(*a, stream)
