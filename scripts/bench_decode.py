@@ -32,8 +32,8 @@ GEMM's rate), both measured in the run; the plan of the runner's path per rows b
 
     python scripts/bench_decode.py --rows [--tp 8 16] [--json dec.json]
 
-``--rows --alone``: rank 0's chain alone per (TP, requests, tokens), stage by stage against
-each stage's floor, with the plan of a rank per GPU (``scripts/bench_rank.py``).
+Rank 0's chain alone per (TP, requests, tokens), stage by stage against each stage's
+floor, with the plan of a rank per GPU: ``scripts/bench_rank.py``.
 
 ``--kda-state replay [--ring R]``: ours with replay decode (each rank's ``DecodeLayer`` in
 replay mode). The graph's replays advance the rings (empty at the start, so every request
@@ -409,13 +409,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="requests {1, 8, 32, 128, 256} x tokens {1, 4}: ours, peer, floor",
     )
-    about = "with --rows: rank 0's chain alone, stage by stage, the plan of a rank per GPU "
-    p.add_argument("--alone", action="store_true", help=about + "(scripts/bench_rank.py)")
     args = p.parse_args(argv)
-    if args.rows and args.alone:
-        from bench_rank import run
-
-        return run(args, args.tp, ROWS_REQUESTS, ROWS_TOKENS)
     if args.rows:
         return rows_main(args)
     if args.quick:

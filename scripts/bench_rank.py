@@ -34,7 +34,6 @@ bandwidth). The KDA stage and the o-projection (producer + consumer) are reporte
     python scripts/bench_rank.py [--tp 8 16] [--requests 1 8 32 128 256] [--tokens 1 4]
                                  [--replays 30] [--json rank.json] [--no-fence]
                                  [--no-flush | --clean-flush]
-    python scripts/bench_decode.py --rows --alone [--tp 8 16] [--json rank.json]
 
 Plot: ``python scripts/plot_rank.py rank8.json rank16.json --out docs/rank_rows.png``.
 """

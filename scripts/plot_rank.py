@@ -1,8 +1,7 @@
 """One rank's chain against rows per step, stage by stage with each stage's floor, from
-``bench_rank.py --json`` (or ``bench_decode.py --rows --alone --json``; one or more files,
-e.g. one per TP): a panel per (TP, tokens), the chain against the sum of its stage floors
-and the 1.3x target, KDA, producer, consumer and the o-projection (producer + consumer)
-each beside its floor, and TP 16 B 8 T 1's 12 us target.
+``bench_rank.py --json`` (one or more files, e.g. one per TP): a panel per (TP, tokens), the
+chain against the sum of its stage floors and the 1.3x target, KDA, producer, consumer and
+the o-projection (producer + consumer) each beside its floor, and TP 16 B 8 T 1's 12 us target.
 
     python scripts/plot_rank.py docs/data/rank_rows_tp8.json docs/data/rank_rows_tp16.json \
         --out docs/rank_rows.png

@@ -1,6 +1,6 @@
 """CPU tests of ``scripts/bench_rank.py`` (one rank's chain alone, stage by stage) with
 fake timings: the bytes and floors per stage, the targets, the sweep's JSON and table, the
-options (also through ``bench_decode.py --rows --alone``), and ``plot_rank.py`` on the
+options, and ``plot_rank.py`` on the
 JSON (skipped without matplotlib)."""
 
 import argparse
@@ -109,17 +109,6 @@ def test_sweep_writes_json_and_table(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "Fake GPU: copy 4.00 TB/s" in text and "skipped: ValueError: does not fit" in text
     assert "twoshot mma" in text and "targets: chain <= 1.3" in text
-
-
-def test_bench_decode_rows_alone_runs_the_rank_sweep(tmp_path, monkeypatch):
-    measured = []
-    _fake_gpu(monkeypatch, measured)
-    out = tmp_path / "rank.json"
-    argv = ["--rows", "--alone", "--tp", "8", "--replays", "3", "--json", str(out)]
-    assert bench_decode.main(argv) == 0
-    want = [(8, b, t, 3, True, "write") for t in (1, 4) for b in bench_decode.ROWS_REQUESTS]
-    assert measured == want
-    assert len(json.loads(out.read_text())["rows"]) == 10
 
 
 def test_producer_option_reaches_measure(tmp_path, monkeypatch):
