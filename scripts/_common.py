@@ -52,6 +52,16 @@ def rows_axes(ax, ticks) -> None:
         ax.minorticks_off()
 
 
+def finish_rows_panel(ax, ticks, xlabel, ylabel, title, legend=7) -> None:
+    """A rows-per-step panel's axes (``rows_axes``), labels, title, grid and legend."""
+    rows_axes(ax, ticks)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=legend)
+
+
 def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
     """``fig`` laid out tight, written to ``out`` (its folder made first) and closed; prints
     ``wrote out (what)``."""

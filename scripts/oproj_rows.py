@@ -181,21 +181,9 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
             chunks = choose(tp, rows, hid, wgmma=wgmma)  # per-rank launches (RowChunks)
             exchange = tp * buffer_bytes(tp, rows, hid, False) // 2
             floor = floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops)
-            row = dict(
-                tp=tp,
-                rows=rows,
-                hid=hid,
-                nb=nb,
-                d_local=d_local,
-                floor_us=floor,
-                plan=dict(
-                    producer=plan.producer,
-                    twoshot=plan.twoshot,
-                    bytes=plan.bytes,
-                    reason=plan.reason,
-                ),
-                chunks_plan=dict(twoshot=chunks.twoshot, reason=chunks.reason),
-            )
+            row = dict(tp=tp, rows=rows, hid=hid, nb=nb, d_local=d_local, floor_us=floor)
+            row["plan"] = {k: getattr(plan, k) for k in ("producer", "twoshot", "bytes", "reason")}
+            row["chunks_plan"] = dict(twoshot=chunks.twoshot, reason=chunks.reason)
             kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
             if plan.producer != "cublas":
                 kinds.insert(1, "oneshot_1l_cublas")

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import pyplot, rows_axes, save_figure  # noqa: E402
+from _common import finish_rows_panel, pyplot, save_figure  # noqa: E402
 
 CHAIN_TARGET = 1.3
 ALONE_TARGET_US = 12.0
@@ -113,13 +113,9 @@ def main(argv=None) -> int:
                     markersize=10,
                     label=f"B 8 target {ALONE_TARGET_US:g} us",
                 )
-            rows_axes(ax, ticks)
-            ax.set_xlabel(f"rows per step (requests x {t})")
-            ax.set_ylabel("us (median)")
             kind = "decode" if t == 1 else f"verify, T = {t}"
-            ax.set_title(f"TP {tp}, {kind}: rank 0 alone\n{', '.join(devices)}", fontsize=9)
-            ax.grid(True, alpha=0.3, which="both")
-            ax.legend(fontsize=6)
+            title = f"TP {tp}, {kind}: rank 0 alone\n{', '.join(devices)}"
+            finish_rows_panel(ax, ticks, f"rows per step (requests x {t})", "us (median)", title, 6)
     save_figure(fig, args.out, f"{count} points, {len(tps) * len(tokens)} panels")
     return 0 if count else 1
 

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import pyplot, rows_axes, save_figure  # noqa: E402
+from _common import finish_rows_panel, pyplot, save_figure  # noqa: E402
 
 SERIES = (
     ("ours_us", "-", "o", "ours"),
@@ -108,12 +108,8 @@ def main(argv=None) -> int:
             )
             ticks.update(x for x, _ in points)
             count += len(points)
-        rows_axes(ax, ticks)
-        ax.set_xlabel("rows per step (requests x tokens)")
-        ax.set_ylabel("latency, us (median)")
-        ax.set_title(f"{title}\n{', '.join(devices)}", fontsize=9)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        xlabel, ylabel = "rows per step (requests x tokens)", "latency, us (median)"
+        finish_rows_panel(ax, ticks, xlabel, ylabel, f"{title}\n{', '.join(devices)}")
     save_figure(fig, args.out, f"{count} points, {n} panels")
     return 0 if count else 1
 
