@@ -26,6 +26,24 @@ def replay_us(graph, reps: int, per: int = 1) -> float:
     return statistics.median(event_us(graph.replay) / per for _ in range(reps))
 
 
+def json_rows(paths) -> tuple[list, list]:
+    """(the ``rows`` of every benchmark JSON in ``paths``, the devices they name, in order;
+    a device measured on loopback, as ``docs/data``'s files record, marked so)."""
+    import json
+
+    rows, devices = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        device = data.get("device")
+        if device and "loopback" in data.get("measured", {}).get("machine", ""):
+            device += " (loopback)"
+        if device and device not in devices:
+            devices.append(device)
+    return rows, devices
+
+
 def pyplot():
     """``matplotlib.pyplot`` on the Agg backend (images only, no display); ImportError
     without matplotlib."""

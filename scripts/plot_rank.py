@@ -10,13 +10,12 @@ the o-projection (producer + consumer) each beside its floor, and TP 16 B 8 T 1'
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import finish_rows_panel, pyplot, save_figure  # noqa: E402
+from _common import finish_rows_panel, json_rows, pyplot, save_figure  # noqa: E402
 
 CHAIN_TARGET = 1.3
 ALONE_TARGET_US = 12.0
@@ -28,18 +27,6 @@ SERIES = (
     ("consumer", lambda r: r["stages_us"]["consume"], lambda r: r["floors_us"]["consumer"], "C2"),
     ("o-projection", lambda r: r["oproj_us"], lambda r: r["floors_us"]["oproj"], "C3"),
 )
-
-
-def load(paths):
-    """(rows of every file, the devices named, in order)."""
-    rows, devices = [], []
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        rows += data["rows"]
-        if data.get("device") and data["device"] not in devices:
-            devices.append(data["device"])
-    return rows, devices
 
 
 def panels(rows):
@@ -61,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("json", nargs="+", help="JSON of bench_rank.py (one or more)")
     p.add_argument("--out", default="docs/rank_rows.png")
     args = p.parse_args(argv)
-    rows, devices = load(args.json)
+    rows, devices = json_rows(args.json)
     shown = panels(rows)
     if not shown:
         print("no rows to plot")

@@ -145,7 +145,7 @@ def test_plot_rank_from_the_json(tmp_path, monkeypatch):
         paths.append(tmp_path / f"rank{tp}.json")
         argv = ["--tp", str(tp), "--requests", "1", "8", "256", "--json", str(paths[-1])]
         assert bench_rank.main(argv) == 0
-    rows, devices = plot_rank.load([str(p) for p in paths])
+    rows, devices = plot_rank.json_rows([str(p) for p in paths])
     shown = plot_rank.panels(rows)
     assert set(shown) == {(8, 1), (8, 4), (16, 1), (16, 4)}
     got, floors = shown[(16, 1)]["chain"]
