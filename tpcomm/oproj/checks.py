@@ -24,18 +24,7 @@ BF16 = torch.bfloat16
 
 
 def check_consume(
-    partials,
-    prefix,
-    blocks,
-    norm,
-    query,
-    out_norm,
-    *,
-    groups,
-    eps,
-    out_eps,
-    device=None,
-    full=False,
+    partials, prefix, blocks, norm, query, out_norm, *, groups, eps, out_eps, full, device=None
 ):
     """Validate consumer arguments; returns (TP, N, HID, nb). ``device``: where every
     tensor but ``partials`` must be (default: ``partials``'s); ``full``: the checked mode's
