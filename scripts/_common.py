@@ -44,6 +44,81 @@ def json_rows(paths) -> tuple[list, list]:
     return rows, devices
 
 
+HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the timed call meanwhile
+
+
+def median_replays(fn, replays, before=None, cycle=1) -> float:
+    """Median GPU time (us) of ``fn()`` over ``replays`` samples, each the mean of
+    ``cycle`` consecutive calls, every call after an untimed ``before()``. ``cycle``: the
+    ring size R in replay mode, where each call advances every ring, so each window of R
+    calls holds exactly one fold per request (the median of single calls would skip the
+    folding ones). The GPU sleeps ~2 ms before each start event, so the host has enqueued
+    the call before the GPU reaches it: the time is the GPU's, not the host's dispatch
+    (``host_us``)."""
+    import torch
+
+    times = []
+    for _ in range(replays * cycle):
+        if before is not None:
+            before()
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
+        times.append(event_us(fn))
+    return statistics.median(cycle_means(times, cycle))
+
+
+def cycle_means(times, cycle) -> list:
+    """Means of consecutive windows of ``cycle`` times (a trailing partial window dropped)."""
+    if cycle < 1:
+        raise ValueError(f"cycle must be >= 1; got {cycle}")
+    return [statistics.fmean(times[i : i + cycle]) for i in range(0, len(times) - cycle + 1, cycle)]
+
+
+def host_us(fn, calls, before=None) -> float:
+    """Host time (us) of one ``before(); fn()`` call, the GPU kept busy meanwhile (its
+    sleep covers every call's dispatch, so no call waits for the GPU)."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOST_AHEAD_CYCLES * 10)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        if before is not None:
+            before()
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def captured(fn):
+    """``fn()`` (already run once: compiled) captured as a CUDA graph on a side stream."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        fn()
+    return graph
+
+
+def graph_us(fn, iters, repeats) -> float:
+    """Median us per step of a graph of ``iters`` calls ``fn(i)`` (i: the step)."""
+    import torch
+
+    fn(0)
+    torch.cuda.synchronize()
+    graph = captured(lambda: [fn(i) for i in range(iters)])
+    return replay_us(graph, repeats, iters)
+
+
+def cell(v, width=9, digits=2) -> str:
+    """A table cell: ``v`` right-aligned in ``width`` with ``digits`` decimals, or ``-``."""
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+
+
 def pyplot():
     """``matplotlib.pyplot`` on the Agg backend (images only, no display); ImportError
     without matplotlib."""

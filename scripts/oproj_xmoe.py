@@ -20,7 +20,8 @@ timed out) and the reader's copies bitwise the outputs.
 from __future__ import annotations
 
 import torch
-from oproj_rows import BUDGET, EPS, graph_us, inputs
+from _common import graph_us
+from oproj_rows import BUDGET, EPS, inputs
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks
