@@ -514,7 +514,7 @@ def _print_table(rows, tbps):
             f"  TP {r['tp']} B {r['requests']}: ours = o-projection launches "
             f"{DEFAULT_OPROJ_LAUNCH}; other modes: {modes or '-'}"
         )
-    print("targets (issue 7, B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
+    print("targets (B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""One GPU's share of the decode step at serving batch (issue 33): rank 0's chain, KDA ->
+"""One GPU's share of the decode step at serving batch: rank 0's chain, KDA ->
 producer -> consumer, with the o-projection plan of one rank per GPU, stage by stage
 against each stage's floor, on one GPU.
 
