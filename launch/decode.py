@@ -87,7 +87,45 @@ def ranged(kind, low, high=None, step=None):
     return parse
 
 
-def parse_args(argv=None):
+class MarkdownOptions(argparse.Action):
+    """``--markdown-options``: print the option table (docs/cli.md's) and exit, as --help."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(options_markdown(parser), end="")
+        parser.exit()
+
+
+def options_markdown(p: argparse.ArgumentParser | None = None) -> str:
+    """The options as a Markdown table (option, default, meaning), from the parser itself:
+    docs/cli.md holds this text and ``tests/test_docs_cli.py`` checks it."""
+    p = p or parser()
+    gpu_group = next(g for g in p._action_groups if g.title == "GPU backends")
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    for a in p._actions:
+        if not a.option_strings or a.help in (None, argparse.SUPPRESS) or a.dest == "help":
+            continue
+        names = " / ".join(f"`{o}`" for o in a.option_strings)
+        if a.nargs == "?":
+            names = f"`{a.option_strings[0]} [{a.metavar}]`"
+        if a.default in (None, argparse.SUPPRESS):
+            default = "-"
+        elif isinstance(a.default, bool):
+            default = "on" if a.default else "off"
+        else:
+            default = f"`{a.default}`"
+        meaning = ("GPU: " if a in gpu_group._group_actions else "") + a.help
+        if a.choices is not None:
+            meaning += "; one of " + ", ".join(f"`{c}`" for c in a.choices)
+        meaning = meaning.replace("|", "\\|")
+        lines.append(f"| {names} | {default} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> Parser:
+    """The job's argument parser (``parse_args`` adds the checks across options)."""
     # fmt: off
     p = Parser(description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -172,7 +210,13 @@ def parse_args(argv=None):
     add("--fault", choices=("none", "output", "state"), default="none",
         help="test hook: the last rank corrupts its output or a state page in step 1, "
         "which the checks must catch")
+    add("--markdown-options", action=MarkdownOptions, help=argparse.SUPPRESS)
     # fmt: on
+    return p
+
+
+def parse_args(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.kda_state == "replay" and args.kernel != "auto":
         p.error(

@@ -47,7 +47,8 @@ import argparse
 import json
 
 import torch
-from oproj_rows import graph_us, torch_epilogue  # the rows sweep's (this folder)
+from _common import graph_us
+from oproj_rows import torch_epilogue  # the rows sweep's (this folder)
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks

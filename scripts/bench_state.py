@@ -42,17 +42,8 @@ def make_layer(heads, pages, kda_state, ring_size=4):
     shard = kt.make_layer(heads, pages, window=WINDOW, seed=1, device="cuda")
     ones = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
     w_o = torch.zeros(1024, heads * 128, dtype=torch.bfloat16, device="cuda")
-    return DecodeLayer(
-        shard,
-        w_o,
-        {},
-        rank=0,
-        norm=ones,
-        query=ones,
-        out_norm=ones,
-        kda_state=kda_state,
-        ring_size=ring_size,
-    )
+    norms = dict(norm=ones, query=ones, out_norm=ones)
+    return DecodeLayer(shard, w_o, {}, rank=0, kda_state=kda_state, ring_size=ring_size, **norms)
 
 
 def page_bytes(layer, ring=True):

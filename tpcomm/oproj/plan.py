@@ -63,8 +63,8 @@ RESERVED_SMEM = 1024  # bytes the hardware reserves per CTA (sm_80+)
 SMS_PER_GPC_AT_LEAST = 16  # assumed: Hopper / Blackwell data-center GPCs hold 16+ SMs
 
 PRODUCERS = ("mma", "cublas", "wgmma")
-# OprojGemmProducer's CTA tile (rows x features) by rows: the fastest of scripts/probe_gemm.py's
-# sweep at 8-32, 128, 256 and 1024 rows (H200, TP 8 / 16, one-shot and twoshot, 2026-12-02;
+# OprojGemmProducer's CTA tile (rows x features) by rows: the fastest of a tile sweep
+# at 8-32, 128, 256 and 1024 rows (H200, TP 8 / 16, one-shot and twoshot, 2026-12-02;
 # docs/oproj.md). Small tiles keep more CTAs streaming w_o at few rows; larger ones re-read
 # w_o fewer times per row.
 GEMM_TILES = ((64, (64, 64)), (128, (64, 128)), (256, (128, 128)), (None, (128, 256)))
