@@ -1,5 +1,6 @@
-"""What the benchmarks and plots share: CUDA-event timing of a call or of a graph's replays,
-and the plots' matplotlib backend and image writing. torch and matplotlib are imported on
+"""What the benchmarks and plots share: CUDA-event timing of a call or of a graph's replays
+(``time_graph``), the copy bandwidth, JSON written whole, and the plots' matplotlib backend
+and image writing. torch and matplotlib are imported on
 first use, so a plot never needs torch and a benchmark never needs matplotlib."""
 
 from __future__ import annotations
@@ -165,3 +166,44 @@ def save_figure(fig, out: str, what: str = "", dpi: int = 120) -> None:
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     print(f"wrote {out}" + (f" ({what})" if what else ""))
+
+
+def time_graph(fn, replays=7, inner=1):
+    """Median time (us) of one replay of a CUDA graph of ``fn`` divided by ``inner``."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up / compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return replay_us(graph, replays, inner)
+
+
+def copy_bandwidth():
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    import torch
+
+    n = 1 << 28  # 1 GiB of fp32
+    a = torch.empty(n, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    graph_us = time_graph(lambda: b.copy_(a), replays=9)
+    eager = [event_us(lambda: b.copy_(a)) for _ in range(9)]  # a plain cudaMemcpyAsync
+    us = min(graph_us, statistics.median(eager))
+    return 2 * 4 * n / (us * 1e-6) / 1e12
+
+
+def write_json(path, payload):
+    """Write ``payload`` to ``path`` whole (a run killed mid-write keeps the last rows)."""
+    import json
+
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump(payload, handle, indent=1)
+    os.replace(partial, path)

@@ -289,7 +289,7 @@ def alone(cfg, model, replays):
 
 def peer(cfg, model, replays, device="cuda"):
     """The torch / fla composition of the same step (all ranks, one stream, one graph)."""
-    from bench_kda import time_graph
+    from _common import time_graph
 
     dev = torch.device(device)
     B, tp, hid = cfg.requests, cfg.tp, cfg.hidden
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
         return rows_main(args)
     if args.quick:
         args.requests, args.replays = [8], 20
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     tbps = copy_bandwidth()
     device = torch.cuda.get_device_name()
@@ -408,7 +408,7 @@ ROWS_TOKENS = (1, 4)
 
 def rows_main(args) -> int:
     """The rows sweep: one line per (TP, requests, tokens), JSON for ``plot_rows.py``."""
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
     from oproj_rows import gemm_tflops
 
     from tpcomm.oproj.plan import choose

@@ -60,13 +60,10 @@ Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --veri
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 
 import torch
-from _common import event_us, replay_us
+from _common import copy_bandwidth, time_graph, write_json
 from kda_peers import (
     SGLANG_HEADS,
     fla_composed,
@@ -83,33 +80,6 @@ from kda import synthetic as kt
 PAGE = 128 * 128 * 4
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROTATE_BYTES = 256 << 20
-
-
-def time_graph(fn, replays=7, inner=1):
-    """Median time (us) of one replay of a CUDA graph of ``fn`` divided by ``inner``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up / compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return replay_us(graph, replays, inner)
-
-
-def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second (TB/s)."""
-    n = 1 << 28  # 1 GiB of fp32
-    a = torch.empty(n, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    graph_us = time_graph(lambda: b.copy_(a), replays=9)
-    eager = [event_us(lambda: b.copy_(a)) for _ in range(9)]  # a plain cudaMemcpyAsync
-    us = min(graph_us, statistics.median(eager))
-    return 2 * 4 * n / (us * 1e-6) / 1e12
 
 
 def setup(H, B, T, rotations, seed=0, device="cuda", state_dtype="fp32", dim_first=True):
@@ -244,9 +214,8 @@ def replay_bytes(heads, size, tokens, slots, accepted=None, calls=9, timed=7):
 
 
 def sglang_row(result, layer, steps, peer_dir, rotations, dtype, sglang_fp32):
-    """SGLang's fused kernel on ``result``'s row: timed on its own copies of the pools (fp32
-    pages: on a bf16 row the fp32 row's time is the peer), its numerics against the
-    reference on the first step; errors reported, not raised (the peer is optional)."""
+    """SGLang's fused kernel on ``result``'s row (fp32 pages only) on its own copies of the
+    pools, its numerics against the reference on the first step; errors reported."""
     H, B = result["H"], result["B"]
     if dtype != "fp32":
         return
@@ -414,14 +383,6 @@ def replay_shapes(args):
     if args.state_dtype == "bf16":
         return []
     return replay_grid(quick=args.quick)
-
-
-def write_json(path, payload):
-    """Write ``payload`` to ``path`` whole (a run killed mid-write keeps the last rows)."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as handle:
-        json.dump(payload, handle, indent=1)
-    os.replace(partial, path)
 
 
 def f(v, w=8, p=1):

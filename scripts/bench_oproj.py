@@ -303,7 +303,7 @@ def main():
 
 def rows_main(args):
     import oproj_rows
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     tbps = copy_bandwidth()
     device = torch.cuda.get_device_name()
@@ -328,7 +328,7 @@ def xmoe_main(args):
     import datetime
 
     import oproj_xmoe
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     tbps = copy_bandwidth()
     device = torch.cuda.get_device_name()

@@ -318,7 +318,7 @@ def measure(cfg, replays, fence=True, flush="write", producer=None):
 
 def run(args, tps, requests, tokens) -> int:
     """Every (TP, tokens, requests) row, JSON after each (a cut run keeps what it measured)."""
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
     from oproj_rows import gemm_tflops
 
     if args.kda_state != "per-step":

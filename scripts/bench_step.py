@@ -277,7 +277,7 @@ def peer(kind, runner, procs, bk, nccl, symm, steps: int) -> dict:
 
 def run(args, backend, procs):
     """Every requests count on this process's GPU: (rows, failures, copy TB/s)."""
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     nccl = torch.distributed.new_group(backend="nccl")
     symm = peers.symm_mem_for(nccl)

@@ -68,11 +68,11 @@ def test_row_floors_ratios_and_targets():
 
 def _fake_gpu(monkeypatch, measured, producers=None):
     producers = [] if producers is None else producers
-    import bench_kda
+    import _common
     import oproj_rows
     import torch
 
-    monkeypatch.setattr(bench_kda, "copy_bandwidth", lambda: TBPS)
+    monkeypatch.setattr(_common, "copy_bandwidth", lambda: TBPS)
     monkeypatch.setattr(oproj_rows, "gemm_tflops", lambda: TFLOPS)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
