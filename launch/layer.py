@@ -330,8 +330,9 @@ class Model:
         per = self.cfg.heads_per_rank
         return rank * per, per
 
-    def shard(self, rank: int) -> Rank:
-        """Rank ``rank``'s heads: sliced from the whole layer if it was built, else built."""
+    def shard(self, rank: int, ring: bool = True) -> Rank:
+        """Rank ``rank``'s heads: sliced from the whole layer if it was built, else built
+        (``ring``: with a replay ring of its own; a ``DecodeLayer`` owns one)."""
         first, count = self.rank_heads(rank)
         if self._kda is not None:
             layer = kl.shard_layer(self._kda, first, count)
@@ -342,7 +343,7 @@ class Model:
             w_o = self._w_o[:, cols].contiguous()
         else:
             w_o = self.w_o_columns(first, count)
-        ring = make_ring(layer.state, self.cfg.ring) if self.cfg.replay else None
+        ring = make_ring(layer.state, self.cfg.ring) if self.cfg.replay and ring else None
         return Rank(rank, first, layer, w_o, self, ring)
 
     def slot_table(self) -> torch.Tensor:
