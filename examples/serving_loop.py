@@ -85,7 +85,9 @@ def main(device: str) -> None:
     if device == "cpu":
         backend = make_backend("host")  # a rank per process (one without torchrun)
     else:
-        backend = make_backend("nvshmem" if "RANK" in os.environ else "loopback")
+        backend = (
+            make_backend("nvshmem") if "RANK" in os.environ else make_backend("loopback", world=1)
+        )
     dev = getattr(backend, "device", torch.device("cpu"))
     rank, tp = backend.ranks[0], backend.world
     heads, first = HEADS // tp, rank * (HEADS // tp)
