@@ -58,6 +58,16 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, but for options whose default depends on the backend (None):
+    their help says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def refusal_ticks() -> int:
     """Ticks a refusing rank waits before it leaves: fewer for rank 0 (which speaks)."""
     return SPEAKER_TICKS if env_rank() == 0 else QUIET_TICKS
@@ -86,7 +96,7 @@ def ranged(kind, low, high=None):
 def parse_args(argv=None):
     # fmt: off
     p = Parser(description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               formatter_class=Help)
     add, gpu = p.add_argument, p.add_argument_group("GPU backends").add_argument
     add("--backend", choices=("auto", "host", "loopback", "nvshmem"), default="auto",
         help="auto = loopback with CUDA in one process, nvshmem under torchrun / mpirun "

@@ -211,6 +211,8 @@ def run(args, info, symm, live=None) -> int:
     times = {k: [] for k in (*STAGES, "step")}
     check, kinds = rep.Checks(), {}
 
+    block = rep.config(cfg, "host", info.launcher, domain_size=symm.domain.size)
+    progress = rep.Progress(root, block, cfg.steps)
     worst = {"prefix": 0.0, "output": 0.0}  # error / bound (launch.checks.oproj_bound_ratios)
     if cfg.replay:  # head rows not bitwise the per-step path's; materialised pages' error
         worst.update(per_step_rows=0, materialized=0.0, ring_folds=0)
@@ -228,6 +230,7 @@ def run(args, info, symm, live=None) -> int:
         for k, v in zip((*STAGES, "step"), laps, strict=True):
             times[k].append(v)
 
+        progress(i + 1)
         # Every rank: output and prefix bitwise equal to rank 0's.
         root_output, root_prefix = host.broadcast(output), host.broadcast(prefix_new)
         same = torch.equal(root_output, output) and torch.equal(root_prefix, prefix_new)
