@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_launch import free_port
@@ -70,3 +71,20 @@ def test_examples_gpu(script):
         _needs_fla()
         pytest.importorskip("triton")
     run(script, "--device", "cuda", timeout=600)
+
+
+def test_readme_quotes_embed_layer():
+    """The README's engine-API snippet is ``examples/embed_layer.py``'s own lines, in order
+    (``...`` marks lines left out), so it cannot drift from the example a test runs."""
+    readme = Path(ROOT, "README.md").read_text()
+    block = readme.split("## The engine API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    quoted = [line.strip() for line in block.splitlines() if line.strip()]
+    source = Path(ROOT, "examples", "embed_layer.py").read_text().splitlines()
+    lines = [line.strip() for line in source]
+    at = 0
+    for line in quoted:
+        if line == "...":
+            continue
+        assert line in lines[at:], f"README quotes a line not in the example (in order): {line}"
+        at += lines[at:].index(line) + 1
+    assert len([q for q in quoted if q != "..."]) >= 15
