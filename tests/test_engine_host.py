@@ -244,3 +244,33 @@ def test_bad_arguments_name_themselves(host_backend):
                 DecodeLayer(shard, w_o, {}, rank=0, **{**good, name: bad})
     with pytest.raises(ValueError, match="^w_o"):
         DecodeLayer(shard, w_o.float(), {}, rank=0, **good)
+    for args, name in (((-2, 4), "heads"), ((2, 0), "pages"), ((2.0, 4), "heads")):
+        with pytest.raises(ValueError, match=f"^{name} must be a positive int"):
+            kt.make_layer(*args)
+    with pytest.raises(ValueError, match="^window"):
+        kt.make_layer(2, 4, window=2)
+    with pytest.raises(ValueError, match="^requests"):
+        kt.make_step(0, 1, 2, pages=4)
+
+
+def test_host_produce_consume_is_produce_then_consume():
+    """``HostAllReduce.produce_consume`` (one rank in this process) gives bitwise what
+    ``produce`` then ``consume`` give."""
+    backend = make_backend("loopback", world=1, device="cpu")
+    comm = all_reduces(backend, (2,), HID, 1)[2]
+    g = torch.Generator().manual_seed(0)
+    attn = torch.randn(2, 256, generator=g).bfloat16()
+    w_o = torch.randn(HID, 256, generator=g).bfloat16()
+    prefix = torch.randn(2, HID, generator=g).bfloat16()
+    blocks = torch.randn(2, 1, HID, generator=g).bfloat16()
+    ones = torch.ones(HID, dtype=torch.bfloat16)
+    outs = []
+    for fused in (False, True):
+        p, o = prefix.clone(), torch.empty(2, HID, dtype=torch.bfloat16)
+        if fused:
+            comm.produce_consume(attn, w_o, p, blocks, ones, ones, ones, o, 1)
+        else:
+            comm.produce(attn, w_o, 1)
+            comm.consume(p, blocks, ones, ones, ones, o, 1)
+        outs.append((p, o))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
