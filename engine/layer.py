@@ -9,7 +9,7 @@ previous kernel's tail), ``kda.recover`` after a recorded verify step, the produ
 (``bf16(attn @ w_o^T)`` into every rank's mailbox) and the consumer (rank-order sum,
 residual into ``prefix`` in place, AttnRes, output RMSNorm). Every call goes through the
 registered ops, so the step is graph-capturable and a ``torch.compile(fullgraph=True)``
-caller traces it in one graph; the layer marks its weights and pools as static addresses,
+caller traces it in one graph; the layer marks its weights and pools (on a GPU) as static addresses,
 so ``mode="reduce-overhead"`` neither copies them nor refuses their in-place updates (mark
 the engine's persistent ``prefix`` / ``output`` buffers the same way).
 
@@ -24,6 +24,12 @@ holds the plain per-step state only after ``materialize``; a slot given to a new
 must start with an empty ring (``ring.length[slot] = 0``) as well as its initial page.
 Replay pays at R 4 or 8 with about 400 (request, head) items per step or more; with fewer,
 or at R 16, per-step is faster (docs/replay.md: the H200 table).
+
+On the CPU (``all_reduces`` on the host backend or a CPU loopback gives
+``tpcomm.oproj.host_allreduce.HostAllReduce``) the same calls run the references:
+``kda.reference.decode`` / ``replay_decode`` / ``recover`` and the all-reduce's reference
+producer and consumer (``self.reference``); no call reaches ``torch.cuda``, and what is
+GPU-only (the MoE copies; a kernel choice without ``sms`` on CPU pools) is refused by name.
 
 The consumer spins until every rank's partial of the step has landed: with one rank per
 GPU each process steps its layer; with every rank on one GPU (loopback) either step each
@@ -149,7 +155,7 @@ class DecodeLayer:
         held = [getattr(shard, n) for n in _WEIGHTS] + [shard.state, shard.conv_state]
         held += list(self.ring) if self.ring is not None else []
         for t in held + [w_o, norm, query, out_norm]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.is_cuda:  # for CUDA graphs; not on the CPU
                 torch._dynamo.mark_static_address(t)
 
     # --- the parts of a step ---------------------------------------------------------

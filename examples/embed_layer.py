@@ -28,6 +28,19 @@ REQUESTS, TOKENS, PAGES = 3, 2, 8  # requests per step, verify tokens, state pag
 EPS = 1e-6
 
 
+def check(got, want, what: str, exact: bool) -> None:
+    """``got`` is ``want``: bitwise on the CPU (both are the references); on a GPU the
+    kernels round apart from them, within 1 bf16 ulp a step (docs/contract.md), so there each
+    row's relative error must stay below 2^-6 (a slot or state mix-up moves a row by its own
+    size)."""
+    got, want = got.cpu().float(), want.float()
+    if exact:
+        assert torch.equal(got, want), what
+    else:
+        error = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)
+        assert bool((error <= 2**-6).all()), f"{what}: relative error {float(error.max()):.2e}"
+
+
 def main(device: str) -> None:
     if device == "cpu":
         backend = make_backend("host")  # gloo: a rank per process (one without torchrun)
@@ -92,12 +105,12 @@ def main(device: str) -> None:
         want, want_prefix = oref.consume(
             partials, prefix, blocks, *weights, eps=EPS, out_eps=EPS, groups=groups
         )
-        assert torch.equal(output.cpu(), want), f"rank {rank} step {i}: output"
-        assert torch.equal(residual.cpu(), want_prefix), f"rank {rank} step {i}: prefix"
+        check(output, want, f"rank {rank} step {i}: output", exact=device == "cpu")
+        check(residual, want_prefix, f"rank {rank} step {i}: prefix", exact=device == "cpu")
         drawn = torch.randint(1, TOKENS + 1, (REQUESTS,), generator=g, dtype=torch.int32)
         accepted = torch.ones_like(drawn) if i == 0 else drawn  # the sampler's verdict
-    state = layer.shard.state.cpu()
-    assert torch.equal(state, unsharded.state[:, first : first + heads]), "state pages"
+    mine = unsharded.state[:, first : first + heads]
+    check(layer.shard.state, mine, f"rank {rank}: state pages", exact=device == "cpu")
     backend.teardown()
     if rank == 0:
         print(f"TP {tp}, {HEADS} heads, hidden {HIDDEN}, {backend.name} backend: 4 steps checked")

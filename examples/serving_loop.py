@@ -8,8 +8,9 @@ rings. A shared prompt prefix is decoded once and kept as a snapshot (``copy_sta
 a cache group); requests that share it start from a copy of the snapshot. One request is
 preempted to host memory (``export_state``), its pages given to others, and resumed later
 in other pages (``import_state``). At the end every emitted token's output of every layer
-is checked, bit for bit, against its request run alone through the unsharded layers (the
-references; the request decodes the prefix itself there).
+is checked against its request run alone through the unsharded layers (the references;
+the request decodes the prefix itself there): bit for bit on the CPU, within the kernels'
+rounding on a GPU.
 
     python examples/serving_loop.py                          # CPU, host backend, TP 1
     torchrun --nproc-per-node 2 examples/serving_loop.py     # CPU, host backend, TP 2
@@ -183,7 +184,7 @@ def main(device: str) -> None:
             preempted, swapped = req, True
         n += 1
 
-    checked = sum(check_alone(req, stack, tp) for req in finished)
+    checked = sum(check_alone(req, stack, tp, exact=device == "cpu") for req in finished)
     backend.teardown()
     shared = sum(req.shared for req in finished)
     resumed = [req.id for req in finished if req.blobs is not None]
@@ -197,7 +198,20 @@ def main(device: str) -> None:
         print("OK")
 
 
-def check_alone(req, stack, tp) -> int:
+def check(got, want, what: str, exact: bool) -> None:
+    """``got`` is ``want``: bitwise on the CPU (both are the references); on a GPU the
+    kernels round apart from them, within 1 bf16 ulp a step (docs/contract.md), and the
+    stack carries that on, so there each row's relative error must stay below 2^-6 (a slot
+    or state mix-up moves a row by its own size)."""
+    got, want = got.float(), want.float()
+    if exact:
+        assert torch.equal(got, want), what
+    else:
+        error = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)
+        assert bool((error <= 2**-6).all()), f"{what}: relative error {float(error.max()):.2e}"
+
+
+def check_alone(req, stack, tp, exact) -> int:
     """Run ``req``'s steps alone (batch of one, fresh pages) through the unsharded layers
     (``kda.reference`` on every head, the o-projection as the TP ranks' partials) and check
     its emitted outputs bitwise; returns the tokens checked."""
@@ -235,7 +249,7 @@ def check_alone(req, stack, tp) -> int:
             )
             if s >= skip:
                 got = req.emitted[s - skip][layer_index]
-                assert torch.equal(got, h[: got.shape[0]]), f"request {req.id} step {s}"
+                check(got, h[: got.shape[0]], f"request {req.id} step {s}", exact)
                 tokens += got.shape[0] if layer_index == 0 else 0
     return tokens
 
