@@ -204,7 +204,7 @@ def run(args, info, symm, live=None) -> int:
             live.arrive(tag)
 
     model = Model(cfg)
-    me = model.shard(info.rank, ring=False)
+    me = model.shard(info.rank)
     layer = host_layer(model, me, symm)
     schedule = Schedule(cfg)
     unsharded = Unsharded(model) if root and args.check_every else None

@@ -62,9 +62,9 @@ def test_host_step_is_the_jobs_step(host_backend, kda_state):
     prefix, the KDA outputs and pages) at every step."""
     cfg = _config(kda_state=kda_state)
     model, schedule = Model(cfg), Schedule(cfg)
-    me = model.shard(0, ring=False)
+    me = model.shard(0)
     job = host_layer(model, me, host_backend)
-    other = model.shard(0, ring=False)
+    other = model.shard(0)
     engine = host_layer(model, other, host_backend)
     unsharded = Unsharded(model)
     assert job.reference and isinstance(job.comm(cfg.requests), HostAllReduce)
@@ -101,7 +101,7 @@ def _loopback_layers(cfg, model, backend, rows):
     weights = dict(norm=model.norm, query=model.query, out_norm=model.out_norm)
     layers = []
     for r in range(cfg.tp):
-        me = model.shard(r, ring=False)
+        me = model.shard(r)
         layers.append(DecodeLayer(me.kda, me.w_o, comms, rank=r, **weights))
     return layers
 
@@ -168,7 +168,7 @@ def test_host_layer_makes_no_cuda_call(host_backend, monkeypatch, kda_state):
     materialize / fold) with ``torch.cuda``'s entry points made to fail: none is reached."""
     cfg = _config(kda_state=kda_state, tokens=2)
     model = Model(cfg)
-    me = model.shard(0, ring=False)
+    me = model.shard(0)
     layer = host_layer(model, me, host_backend)
 
     def no_cuda(*args, **kwargs):
@@ -199,7 +199,7 @@ def test_gpu_only_parts_are_refused_by_name(host_backend):
     refused naming them."""
     cfg = _config()
     model = Model(cfg)
-    me = model.shard(0, ring=False)
+    me = model.shard(0)
     weights = dict(norm=model.norm, query=model.query, out_norm=model.out_norm)
     with pytest.raises(ValueError, match="xmoe_reps"):
         all_reduces(host_backend, (3,), HID, 2, xmoe_reps=1)
