@@ -5,7 +5,9 @@ o-projection of all ranks is one producer launch and one consumer launch
 (``tpcomm.oproj.all_ranks.AllRanks``: ``produce_all``, ``consume_all``, on the current
 stream; with PDL the consumer launches early and waits in-kernel), bitwise what the ranks'
 own ``DecodeLayer.step`` give. The all-reduces must be built with ``one_launch=True``
-(``engine.all_reduces(..., one_launch=True)``).
+(``engine.all_reduces(..., one_launch=True)``). On the CPU (the layers' all-reduces
+``HostAllReduce``, e.g. a loopback backend on the CPU) the same calls run each rank's
+references in turn.
 """
 
 from __future__ import annotations
@@ -35,18 +37,30 @@ class AllRanksStep:
             lead.out_norm,
             lead.pdl,
         )
+        self.reference = lead.reference  # CPU all-reduces: every rank's reference in turn
 
     def ranks(self, rows: int) -> AllRanks:
         """The one-launch driver of the ``rows`` bucket's all-reduce."""
         return AllRanks(self.layers[0].comm(rows))
 
     def produce(self, attn, parity: int) -> None:
-        """Every rank's ``bf16(attn[r] @ w_o[r]^T)`` into every mailbox: one launch."""
+        """Every rank's ``bf16(attn[r] @ w_o[r]^T)`` into every mailbox: one launch (on the
+        CPU, each rank's reference in rank order)."""
+        if self.reference:
+            for r, layer in enumerate(self.layers):
+                layer.produce(attn[r], parity)
+            return
         self.ranks(attn.shape[1]).produce_all(attn, self.w_os, parity, pdl=self.pdl)
 
     def consume(self, prefix, blocks, output, parity: int, xmoe=None) -> None:
         """Every rank's all-reduce, residual (``prefix`` [TP, rows, HID] in place), AttnRes
         and norm into ``output`` (and ``xmoe`` [TP, reps, rows, HID]): one launch."""
+        if self.reference:
+            if xmoe is not None:
+                raise ValueError("xmoe: the MoE latent copies are GPU-only")
+            for r, layer in enumerate(self.layers):
+                layer.consume(prefix[r], blocks, output[r], parity)
+            return
         shared = (blocks, self.norm, self.query, self.out_norm)
         ranks = self.ranks(prefix.shape[1])
         ranks.consume_all(prefix, *shared, output, parity, xmoes=xmoe, pdl=self.pdl)

@@ -9,7 +9,7 @@ previous kernel's tail), ``kda.recover`` after a recorded verify step, the produ
 (``bf16(attn @ w_o^T)`` into every rank's mailbox) and the consumer (rank-order sum,
 residual into ``prefix`` in place, AttnRes, output RMSNorm). Every call goes through the
 registered ops, so the step is graph-capturable and a ``torch.compile(fullgraph=True)``
-caller traces it in one graph; the layer marks its weights and pools as static addresses,
+caller traces it in one graph; the layer marks its weights and pools (on a GPU) as static addresses,
 so ``mode="reduce-overhead"`` neither copies them nor refuses their in-place updates (mark
 the engine's persistent ``prefix`` / ``output`` buffers the same way).
 
@@ -24,6 +24,12 @@ holds the plain per-step state only after ``materialize``; a slot given to a new
 must start with an empty ring (``ring.length[slot] = 0``) as well as its initial page.
 Replay pays at R 4 or 8 with about 400 (request, head) items per step or more; with fewer,
 or at R 16, per-step is faster (docs/replay.md: the H200 table).
+
+On the CPU (``all_reduces`` on the host backend or a CPU loopback gives
+``tpcomm.oproj.host_allreduce.HostAllReduce``) the same calls run the references:
+``kda.reference.decode`` / ``replay_decode`` / ``recover`` and the all-reduce's reference
+producer and consumer (``self.reference``); no call reaches ``torch.cuda``, and what is
+GPU-only (the MoE copies; a kernel choice without ``sms`` on CPU pools) is refused by name.
 
 The consumer spins until every rank's partial of the step has landed: with one rank per
 GPU each process steps its layer; with every rank on one GPU (loopback) either step each
@@ -43,8 +49,10 @@ from kda import layer as kl
 from kda import reference as kref
 from kda.operands import MAX_RING, MIN_RING, make_ring
 from kda.validate import HEAD_DIM, STATE_DTYPES
+from tpcomm.checks import is_int
 from tpcomm.oproj.allreduce import OprojAllReduce
-from tpcomm.oproj.plan import check_hidden
+from tpcomm.oproj.host_allreduce import HostAllReduce, runs_on_host
+from tpcomm.oproj.plan import MAX_BLOCKS, check_hidden
 
 _WEIGHTS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
 KDA_STATES = ("per-step", "replay")
@@ -52,11 +60,29 @@ DEFAULT_RING = 4
 
 
 def all_reduces(backend, rows, hidden: int, blocks: int, **kwargs) -> dict[int, OprojAllReduce]:
-    """One ``OprojAllReduce`` per rows bucket on ``backend`` (``kwargs``: its options), the
-    all-reduces every ``DecodeLayer`` of this process shares. Collective on a backend of
-    several processes: each builds the same buckets in the same order."""
+    """One o-projection all-reduce per rows bucket on ``backend`` (``kwargs``: its options),
+    the all-reduces every ``DecodeLayer`` of this process shares: ``OprojAllReduce`` (the
+    kernels) on a GPU backend, ``HostAllReduce`` (the references; gloo on the host backend)
+    on a CPU one. Collective on a backend of several processes: each builds the same
+    buckets in the same order."""
+    check_buckets(rows, hidden, blocks)
+    kind = HostAllReduce if runs_on_host(backend) else OprojAllReduce
+    return {n: kind(backend, n, hidden, blocks, **kwargs) for n in sorted(set(rows))}
+
+
+def check_buckets(rows, hidden, blocks) -> None:
+    """``all_reduces``' ``rows`` (positive ints), ``hidden`` and ``blocks`` (0..8); ValueError
+    naming the argument."""
+    if isinstance(rows, int | str) or not hasattr(rows, "__iter__"):
+        raise ValueError(f"rows must be an iterable of ints (the buckets); got {rows!r}")
+    rows = list(rows)
+    if not rows or any(not is_int(n) or n < 1 for n in rows):
+        raise ValueError(f"rows must be positive ints (requests x tokens); got {rows!r}")
+    if not is_int(hidden):
+        raise ValueError(f"hidden must be an int; got {hidden!r}")
     check_hidden(hidden, "hidden")
-    return {n: OprojAllReduce(backend, n, hidden, blocks, **kwargs) for n in sorted(set(rows))}
+    if not is_int(blocks) or not 0 <= blocks <= MAX_BLOCKS:
+        raise ValueError(f"blocks must be an int in 0..{MAX_BLOCKS}; got {blocks!r}")
 
 
 class DecodeLayer:
@@ -115,6 +141,8 @@ class DecodeLayer:
         heads = shard.state.shape[1]
         if not isinstance(w_o, torch.Tensor) or w_o.dim() != 2 or w_o.shape[1] != heads * HEAD_DIM:
             raise ValueError(f"w_o must be [HID, {heads * HEAD_DIM}] (the rank's heads' columns)")
+        check_weights(w_o, norm, query, out_norm, shard.state.device)
+        self.reference = takes_references(comms, shard.state)
         self.shard, self.w_o, self.comms, self.rank = shard, w_o, comms, rank
         self.norm, self.query, self.out_norm = norm, query, out_norm
         self.kernel, self.gate_mode, self.pdl, self.sms = kernel, gate_mode, bool(pdl), sms
@@ -127,7 +155,7 @@ class DecodeLayer:
         held = [getattr(shard, n) for n in _WEIGHTS] + [shard.state, shard.conv_state]
         held += list(self.ring) if self.ring is not None else []
         for t in held + [w_o, norm, query, out_norm]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.is_cuda:  # for CUDA graphs; not on the CPU
                 torch._dynamo.mark_static_address(t)
 
     # --- the parts of a step ---------------------------------------------------------
@@ -153,6 +181,11 @@ class DecodeLayer:
             sms = self.sms
             if sms is None:
                 device = self.shard.state.device
+                if device.type != "cuda":
+                    raise ValueError(
+                        f"sms: the kernels' dispatcher plans with a GPU's SMs; the pools are "
+                        f"on {device} (pass sms=, or step on a host backend's all-reduces)"
+                    )
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
                 if not self.replay:  # the ranks sharing the GPU split it
                     sms = max(1, sms // self.sharing)
@@ -182,7 +215,12 @@ class DecodeLayer:
             if choice is not None:
                 raise ValueError("choice: replay mode takes the replay dispatcher's kernel")
             args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)
+            if self.reference:
+                return _into(out, kref.replay_decode(*args, **_scalars(kw), ring=self.ring))
             return kda.replay_decode(*args, **kw, ring=self.ring, kernel="auto")
+        if self.reference:  # the host backend: kda.reference.decode, the kernels' math
+            args, kw = self._operands(x, f_a, beta, gate, slots, accepted, out)
+            return _into(out, kref.decode(*args, **_scalars(kw), records=records))
         if choice is None:
             requests = slots.shape[0]
             choice = self.choice(requests, x.shape[0] // requests, records is not None)
@@ -211,6 +249,19 @@ class DecodeLayer:
                 "commits a verify step's pending ring entries)"
             )
         L = self.shard
+        if self.reference:
+            kref.recover(
+                L.state,
+                slots,
+                records[0],
+                records[1],
+                L.a_log,
+                L.dt_bias,
+                committed,
+                accepted,
+                lower_bound=self.lower_bound,
+            )
+            return
         kda.recover(
             L.state,
             slots,
@@ -353,6 +404,54 @@ class DecodeLayer:
         from .state import import_state
 
         return import_state(self, slots, blob, stream=stream, live=live)
+
+
+def _scalars(kw: dict) -> dict:
+    """``_operands``' keywords as the references take them (no launch options)."""
+    return {k: v for k, v in kw.items() if k not in ("gate_mode", "pdl", "out")}
+
+
+def _into(out, result):
+    """``result`` copied into the caller's ``out`` buffer when one was given."""
+    if out is None:
+        return result
+    if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"out must be a {result.dtype} tensor {tuple(result.shape)}")
+    return out.copy_(result)
+
+
+def takes_references(comms, state) -> bool:
+    """Whether a layer over ``comms`` and the pool ``state`` runs the references: its
+    all-reduces are the host's (``HostAllReduce``), or it has none and its pools are not on
+    a GPU. ValueError for a mix, or host all-reduces over GPU pools."""
+    if not isinstance(comms, Mapping):
+        raise ValueError(f"comms must map rows to all-reduces (all_reduces); got {comms!r}")
+    kinds = {bool(getattr(c, "reference", False)) for c in comms.values()}
+    if len(kinds) > 1:
+        raise ValueError("comms: host and GPU all-reduces mixed")
+    reference = kinds.pop() if kinds else state.device.type != "cuda"
+    if reference and state.device.type != "cpu":
+        raise ValueError(
+            f"shard: the host backend's all-reduces run on the CPU; the pools are on {state.device}"
+        )
+    return reference
+
+
+def check_weights(w_o, norm, query, out_norm, device) -> None:
+    """``w_o`` [HID, D_local] bf16 and the AttnRes / output-norm weights ``norm``, ``query``,
+    ``out_norm`` [HID] bf16, contiguous, on the pools' ``device``; ValueError naming one."""
+    hidden = w_o.shape[0]
+    for name, t in (("w_o", w_o), ("norm", norm), ("query", query), ("out_norm", out_norm)):
+        shape = tuple(w_o.shape) if name == "w_o" else (hidden,)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != torch.bfloat16:
+            raise ValueError(
+                f"{name} must be a bf16 tensor {shape} (HID = w_o's rows); got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {device}; got {t.device}")
 
 
 def step_options(options):

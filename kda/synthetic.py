@@ -21,6 +21,13 @@ def _gen(seed):
     return g
 
 
+def _counts(**counts) -> None:
+    """Each a positive int (not a bool); ValueError naming the first that is not."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+
+
 def make_layer(
     heads,
     pages,
@@ -34,6 +41,9 @@ def make_layer(
     device="cpu",
 ) -> Layer:
     """Random weights and pools (page 0 included: slot 0 is never a live page)."""
+    _counts(heads=heads, pages=pages, window=window)
+    if window < 3:
+        raise ValueError(f"window must be >= 3 (the conv's three taps); got {window}")
     g = _gen(seed)
     D = heads * HEAD_DIM
 
@@ -70,6 +80,7 @@ def make_step(
 ) -> Step:
     """Random activations; ``slot_table`` [B, T] (default: request b owns pages
     1 + b*T ...), ``padding`` the requests whose slots are set to -1 (a padding row)."""
+    _counts(requests=requests, tokens=tokens, heads=heads, pages=pages)
     g = _gen(seed)
     B, T, D = requests, tokens, heads * HEAD_DIM
     rows = B * T

@@ -59,6 +59,16 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, but for options whose default depends on the backend (None):
+    their help says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def refusal_ticks() -> int:
     """Ticks a refusing rank waits before it leaves: fewer for rank 0 (which speaks)."""
     return SPEAKER_TICKS if env_rank() == 0 else QUIET_TICKS
@@ -128,7 +138,7 @@ def parser() -> Parser:
     """The job's argument parser (``parse_args`` adds the checks across options)."""
     # fmt: off
     p = Parser(description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               formatter_class=Help)
     add, gpu = p.add_argument, p.add_argument_group("GPU backends").add_argument
     add("--backend", choices=("auto", "host", "loopback", "nvshmem"), default="auto",
         help="auto = loopback with CUDA in one process, nvshmem under torchrun / mpirun "

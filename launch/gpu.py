@@ -106,6 +106,8 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
         )
     except ValueError as e:
         return rep.refuse(str(e), procs.root)
+    block = rep.config(cfg, backend.name, launcher, domain_size=backend.domain.size)
+    progress = rep.Progress(procs.root, block, cfg.steps)  # the configuration line first
     unsharded = Unsharded(model) if args.check_every and procs.root else None
     schedule = Schedule(cfg)
     check, kinds = rep.Checks(), {}
@@ -182,6 +184,7 @@ def run(args, cfg: Config, backend, launcher="single", procs: Procs | None = Non
             check_step(
                 runner, unsharded, bk, plan, step, prefix, blocks, before_state, check, worst
             )
+        progress(plan.index + 1)
 
     if cfg.replay and args.check_every and procs.all_true(not check.failures):
         check_materialized(runner, unsharded, schedule, check, worst, plan.index)

@@ -1,6 +1,8 @@
-"""The decode job on the host backend (CPU, one rank per process, gloo): the reference math
-per rank, timed by stage; rank 0 checks each ``--check-every``-th step bitwise against the
-unsharded layer, every rank that its output and prefix are bitwise rank 0's.
+"""The decode job on the host backend (CPU, one rank per process, gloo): each rank steps its
+``engine.DecodeLayer`` (on the host backend its calls run the references and the gloo
+all-reduce, the route an engine embedding the layer takes), timed by stage; rank 0 checks
+each ``--check-every``-th step bitwise against the unsharded layer, every rank that its
+output and prefix are bitwise rank 0's.
 
 ``--kda-state replay``: each rank runs the replay reference on its shard with a ring of its
 own; a checked step also compares the ring entries bitwise, and the KDA outputs with the
@@ -20,17 +22,29 @@ import time
 
 import torch
 
+from engine import DecodeLayer, all_reduces
+from kda import layer as kl
 from kda.operands import Ring
+from kda.validate import HEAD_DIM
 from launch import report as rep
 from launch.checks import inject, materialized_check, replay_output_check
-from launch.layer import Config, Model, Schedule, Unsharded, conv_cat, host_bytes, materialize
+from launch.layer import (
+    EPS,
+    OUT_EPS,
+    Config,
+    Model,
+    Schedule,
+    Unsharded,
+    conv_cat,
+    host_bytes,
+    materialize,
+)
 from launch.liveness import Liveness
 from launch.procs import env_rank, job_processes
 from tpcomm import host
 from tpcomm.domain import check_domain_size
-from tpcomm.oproj import reference as oref
 
-STAGES = ("kda", "oproj", "exchange", "consume")
+STAGES = ("kda", "recover", "produce", "consume")  # the GPU runner's (launch.runner)
 
 
 def host_memory_bytes() -> int:
@@ -102,6 +116,45 @@ def main(args) -> int:
         backend.teardown()
 
 
+def host_layer(model: Model, me, backend) -> DecodeLayer:
+    """Rank ``me``'s ``DecodeLayer`` on the host backend: the job's shard, its all-reduces
+    (one per rows bucket: the decode and the verify steps) and AttnRes weights."""
+    cfg = model.cfg
+    rows = (cfg.requests, cfg.requests * cfg.tokens)
+    scalars = dict(groups=cfg.groups, eps=EPS, out_eps=OUT_EPS)
+    comms = all_reduces(backend, rows, cfg.hidden, cfg.blocks, **scalars)
+    state = dict(kda_state=cfg.kda_state, ring_size=cfg.ring, state_dtype=cfg.torch_state_dtype)
+    weights = dict(norm=model.norm, query=model.query, out_norm=model.out_norm)
+    return DecodeLayer(me.kda, me.w_o, comms, rank=me.rank, **weights, **state)
+
+
+def host_step(layer: DecodeLayer, me, plan, step, prefix, blocks):
+    """One step of the job through ``layer``'s parts, timed: the rank's heads of ``step``
+    (``attend``; ``recover`` after a recorded verify step), ``produce``, ``consume``
+    (``prefix`` updated in place). Returns (attn, output, seconds per stage and in all)."""
+    cfg = me.model.cfg
+    local = kl.shard_step(step, cfg.heads, me.first, cfg.heads_per_rank)
+    records = None
+    if plan.record:
+        B, H, T = local.slots.shape[0], layer.heads, plan.tokens
+        v_rec = torch.zeros(B, H, T, HEAD_DIM)
+        records = (v_rec, torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16))
+    parity = plan.index & 1
+    t0 = time.perf_counter()
+    inputs = (local.x, local.f_a, local.beta, local.gate, local.slots)
+    attn = layer.attend(*inputs, accepted=local.accepted, records=records)
+    t1 = time.perf_counter()
+    if records is not None:
+        layer.recover(local.slots, records, plan.committed, plan.accepted)
+    t2 = time.perf_counter()
+    layer.produce(attn, parity)
+    t3 = time.perf_counter()
+    output = torch.empty_like(prefix)
+    layer.consume(prefix, blocks, output, parity)
+    t4 = time.perf_counter()
+    return attn, output, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
+
+
 def gather_ring(ring: Ring) -> Ring | None:
     """Every rank's ring on rank 0, heads concatenated (the whole layer's); None elsewhere."""
     parts = [host.gather(t) for t in ring]
@@ -152,11 +205,14 @@ def run(args, info, symm, live=None) -> int:
 
     model = Model(cfg)
     me = model.shard(info.rank)
+    layer = host_layer(model, me, symm)
     schedule = Schedule(cfg)
     unsharded = Unsharded(model) if root and args.check_every else None
     times = {k: [] for k in (*STAGES, "step")}
     check, kinds = rep.Checks(), {}
 
+    block = rep.config(cfg, "host", info.launcher, domain_size=symm.domain.size)
+    progress = rep.Progress(root, block, cfg.steps)
     worst = {"prefix": 0.0, "output": 0.0}  # error / bound (launch.checks.oproj_bound_ratios)
     if cfg.replay:  # head rows not bitwise the per-step path's; materialised pages' error
         worst.update(per_step_rows=0, materialized=0.0, ring_folds=0)
@@ -167,21 +223,14 @@ def run(args, info, symm, live=None) -> int:
         step, prefix, blocks = model.step_inputs(plan)
         arrive(i)  # rank 0 may still be checking the last step: wait here, not in gloo
         host.barrier()
-        t0 = time.perf_counter()
-        attn = me.attention(plan, step)
-        t1 = time.perf_counter()
-        partial = oref.project(attn, me.w_o)
-        t2 = time.perf_counter()
-        partials = symm.exchange(partial, i)
-        t3 = time.perf_counter()
-        output, prefix_new = me.consume(partials, prefix, blocks)
-        t4 = time.perf_counter()
+        prefix_new = prefix.clone()  # the layer updates it in place; rank 0 checks the input
+        attn, output, laps = host_step(layer, me, plan, step, prefix_new, blocks)
         if i == 1 and info.rank == info.world - 1:
             inject(args.fault, output, me.kda.state)
-        laps = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
         for k, v in zip((*STAGES, "step"), laps, strict=True):
             times[k].append(v)
 
+        progress(i + 1)
         # Every rank: output and prefix bitwise equal to rank 0's.
         root_output, root_prefix = host.broadcast(output), host.broadcast(prefix_new)
         same = torch.equal(root_output, output) and torch.equal(root_prefix, prefix_new)
@@ -193,7 +242,7 @@ def run(args, info, symm, live=None) -> int:
         attn_all = host.gather(attn)  # rank 0 only compares: the others just send
         state_all = host.gather(me.kda.state)
         conv_all = host.gather(me.kda.conv_state)
-        ring_all = gather_ring(me.ring) if cfg.replay else None
+        ring_all = gather_ring(layer.ring) if cfg.replay else None
         if unsharded is None:
             continue
         ref, u = unsharded.step(plan, step, prefix, blocks), unsharded.kda
@@ -228,7 +277,7 @@ def run(args, info, symm, live=None) -> int:
             worst[name] = max(worst[name], ref[key])
 
     if cfg.replay and args.check_every:  # the engine's materialize, then the plain state
-        materialize(me.kda, me.ring, model, schedule.accepted)
+        materialize(me.kda, layer.ring, model, schedule.accepted)
         state_all = host.gather(me.kda.state)
         if unsharded is not None:
             check_materialized(
@@ -243,8 +292,10 @@ def run(args, info, symm, live=None) -> int:
 
     # Latency: per step, the slowest rank; peak memory of every rank.
     arrive("end")
+    recorded = any(k.endswith("recover") for k in kinds)  # as the GPU report: no empty stage
+    stages = tuple(k for k in STAGES if k != "recover" or recorded)
     per_rank = host.all_gather(
-        torch.tensor([times[k] for k in (*STAGES, "step")], dtype=torch.float64)
+        torch.tensor([times[k] for k in (*stages, "step")], dtype=torch.float64)
     )
     slowest = per_rank.max(dim=0).values  # [stage, steps]
     ok = host.all_true(not check.failures)
@@ -252,7 +303,7 @@ def run(args, info, symm, live=None) -> int:
     if root:
         rss = [int(v) for v in rss[:, 0]]
         report = rep.host_report(
-            cfg, "host", info, kinds, slowest, STAGES, check, worst, ok, rss, symm.domain.size
+            cfg, "host", info, kinds, slowest, stages, check, worst, ok, rss, symm.domain.size
         )
         if rep.finish(report, check.failures, args.json, rep.print_host) and ok:
             return 1  # the report could not be written

@@ -331,7 +331,8 @@ class Model:
         return rank * per, per
 
     def shard(self, rank: int) -> Rank:
-        """Rank ``rank``'s heads: sliced from the whole layer if it was built, else built."""
+        """Rank ``rank``'s heads: sliced from the whole layer if it was built, else built
+        (no ring: the rank's ``DecodeLayer`` owns one in replay mode)."""
         first, count = self.rank_heads(rank)
         if self._kda is not None:
             layer = kl.shard_layer(self._kda, first, count)
@@ -342,8 +343,7 @@ class Model:
             w_o = self._w_o[:, cols].contiguous()
         else:
             w_o = self.w_o_columns(first, count)
-        ring = make_ring(layer.state, self.cfg.ring) if self.cfg.replay else None
-        return Rank(rank, first, layer, w_o, self, ring)
+        return Rank(rank, first, layer, w_o, self)
 
     def slot_table(self) -> torch.Tensor:
         """Request b's state pages ``[B, tokens]`` (int32): ``1 + b * tokens + t``; replay
@@ -379,24 +379,14 @@ class Model:
 
 @dataclass
 class Rank:
+    """A rank's share of the layer (heads ``first ..``, its ``w_o`` columns), which the
+    jobs hand to ``engine.DecodeLayer``."""
+
     rank: int
     first: int
     kda: kl.Layer
     w_o: torch.Tensor
     model: Model
-    ring: Ring | None = None  # replay mode: the ring of this rank's state pool
-
-    def attention(self, plan: StepPlan, step: kl.Step) -> torch.Tensor:
-        """KDA on this rank's heads (and recover after a recorded step; the replay step in
-        replay mode): [N, D_local]."""
-        cfg = self.model.cfg
-        local = kl.shard_step(step, cfg.heads, self.first, cfg.heads_per_rank)
-        if self.ring is not None:
-            return run_replay(self.kda, self.ring, local)
-        return run_kda(self.kda, plan, local)
-
-    def consume(self, partials, prefix, blocks):
-        return self.model.consume(partials, prefix, blocks)
 
 
 def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step) -> torch.Tensor:

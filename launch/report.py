@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 
 import torch
 
@@ -77,9 +78,9 @@ def config(cfg, backend, launcher, **extra):
     }
 
 
-def print_config(r):
-    c = r["config"]
-    print(
+def config_line(c) -> str:
+    """The report's configuration (``config``'s block) as its one line."""
+    return (
         f"config   backend {c['backend']} ({c['launcher']}), TP {c['tp']}, heads {c['heads']} "
         f"({c['heads_per_rank']}/rank), hidden {c['hidden']}, requests {c['requests']}, "
         f"tokens {c['tokens']}, blocks {c['blocks']}, groups {_groups(c['groups'])}, "
@@ -88,6 +89,35 @@ def print_config(r):
         + (f" (ring {c['ring']})" if c["ring"] else "")
         + f", state pages {c.get('state_dtype', 'fp32')}"
     )
+
+
+_announced: list[str] = []  # the configuration line printed before the steps
+clock = time.monotonic  # Progress's (a test sets its own)
+
+
+class Progress:
+    """Process 0's lines while the job runs: the configuration first (``config``'s block),
+    then at most one ``progress`` line every ``every_s`` seconds (none in a short run)."""
+
+    def __init__(self, speak: bool, block: dict, total: int, every_s: float = 5.0):
+        self.speak, self.total, self.every_s = speak, total, every_s
+        self.start = self.last = clock()
+        if speak:
+            line = config_line(block)
+            _announced.append(line)
+            print(line, flush=True)
+
+    def __call__(self, done: int) -> None:
+        now = clock()
+        if self.speak and now - self.last >= self.every_s and done < self.total:
+            self.last = now
+            print(f"progress step {done}/{self.total}, {now - self.start:.0f} s", flush=True)
+
+
+def print_config(r):
+    line = config_line(r["config"])
+    if line not in _announced:  # printed before the steps: not again
+        print(line)
     kinds = ", ".join(f"{v} {k}" for k, v in r["steps"].items() if k != "total")
     print(f"steps    {r['steps']['total']} ({kinds})")
 

@@ -278,6 +278,83 @@ def cpu_fla(sd, hs, *, lower_bound=LOWER_BOUND, eps=NORM_EPS) -> Trace:
     )
 
 
+# fla's layer on a GPU: its module and Triton kernels ---------------------------------------
+RECORDED = {  # trace field -> (submodule, output index or None)
+    "q": ("q_proj", None),
+    "k": ("k_proj", None),
+    "v": ("v_proj", None),
+    "f_a": ("f_proj.0", None),
+    "raw_g": ("f_proj", None),
+    "beta": ("b_proj", None),
+    "gate": ("g_proj", None),
+    "qc": ("q_conv1d", 0),
+    "kc": ("k_conv1d", 0),
+    "vc": ("v_conv1d", 0),
+    "y": ("o_norm", None),
+    "z": ("o_proj", None),
+}
+
+
+def gpu_fla(sd, hs, *, lower_bound=LOWER_BOUND, eps=NORM_EPS, device="cuda"):
+    """fla's own ``KimiDeltaAttention`` (its Triton kernels) on ``device`` with the weights
+    ``sd`` (``A_log`` / ``dt_bias`` kept fp32, as Kimi checkpoints keep them): it prefills
+    the prompt ``hs[:-DECODE]`` in chunk mode (fla picks chunk mode for 64 tokens only with
+    autograd on) and decodes the last ``DECODE`` tokens on its recurrent path with its
+    cache, forward hooks recording ``RECORDED``. cuBLAS's reduced-precision (bf16) split-K
+    reduction is off meanwhile, so ``f_proj`` and ``o_proj`` round once, as the bounds
+    assume. Returns (the module, its ``Trace``). ImportError where fla's layer does not
+    import (triton, einops)."""
+    dev = torch.device(device)
+    sd = {n: t.to(dev) for n, t in sd.items()}
+    heads, hidden = sd["A_log"].numel(), sd["o_proj.weight"].shape[0]
+    layer = kda_layer_class()(
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=K,
+        mode="chunk",
+        lower_bound=lower_bound,
+        conv_bias="q_conv1d.bias" in sd,
+        layer_idx=0,
+        norm_eps=eps,
+    )
+    assert set(layer.state_dict()) == set(sd), "the harness's names must be fla's"
+    layer = layer.to(dev, torch.bfloat16)
+    for name in ("A_log", "dt_bias"):
+        setattr(layer, name, torch.nn.Parameter(sd[name].clone(), requires_grad=False))
+    layer.load_state_dict(sd)
+    layer.requires_grad_(False).eval()
+    hs = hs.to(dev)[None]  # [1, tokens, HID]
+    prompt = hs.shape[1] - DECODE
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        cache = Cache()
+        with torch.enable_grad():  # chunk mode for the prompt
+            layer(hs[:, :prompt], past_key_values=cache, use_cache=True)
+        state = cache[0]["recurrent_state"].detach().clone()
+        windows = tuple(w.detach().clone() for w in cache[0]["conv_state"])
+        rec = {name: [] for name in RECORDED}
+        hooks = []
+        for name, (path, index) in RECORDED.items():
+
+            def hook(module, args, out, name=name, index=index):
+                t = out if index is None else out[index]
+                rec[name].append(t.detach().reshape(1, -1).clone())
+
+            hooks.append(layer.get_submodule(path).register_forward_hook(hook))
+        with torch.no_grad():
+            for t in range(prompt, hs.shape[1]):
+                layer(hs[:, t : t + 1], past_key_values=cache, use_cache=True)
+        for h in hooks:
+            h.remove()
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = saved
+    torch.cuda.synchronize(dev)
+    fields = {name: torch.cat(vals) for name, vals in rec.items()}
+    return layer, Trace(recurrent_state=state, v_first=True, windows=windows, **fields)
+
+
 # --- the runtime's side --------------------------------------------------------------------
 
 

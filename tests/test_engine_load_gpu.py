@@ -35,20 +35,6 @@ pytestmark = pytest.mark.gpu
 BUDGET_NS = poll_budget_ns(
     20_000_000
 )  # a consumer that never hears from a peer errors instead of hanging
-RECORDED = {  # trace field -> (submodule, output index or None)
-    "q": ("q_proj", None),
-    "k": ("k_proj", None),
-    "v": ("v_proj", None),
-    "f_a": ("f_proj.0", None),
-    "raw_g": ("f_proj", None),
-    "beta": ("b_proj", None),
-    "gate": ("g_proj", None),
-    "qc": ("q_conv1d", 0),
-    "kc": ("k_conv1d", 0),
-    "vc": ("v_conv1d", 0),
-    "y": ("o_norm", None),
-    "z": ("o_proj", None),
-}
 
 
 def _fla_layer_class():
@@ -69,56 +55,8 @@ def _fla_layer_class():
 @functools.cache
 def _fla_run():
     """fla's layer on this GPU from the harness's weights, and its ``Trace``."""
-    cls = _fla_layer_class()
-    dev = torch.device("cuda")
-    sd = {n: t.to(dev) for n, t in fh.state_dict().items()}
-    layer = cls(
-        hidden_size=fh.HIDDEN,
-        num_heads=fh.HEADS,
-        head_dim=128,
-        mode="chunk",
-        lower_bound=fh.LOWER_BOUND,
-        conv_bias=True,
-        layer_idx=0,
-        norm_eps=fh.NORM_EPS,
-    )
-    assert set(layer.state_dict()) == set(sd), "the harness's names must be fla's"
-    layer = layer.to(dev, torch.bfloat16)
-    for name in ("A_log", "dt_bias"):  # fp32, as Kimi checkpoints keep them
-        setattr(layer, name, torch.nn.Parameter(sd[name].clone(), requires_grad=False))
-    layer.load_state_dict(sd)
-    layer.requires_grad_(False).eval()
-
-    hs = fh.hidden_states().to(dev)[None]  # [1, 80, HID]
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_bf16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False
-    try:
-        cache = fh.Cache()
-        with torch.enable_grad():  # chunk mode for the 64-token prompt
-            layer(hs[:, : fh.PROMPT], past_key_values=cache, use_cache=True)
-        state = cache[0]["recurrent_state"].detach().clone()
-        windows = tuple(w.detach().clone() for w in cache[0]["conv_state"])
-        rec = {name: [] for name in RECORDED}
-        hooks = []
-        for name, (path, index) in RECORDED.items():
-
-            def hook(module, args, out, name=name, index=index):
-                t = out if index is None else out[index]
-                rec[name].append(t.detach().reshape(1, -1).clone())
-
-            hooks.append(layer.get_submodule(path).register_forward_hook(hook))
-        with torch.no_grad():
-            for t in range(fh.PROMPT, fh.PROMPT + fh.DECODE):
-                layer(hs[:, t : t + 1], past_key_values=cache, use_cache=True)
-        for h in hooks:
-            h.remove()
-    finally:
-        flags.allow_bf16_reduced_precision_reduction = saved
-    torch.cuda.synchronize()
-    fields = {name: torch.cat(vals) for name, vals in rec.items()}
-    trace = fh.Trace(recurrent_state=state, v_first=True, windows=windows, **fields)
-    return layer, trace
+    _fla_layer_class()
+    return fh.gpu_fla(fh.state_dict(), fh.hidden_states())
 
 
 def runtime_decode(module, trace: fh.Trace, tp: int):

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda
-from engine import AllRanksStep, DecodeLayer, all_reduces
+from engine import AllRanksStep, DecodeLayer
 from kda import layer as kl
 from kda import synthetic as kt
 from tpcomm.backends.loopback import LoopbackBackend
@@ -189,8 +189,8 @@ def test_oproj_fake_checks():
 
 
 def _layers(device="cpu", rows=(N,)):
-    backend = LoopbackBackend(2, device=device)
-    comms = all_reduces(backend, rows, HID, NB)
+    backend = LoopbackBackend(2, device=device)  # the kernels' all-reduces, traced on the CPU
+    comms = {n: OprojAllReduce(backend, n, HID, NB) for n in rows}
     c = _consumer_tensors(device)
     out = []
     for r in range(2):

@@ -84,13 +84,50 @@ def test_a_lost_rank_is_named_by_every_survivor(sig, bound):
 
 
 @pytest.mark.distributed
-def test_refusal_is_one_line_and_status_2_on_every_rank():
-    p, lines = torchrun(2, "--seed", str(2**70), timeout=300)
-    assert lines == [lines[-1]] and lines[-1].startswith(
-        "DECODE FAILED: decode.py: argument --seed"
-    )
+@pytest.mark.parametrize(
+    "argv, refusal",
+    [
+        (["--seed", str(2**70)], "DECODE FAILED: decode.py: argument --seed"),  # an option
+        (["--heads", "3"], "DECODE FAILED: heads (3) must be a positive multiple of TP (2)"),
+    ],
+)
+def test_refusal_is_one_line_and_status_2_on_every_rank(argv, refusal):
+    """An option or a configuration refused under torchrun: one line on stdout, every rank
+    exits 2, nothing of the project's on stderr; torchrun adds what README's Errors section
+    says: its ChildFailedError report naming each rank's exit code 2, and status 1."""
+    p, lines = torchrun(2, *argv, timeout=300)
+    assert lines == [lines[-1]] and lines[-1].startswith(refusal), p.stdout
     assert p.stderr.count("exitcode  : 2") == 2, p.stderr[-3000:]  # torchrun's summary
-    assert "Traceback" not in p.stdout
+    assert p.returncode == 1 and p.stderr.count("errors.ChildFailedError:") == 1, p.stderr[-3000:]
+    ours = [line for line in p.stderr.splitlines() if "[rank" in line or 'decode.py", line' in line]
+    assert "Traceback" not in p.stdout and not ours, p.stderr[-3000:]
+
+
+def test_help_prints_no_none_default_and_progress_is_rate_limited(capsys, monkeypatch):
+    """``--help`` names no ``(default: None)`` (``--oproj-launch`` and the backend-dependent
+    defaults say theirs in words); ``Progress``: the configuration line first, then one
+    progress line per ``every_s``, and the report does not print that line again."""
+    from launch import decode
+    from launch import report as rep
+    from launch.layer import Config
+
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "--oproj-launch" in text and "default: None" not in text
+    cfg = Config(tp=2, heads=4, hidden=1024, requests=3, tokens=3, blocks=2, steps=5)
+    block = rep.config(cfg, "host", "torchrun", domain_size=2)
+    clock = iter([0.0, 1.0, 6.0, 7.0, 13.0, 14.0])
+    monkeypatch.setattr(rep, "clock", lambda: next(clock))
+    progress = rep.Progress(True, block, cfg.steps, every_s=5.0)
+    for done in (1, 2, 3, 4):
+        progress(done)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [rep.config_line(block), "progress step 2/5, 6 s", "progress step 4/5, 13 s"]
+    rep.print_config({"config": block, "steps": {"total": 5, "decode": 5}})
+    assert capsys.readouterr().out.splitlines() == ["steps    5 (5 decode)"]
+    rep.Progress(False, block, 5)  # the other ranks stay quiet
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.distributed
