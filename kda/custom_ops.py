@@ -53,7 +53,14 @@ STEP = (
     ("out", Tensor),
     ("accepted", MaybeTensor),
 )
-SCALARS = (("lower_bound", float), ("scale", float), ("eps", float), ("conv_dim_first", bool))
+# lower_bound: None with gate_form "softplus" (kda.validate.check_gate_form)
+SCALARS = (
+    ("lower_bound", Optional[float]),  # noqa: UP045
+    ("scale", float),
+    ("eps", float),
+    ("conv_dim_first", bool),
+    ("gate_form", str),
+)
 VALIDATE = (("validate", Optional[str], None),)  # noqa: UP045
 RECORDS = (("v_records", MaybeTensor), ("kg_records", MaybeTensor))
 RING = (("ring_v", Tensor), ("ring_kg", Tensor), ("ring_length", Tensor))
@@ -66,7 +73,8 @@ RECOVER = (
     ("dt_bias", Tensor),
     ("accepted", Tensor),
     ("checkpoint", Tensor),
-    ("lower_bound", float),
+    ("lower_bound", Optional[float]),  # noqa: UP045
+    ("gate_form", str),
     ("pdl", bool),
 )
 
@@ -150,8 +158,9 @@ def _decode_fake(**a) -> None:
 
 
 def _recover_operands(a) -> RecoverOperands:
-    names = [p[0] for p in RECOVER if p[0] not in ("lower_bound", "pdl")]
-    return RecoverOperands(*(a[n] for n in names), lower_bound=a["lower_bound"])
+    names = [p[0] for p in RECOVER if p[0] not in ("lower_bound", "gate_form", "pdl")]
+    gate = dict(lower_bound=a["lower_bound"], gate_form=a["gate_form"])
+    return RecoverOperands(*(a[n] for n in names), **gate)
 
 
 def _recover(**a) -> None:
@@ -202,7 +211,8 @@ FOLD = (
     ("dt_bias", Tensor),
     ("slots", Tensor),
     ("accepted", MaybeTensor),
-    ("lower_bound", float),
+    ("lower_bound", Optional[float]),  # noqa: UP045
+    ("gate_form", str),
 )
 
 
@@ -231,7 +241,7 @@ def _copy_state_fake(**a) -> None:
 
 
 def _fold_args(a):
-    names = ("a_log", "dt_bias", "slots", "accepted", "lower_bound")
+    names = ("a_log", "dt_bias", "slots", "accepted", "lower_bound", "gate_form")
     return (a["state"], _ring(a), *(a[n] for n in names))
 
 
@@ -243,11 +253,12 @@ def _fold(**a) -> None:
         return
     from .reference import materialize
 
-    state, ring, a_log, dt_bias, slots, accepted, lower_bound = _fold_args(a)
+    state, ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form = _fold_args(a)
     check_fold(*_fold_args(a))
     keep = slots > 0
     committed = None if accepted is None else accepted[keep]
     options = dict(lower_bound=lower_bound, slots=slots[keep], accepted=committed)
+    options["gate_form"] = gate_form
     materialize(state, ring, a_log, dt_bias, **options)
 
 
