@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .layer import EPS, LOWER_BOUND, SCALE, Layer, Step, step_operands, step_to
+from .layer import EPS, SCALE, Layer, Step, step_operands, step_to
 from .validate import GATE_RANK, HEAD_DIM
 
 
@@ -100,14 +100,16 @@ def run_reference(
     step: Step,
     records=None,
     *,
-    lower_bound=LOWER_BOUND,
+    lower_bound=None,
     scale=SCALE,
     eps=EPS,
+    gate_form="lower-bound",
     **outputs,
 ):
-    """``kda.reference.decode`` on a layer and a step (mutates the layer's pools);
-    ``outputs``: its ``o_fp32``, ``o_abs``, ``raw_gate``."""
+    """``kda.reference.decode`` on a layer and a step (mutates the layer's pools); the
+    scalars as ``kda.layer.step_operands``' (``lower_bound`` None: ``LOWER_BOUND`` with the
+    lower-bound gate); ``outputs``: its ``o_fp32``, ``o_abs``, ``raw_gate``."""
     from .reference import decode
 
-    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps)
+    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps, gate_form=gate_form)
     return decode(**step_operands(layer, step, **scalars), records=records, **outputs)
