@@ -13,7 +13,8 @@ again, values included (and, with ``validate`` = ``"full"`` or ``$KDA_VALIDATE``
 non-finite scan), before the launch.
 
 The schemas are written once, as parameter lists: a step's tensors (``STEP``), then each
-op's own, then the step's scalars (``SCALARS``) and the options. ``step_arguments`` gives a
+op's own, then the step's scalars (``SCALARS``) and the options, last the decay's form
+(``GATE``: ``gate_form``, default the lower-bound gate). ``step_arguments`` gives a
 ``DecodeOperands``' fields under those names, so the entries call the ops by keyword.
 Importing this module needs no CuTe DSL.
 """
@@ -59,8 +60,10 @@ SCALARS = (
     ("scale", float),
     ("eps", float),
     ("conv_dim_first", bool),
-    ("gate_form", str),
 )
+# The decay's form (kda.validate.GATE_FORMS): the last parameter of each op, defaulted, so
+# that calls written before it (positional ones included) keep the lower-bound gate.
+GATE = (("gate_form", str, "lower-bound"),)
 VALIDATE = (("validate", Optional[str], None),)  # noqa: UP045
 RECORDS = (("v_records", MaybeTensor), ("kg_records", MaybeTensor))
 RING = (("ring_v", Tensor), ("ring_kg", Tensor), ("ring_length", Tensor))
@@ -74,7 +77,6 @@ RECOVER = (
     ("accepted", Tensor),
     ("checkpoint", Tensor),
     ("lower_bound", Optional[float]),  # noqa: UP045
-    ("gate_form", str),
     ("pdl", bool),
 )
 
@@ -87,10 +89,11 @@ _DECODE = (
     ("gate_mode", int),
     ("pdl", bool),
     *VALIDATE,
+    *GATE,
 )
 _REPLAY = (*STEP, *RING, *SCALARS, ("gate_mode", int), ("pdl", bool), *VALIDATE)
-_REPLAY += (("kernel", str, "auto"),)
-_RECOVER = (*RECOVER, *VALIDATE)
+_REPLAY += (("kernel", str, "auto"), *GATE)
+_RECOVER = (*RECOVER, *VALIDATE, *GATE)
 
 
 def _signature(params) -> inspect.Signature:
@@ -123,8 +126,9 @@ def _custom_op(name, params, mutates, impl, fake):
 
 
 def step_arguments(op: DecodeOperands, out) -> dict:
-    """``op``'s step fields and scalars under the schemas' names (``STEP`` and ``SCALARS``)."""
-    names = [p[0] for p in STEP + SCALARS if p[0] != "out"]
+    """``op``'s step fields and scalars under the schemas' names (``STEP``, ``SCALARS`` and
+    ``GATE``)."""
+    names = [p[0] for p in STEP + SCALARS + GATE if p[0] != "out"]
     return {"out": out, **{name: getattr(op, name) for name in names}}
 
 
@@ -134,7 +138,7 @@ def ring_arguments(ring: Ring) -> dict:
 
 
 def _operands(a: dict, records=None) -> DecodeOperands:
-    fields = {p[0] for p in STEP + SCALARS} - {"out"}
+    fields = {p[0] for p in STEP + SCALARS + GATE} - {"out"}
     return DecodeOperands(**{name: a[name] for name in fields}, records=records)
 
 
@@ -212,7 +216,7 @@ FOLD = (
     ("slots", Tensor),
     ("accepted", MaybeTensor),
     ("lower_bound", Optional[float]),  # noqa: UP045
-    ("gate_form", str),
+    *GATE,
 )
 
 

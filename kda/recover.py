@@ -38,7 +38,7 @@ def recover(*args, pdl=False, validate=None, **kwargs):
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         check_recover(op, check_values=False)  # a non-tensor where a tensor goes: named
     lower_bound = None if op.lower_bound is None else bound  # a float for the op's schema
-    torch.ops.kimi.kda_recover(*tensors, lower_bound, op.gate_form, pdl, validate)
+    torch.ops.kimi.kda_recover(*tensors, lower_bound, pdl, validate, op.gate_form)
 
 
 __all__ = ["recover"]

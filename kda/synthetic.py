@@ -55,6 +55,17 @@ def make_layer(
     return layer.to(device) if device != "cpu" else layer
 
 
+def extreme_dt_bias(layer: Layer, seed=0) -> None:
+    """Test data for the softplus gate: dt_bias of a few channels (1 in 64) set far out,
+    past softplus's threshold of 20 (a decay of about exp(-20 exp(a_log)), fp32 zero or
+    subnormal further out) and far below (a decay of 1), a few around the threshold."""
+    g = _gen(seed)
+    D = layer.dt_bias.numel()
+    for value in (25.0, 19.5, 20.3, -40.0, 60.0):
+        channels = torch.randint(D, (max(1, D // 64),), generator=g)
+        layer.dt_bias[channels.to(layer.dt_bias.device)] = value
+
+
 def make_step(
     requests,
     tokens,

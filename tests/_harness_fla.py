@@ -79,15 +79,26 @@ def naive():
     return _load_file("fla_kda_naive", fla_file("ops/kda/naive.py"))
 
 
-def lower_bound_gate():
-    """fla's ``naive_kda_lowerbound_gate`` (``fla/ops/kda/gate.py``), compiled from its
-    source alone: the file imports triton, the function only torch."""
+def gate_function(name="naive_kda_lowerbound_gate"):
+    """A naive gate function of fla's ``fla/ops/kda/gate.py`` (``naive_kda_lowerbound_gate``,
+    ``naive_kda_gate``: the softplus gate), compiled from its source alone: the file imports
+    triton, the functions only torch."""
     path = fla_file("ops/kda/gate.py")
     tree = ast.parse(path.read_text())
-    fn = [n for n in tree.body if getattr(n, "name", "") == "naive_kda_lowerbound_gate"]
+    fn = [n for n in tree.body if getattr(n, "name", "") == name]
     namespace = {"torch": torch, "F": F}
     exec(compile(ast.Module(body=fn, type_ignores=[]), str(path), "exec"), namespace)
-    return namespace["naive_kda_lowerbound_gate"]
+    return namespace[name]
+
+
+def lower_bound_gate():
+    """fla's ``naive_kda_lowerbound_gate``."""
+    return gate_function("naive_kda_lowerbound_gate")
+
+
+def softplus_gate():
+    """fla's ``naive_kda_gate``: ``-exp(A_log) * softplus(g + dt_bias)`` (fp32)."""
+    return gate_function("naive_kda_gate")
 
 
 def kda_layer_class():
