@@ -348,7 +348,9 @@ def launch_copy(state, conv_state, src, dst, ring, live) -> None:
     _run(("copy", words, counters, arch), build, operands, device, arch)
 
 
-def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form) -> None:
+def launch_fold(
+    state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form="lower-bound"
+) -> None:
     """``kimi::kda_fold``: KdaFold, one CTA per (head, listed slot)."""
     from ..operands import FoldKernelOperands
 
