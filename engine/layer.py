@@ -44,6 +44,7 @@ from kda import reference as kref
 from kda.operands import MAX_RING, MIN_RING, make_ring
 from kda.validate import HEAD_DIM, STATE_DTYPES, check_gate_form
 from tpcomm.oproj.allreduce import OprojAllReduce
+from tpcomm.oproj.plan import check_hidden
 
 _WEIGHTS = ("conv_weight", "conv_bias", "a_log", "dt_bias", "norm_weight", "f_b")
 KDA_STATES = ("per-step", "replay")
@@ -54,6 +55,7 @@ def all_reduces(backend, rows, hidden: int, blocks: int, **kwargs) -> dict[int, 
     """One ``OprojAllReduce`` per rows bucket on ``backend`` (``kwargs``: its options), the
     all-reduces every ``DecodeLayer`` of this process shares. Collective on a backend of
     several processes: each builds the same buckets in the same order."""
+    check_hidden(hidden, "hidden")
     return {n: OprojAllReduce(backend, n, hidden, blocks, **kwargs) for n in sorted(set(rows))}
 
 

@@ -1,7 +1,7 @@
 """KDA (Kimi Delta Attention) decode: plain-torch reference and fused GPU kernels.
 
 ``kda.reference`` is the math (CPU or GPU). The host entries, one module each:
-``kda.decode`` (``kda/decode.py``: KdaWide, KdaStream, KdaSplit), ``kda.replay_decode``
+``kda.decode`` (``kda/decode.py``: KdaWide, KdaPipe, KdaStream, KdaSplit), ``kda.replay_decode``
 (``kda/replay.py``: KdaReplay), ``kda.recover`` (``kda/recover.py``: the GPU commit of a
 recorded verify step), ``kda.copy_state`` and ``kda.fold`` (``kda/state.py``: slot copies
 and ring folds, KdaCopy and KdaFold). Each calls its torch op (``kda.custom_ops``), whose

@@ -1,8 +1,9 @@
 """Which KDA decode kernel runs a step, in plain Python (unit-tested on the CPU).
 
 ``choose(...)`` returns a ``Choice``: the kernel, its launch knobs and a sentence saying
-why. Wide for one wave of items, Stream for several waves at T = 1, Split for a few items
-(at most one cluster CTA per SM); the rule and its H200 measurements: docs/kda_dispatch.md.
+why. Wide for one wave of items, Pipe / Stream for several waves, Split for a few items
+(at most one cluster CTA per SM; at T = 1 cluster 2 up to two per SM); the rule and its
+H200 measurements: docs/kda_dispatch.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ GATE_FLOOR = 2.0**-118
 CTAS_PER_SM = 2
 # KdaSplit while its CTAs fit this many per SM (the measured crossover: docs/kda_dispatch.md).
 SPLIT_MAX_CTAS_PER_SM = 1
+# ... and, at T = 1, cluster 2 while its CTAs fit two per SM (all co-resident). H200,
+# 2026-12-06, bench_kda.py --splits --pdl (docs/data/kda_peer_splits_h200.json), us: H 12 B 8
+# (96 items) split2 7.9 / wide 10.0, H 3 B 32 7.9 / 9.9; past it H 6 B 32 (192 items, 384
+# CTAs) split2 16.3 / wide 12.9. Larger clusters past one per SM lose (H 6 B 8: split4 6.2 /
+# split2 5.7; H 3 B 8: split8 5.4 / split4 4.5).
+SPLIT_PAIR_MAX_CTAS_PER_SM = 2
 # KdaStream for several waves up to this many tokens, KdaWide past it. Measured on the H200
 # with the default gate (bench_kda.py --verify, docs/kda_dispatch.md): Stream ahead of Wide
 # on every row at T = 2 and 4 (3-10%), behind at T = 8 (up to 1.5x: T = 5..8 still spill).
@@ -63,12 +70,15 @@ def has_packed_fma(arch: str) -> bool:
     return arch in PACKED_FMA_ARCHS
 
 
-def split_cluster(items: int, sms: int) -> int:
-    """The largest cluster in (8, 4, 2) whose CTAs fit ``SPLIT_MAX_CTAS_PER_SM`` per SM
-    (0: not even cluster 2 fits, KdaSplit is not the choice)."""
+def split_cluster(items: int, sms: int, tokens: int = 1) -> int:
+    """The largest cluster in (8, 4, 2) whose CTAs fit ``SPLIT_MAX_CTAS_PER_SM`` per SM; at
+    T = 1 else cluster 2 while its CTAs fit ``SPLIT_PAIR_MAX_CTAS_PER_SM`` per SM (0: none
+    fits, KdaSplit is not the choice)."""
     for cluster in reversed(CLUSTERS):
         if items * cluster <= SPLIT_MAX_CTAS_PER_SM * sms:
             return cluster
+    if tokens == 1 and items * CLUSTERS[0] <= SPLIT_PAIR_MAX_CTAS_PER_SM * sms:
+        return CLUSTERS[0]
     return 0
 
 
@@ -100,13 +110,14 @@ def choose(
     items = requests * heads
     resident = CTAS_PER_SM * sms
     waves = -(-items // resident)
-    fits = split_cluster(items, sms)
+    fits = split_cluster(items, sms, tokens)
     if kernel == "auto":
         if fits:
             kernel = "split"
+            per_sm = -(-items * fits // sms)
             why = (
-                f"{items} items x cluster {fits} <= {SPLIT_MAX_CTAS_PER_SM} CTA(s) per SM on "
-                f"{sms} SMs: split spreads each head's rows over the idle SMs"
+                f"{items} items x cluster {fits} fit {per_sm} CTA(s) per SM on {sms} SMs: "
+                "split spreads each head's rows over the idle SMs"
             )
         elif items <= resident:
             kernel, why = "wide", f"{items} items fit one wave of {resident} resident CTAs: wide"

@@ -29,6 +29,7 @@ from launch.liveness import hard_exit
 from launch.procs import env_rank, job_processes, nvshmem_installed
 from launch.report import check_json_path
 from tpcomm.host import launcher
+from tpcomm.mailbox import HID_STEP, MAX_HID
 
 HOST_TOKENS = 3  # --tokens default on the host
 GPU_TOKENS = 2  # --tokens default on the GPU backends (requests x tokens <= 1024)
@@ -64,8 +65,9 @@ def refusal_ticks() -> int:
     return SPEAKER_TICKS if env_rank() == 0 else QUIET_TICKS
 
 
-def ranged(kind, low, high=None):
-    """An argparse type: ``kind`` (int or float) within ``low .. high``, finite."""
+def ranged(kind, low, high=None, step=None):
+    """An argparse type: ``kind`` (int or float) within ``low .. high``, finite (and, with
+    ``step``, a multiple of it)."""
 
     def parse(text):
         try:
@@ -78,13 +80,53 @@ def ranged(kind, low, high=None):
             raise argparse.ArgumentTypeError(f"must be >= {low}; got {text}")
         if high is not None and not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be in {low} .. {high}; got {text}")
+        if step is not None and value % step:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {step}; got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
 
 
-def parse_args(argv=None):
+class MarkdownOptions(argparse.Action):
+    """``--markdown-options``: print the option table (docs/cli.md's) and exit, as --help."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(options_markdown(parser), end="")
+        parser.exit()
+
+
+def options_markdown(p: argparse.ArgumentParser | None = None) -> str:
+    """The options as a Markdown table (option, default, meaning), from the parser itself:
+    docs/cli.md holds this text and ``tests/test_docs_cli.py`` checks it."""
+    p = p or parser()
+    gpu_group = next(g for g in p._action_groups if g.title == "GPU backends")
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    for a in p._actions:
+        if not a.option_strings or a.help in (None, argparse.SUPPRESS) or a.dest == "help":
+            continue
+        names = " / ".join(f"`{o}`" for o in a.option_strings)
+        if a.nargs == "?":
+            names = f"`{a.option_strings[0]} [{a.metavar}]`"
+        if a.default in (None, argparse.SUPPRESS):
+            default = "-"
+        elif isinstance(a.default, bool):
+            default = "on" if a.default else "off"
+        else:
+            default = f"`{a.default}`"
+        meaning = ("GPU: " if a in gpu_group._group_actions else "") + a.help
+        if a.choices is not None:
+            meaning += "; one of " + ", ".join(f"`{c}`" for c in a.choices)
+        meaning = meaning.replace("|", "\\|")
+        lines.append(f"| {names} | {default} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> Parser:
+    """The job's argument parser (``parse_args`` adds the checks across options)."""
     # fmt: off
     p = Parser(description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -97,8 +139,9 @@ def parse_args(argv=None):
         "backends take the job's process count")
     add("--heads", type=ranged(int, 1, 4096), default=16,
         help="KDA heads of the whole layer (96 in Kimi-K3); a multiple of the ranks")
-    add("--hidden", type=ranged(int, 1024, 8192), default=1024,
-        help="hidden width, a multiple of 1024 up to 8192 (7168 in Kimi-K3)")
+    add("--hidden", type=ranged(int, HID_STEP, MAX_HID, HID_STEP), default=1024,
+        help=f"hidden width, a multiple of {HID_STEP} up to {MAX_HID} (7168 in Kimi-K3, "
+        "2304 in Kimi-Linear)")
     add("--requests", type=ranged(int, 1, MAX_ROWS), default=4,
         help=f"requests per step (B); requests x tokens <= {MAX_ROWS}, and the job's memory "
         "estimate within the host's")
@@ -172,7 +215,13 @@ def parse_args(argv=None):
     add("--fault", choices=("none", "output", "state"), default="none",
         help="test hook: the last rank corrupts its output or a state page in step 1, "
         "which the checks must catch")
+    add("--markdown-options", action=MarkdownOptions, help=argparse.SUPPRESS)
     # fmt: on
+    return p
+
+
+def parse_args(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.kda_state == "replay" and args.kernel != "auto":
         p.error(

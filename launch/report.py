@@ -298,14 +298,31 @@ def print_gpu(r):
         f"{w['output_ulp']:.2f} ulp; error / bound: prefix vs unsharded o-proj "
         f"{w['prefix']:.3f}, output vs fp64 epilogue {w['output']:.3f}"
     )
-    if "per_step_ulp" in w and r["config"].get("state_dtype", "fp32") == "bf16":
-        print(f"  replay: vs per-step not compared (bf16 pages), {w['ring_folds']} ring folds")
-    elif "per_step_ulp" in w:
-        print(
-            f"  replay: kda vs per-step reference {w['per_step_ulp']:.2f} ulp, ring v_new "
-            f"{w['ring']:.2e} of max, materialized state {w['materialized']:.2e} of page max, "
-            f"{w['ring_folds']} ring folds in the checked steps"
-        )
+
+    print_replay(r, "per_step_ulp", "replay: vs per-step not compared", GPU_REPLAY)
+
+
+GPU_REPLAY = (  # the report's replay line, the worst errors by name
+    "replay: kda vs per-step reference {per_step_ulp:.2f} ulp, ring v_new {ring:.2e} of max, "
+    "materialized state {materialized:.2e} of page max, {ring_folds} ring folds in the checked "
+    "steps"
+)
+HOST_REPLAY = (
+    "replay vs per-step: {per_step_rows} head rows not bitwise (o near a bf16 midpoint), "
+    "materialized state {materialized:.2e} of page max, {ring_folds} ring folds"
+)
+
+
+def print_replay(r, key, skipped, compared) -> None:
+    """The report's replay line, when the checks compared replay with the per-step path
+    (``key`` in the worst errors): ``compared`` filled from them, or on bf16 pages
+    ``skipped`` (the per-step path rounds at every store, replay once per fold)."""
+    w = r["worst"]
+    if key not in w:
+        return
+    bf16 = r["config"].get("state_dtype", "fp32") == "bf16"
+    text = f"{skipped} (bf16 pages), {w['ring_folds']} ring folds" if bf16 else compared
+    print("  " + text.format(**w))
 
 
 def host_report(
@@ -340,14 +357,8 @@ def print_host(r):
         f"  worst error / bound: prefix vs unsharded o-proj {w['prefix']:.3f}, "
         f"output vs fp64 epilogue {w['output']:.3f}"
     )
-    if "per_step_rows" in w and r["config"].get("state_dtype", "fp32") == "bf16":
-        print(f"  replay vs per-step: not compared (bf16 pages), {w['ring_folds']} ring folds")
-    elif "per_step_rows" in w:
-        print(
-            f"  replay vs per-step: {w['per_step_rows']} head rows not bitwise (o near a bf16 "
-            f"midpoint), materialized state {w['materialized']:.2e} of page max, "
-            f"{w['ring_folds']} ring folds"
-        )
+
+    print_replay(r, "per_step_rows", "replay vs per-step: not compared", HOST_REPLAY)
     rss = r["peak_rss_bytes"]
     if rss["per_rank"]:
         print(

@@ -32,8 +32,8 @@ GEMM's rate), both measured in the run; the plan of the runner's path per rows b
 
     python scripts/bench_decode.py --rows [--tp 8 16] [--json dec.json]
 
-``--rows --alone``: rank 0's chain alone per (TP, requests, tokens), stage by stage against
-each stage's floor, with the plan of a rank per GPU (``scripts/bench_rank.py``).
+Rank 0's chain alone per (TP, requests, tokens), stage by stage against each stage's
+floor, with the plan of a rank per GPU: ``scripts/bench_rank.py``.
 
 ``--kda-state replay [--ring R]``: ours with replay decode (each rank's ``DecodeLayer`` in
 replay mode). The graph's replays advance the rings (empty at the start, so every request
@@ -51,15 +51,14 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 
 import torch  # noqa: E402
+from _common import captured, cell, host_us, median_replays  # noqa: E402
 from step_peers import GRIDS, first_step, fla_kda  # noqa: E402
 
 from engine.layer import DEFAULT_RING, KDA_STATES  # noqa: E402
@@ -94,57 +93,10 @@ def _config(tp, requests, args, tokens=1):
     return cfg
 
 
-HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the timed call meanwhile
-
-
-def _replays(fn, replays, before=None, cycle=1):
-    """Median GPU time (us) of ``fn()`` over ``replays`` samples, each the mean of
-    ``cycle`` consecutive calls, every call after an untimed ``before()``. ``cycle``: the
-    ring size R in replay mode, where each call advances every ring, so each window of R
-    calls holds exactly one fold per request (the median of single calls would skip the
-    folding ones). The GPU sleeps ~2 ms before each start event, so the host has enqueued
-    the call before the GPU reaches it: the time is the GPU's, not the host's dispatch
-    (see ``_host_us``)."""
-    times = []
-    for _ in range(replays * cycle):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if before is not None:
-            before()
-        torch.cuda._sleep(HOST_AHEAD_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(cycle_means(times, cycle))
-
-
-def cycle_means(times, cycle):
-    """Means of consecutive windows of ``cycle`` times (a trailing partial window dropped)."""
-    if cycle < 1:
-        raise ValueError(f"cycle must be >= 1; got {cycle}")
-    return [statistics.fmean(times[i : i + cycle]) for i in range(0, len(times) - cycle + 1, cycle)]
-
-
 def _cycle(cfg) -> int:
     """Calls per timing sample: the ring size in replay mode (one fold per request per
     window), else 1."""
     return cfg.ring if cfg.replay else 1
-
-
-def _host_us(fn, calls, before=None):
-    """Host time (us) of one ``before(); fn()`` call, the GPU kept busy meanwhile (its
-    sleep covers every call's dispatch, so no call waits for the GPU)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(HOST_AHEAD_CYCLES * 10)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        if before is not None:
-            before()
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def ours(cfg, model, replays, oproj_launch=None):
@@ -159,7 +111,7 @@ def ours(cfg, model, replays, oproj_launch=None):
         bk = runner.bucket(plan.tokens, plan.record)
         runner.fill(bk, plan, step, prefix, blocks)
         graph, _, _ = runner.graph(bk, 0)
-        us = _replays(graph.replay, replays, cycle=_cycle(cfg))
+        us = median_replays(graph.replay, replays, cycle=_cycle(cfg))
         errors = bk.comm.errors[:, 0].tolist()
         if any(errors):
             raise RuntimeError(f"consumer timeouts during the replays: {errors}")
@@ -257,7 +209,7 @@ def compiled(cfg, model, replays):
         args = (runner.decode_layers, *bufs.values(), runner.kda_choice(bk), 0)
         live = [t for L in runner.decode_layers for t in (L.shard.state, L.shard.conv_state)]
         fn = _compile_checked(layer_step, args, live + bufs["prefixes"], bufs["outputs"])
-        us = _replays(lambda: fn(*args), replays, cycle=_cycle(cfg))  # the pools move on
+        us = median_replays(lambda: fn(*args), replays, cycle=_cycle(cfg))  # the pools move on
         errors = bk.comm.errors[:, 0].tolist()
         if any(errors):
             raise RuntimeError(f"consumer timeouts during the replays: {errors}")
@@ -298,16 +250,6 @@ def _lone_rank(cfg, model):
         backend.teardown()
 
 
-def _captured(fn):
-    """``fn()`` (already run once: compiled) captured as a CUDA graph on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        fn()
-    return graph
-
-
 def compiled_alone(cfg, model, replays):
     """Rank 0's DecodeLayer step (``rank_step``) under ``torch.compile(fullgraph=True,
     mode="reduce-overhead")``, the other ranks' partials published first by an untimed
@@ -321,9 +263,9 @@ def compiled_alone(cfg, model, replays):
             args = (layer, *bufs, runner.kda_choice(bk), 0)
             live = [layer.shard.state, layer.shard.conv_state, bufs[5]]
             fn = _compile_checked(rank_step, args, live, [bufs[7]], before=publish_others)
-            g_pub = _captured(publish_others)
-            us = _replays(lambda: fn(*args), replays, before=g_pub.replay, cycle=_cycle(cfg))
-            host = _host_us(lambda: fn(*args), replays, before=g_pub.replay)
+            g_pub = captured(publish_others)
+            us = median_replays(lambda: fn(*args), replays, before=g_pub.replay, cycle=_cycle(cfg))
+            host = host_us(lambda: fn(*args), replays, before=g_pub.replay)
         return us, host
     finally:
         torch._dynamo.reset()
@@ -339,15 +281,15 @@ def alone(cfg, model, replays):
         publish_others()
         rank0()  # compiles
         torch.cuda.synchronize()
-        g_pub, g_one = _captured(publish_others), _captured(rank0)
-        us = _replays(g_one.replay, replays, before=g_pub.replay, cycle=_cycle(cfg))
-        host = _host_us(g_one.replay, replays, before=g_pub.replay)
+        g_pub, g_one = captured(publish_others), captured(rank0)
+        us = median_replays(g_one.replay, replays, before=g_pub.replay, cycle=_cycle(cfg))
+        host = host_us(g_one.replay, replays, before=g_pub.replay)
     return us, host
 
 
 def peer(cfg, model, replays, device="cuda"):
     """The torch / fla composition of the same step (all ranks, one stream, one graph)."""
-    from bench_kda import time_graph
+    from _common import time_graph
 
     dev = torch.device(device)
     B, tp, hid = cfg.requests, cfg.tp, cfg.hidden
@@ -409,18 +351,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="requests {1, 8, 32, 128, 256} x tokens {1, 4}: ours, peer, floor",
     )
-    about = "with --rows: rank 0's chain alone, stage by stage, the plan of a rank per GPU "
-    p.add_argument("--alone", action="store_true", help=about + "(scripts/bench_rank.py)")
     args = p.parse_args(argv)
-    if args.rows and args.alone:
-        from bench_rank import run
-
-        return run(args, args.tp, ROWS_REQUESTS, ROWS_TOKENS)
     if args.rows:
         return rows_main(args)
     if args.quick:
         args.requests, args.replays = [8], 20
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     tbps = copy_bandwidth()
     device = torch.cuda.get_device_name()
@@ -472,7 +408,7 @@ ROWS_TOKENS = (1, 4)
 
 def rows_main(args) -> int:
     """The rows sweep: one line per (TP, requests, tokens), JSON for ``plot_rows.py``."""
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
     from oproj_rows import gemm_tflops
 
     from tpcomm.oproj.plan import choose
@@ -522,9 +458,9 @@ def rows_main(args) -> int:
                 out.append(row)
                 ours_us, peer_us = row["ours_us"], row["peer_us"]
                 print(
-                    f"TP{tp:>3} B{requests:>4} T{tokens}: rows {rows:>5} ours {_cell(ours_us)} "
-                    f"peer {_cell(peer_us)} floor {_cell(floor)} "
-                    f"x floor {_cell(None if ours_us is None else ours_us / floor)} | "
+                    f"TP{tp:>3} B{requests:>4} T{tokens}: rows {rows:>5} ours {cell(ours_us)} "
+                    f"peer {cell(peer_us)} floor {cell(floor)} "
+                    f"x floor {cell(None if ours_us is None else ours_us / floor)} | "
                     f"{plan.reason}",
                     flush=True,
                 )
@@ -534,10 +470,6 @@ def rows_main(args) -> int:
                         summary = {"device": device, "copy_tbps": tbps, "gemm_tflops": tflops}
                         json.dump(dict(summary, rows=out), f, indent=2)
     return 0
-
-
-def _cell(v, digits=2, width=9):
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
 
 
 def _print_row(row):
@@ -555,8 +487,8 @@ def _print_table(rows, tbps):
         speed = None if ours_us is None or peer_us is None else peer_us / ours_us
         stages = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("stages_us") or {}).items())
         print(
-            f"{r['tp']:>3}{r['requests']:>4}{_cell(ours_us)}{_cell(r.get('alone_us'))}"
-            f"{_cell(peer_us)}{_cell(r['floor_us'])}{_cell(ratio)}{_cell(speed, width=10)}"
+            f"{r['tp']:>3}{r['requests']:>4}{cell(ours_us)}{cell(r.get('alone_us'))}"
+            f"{cell(peer_us)}{cell(r['floor_us'])}{cell(ratio)}{cell(speed, 10)}"
             f"  {r.get('kernel', '-')}, {r.get('groups', '-')}, {stages}"
         )
     for r in rows:
@@ -567,10 +499,10 @@ def _print_table(rows, tbps):
             va = "-" if ca is None or a is None else f"{ca / a:.2f} x alone"
             print(
                 f"  TP {r['tp']} B {r['requests']}: compiled DecodeLayer step, one rank "
-                f"(engine, one rank per GPU) {_cell(ca).strip()} us GPU ({va}; target <= "
-                f"1.00 x), host dispatch {_cell(r.get('compiled_alone_host_us')).strip()} us "
-                f"per call (graph replay: {_cell(r.get('alone_host_us')).strip()} us); "
-                f"every rank on one stream {_cell(c).strip()} us ({vs})"
+                f"(engine, one rank per GPU) {cell(ca).strip()} us GPU ({va}; target <= "
+                f"1.00 x), host dispatch {cell(r.get('compiled_alone_host_us')).strip()} us "
+                f"per call (graph replay: {cell(r.get('alone_host_us')).strip()} us); "
+                f"every rank on one stream {cell(c).strip()} us ({vs})"
             )
     for r in rows:
         modes = ", ".join(
@@ -582,7 +514,7 @@ def _print_table(rows, tbps):
             f"  TP {r['tp']} B {r['requests']}: ours = o-projection launches "
             f"{DEFAULT_OPROJ_LAUNCH}; other modes: {modes or '-'}"
         )
-    print("targets (issue 7, B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
+    print("targets (B 8): alone <= 12 us; ours <= 1.3 x floor; peer / ours >= 2")
 
 
 if __name__ == "__main__":

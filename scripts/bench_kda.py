@@ -45,6 +45,14 @@ only the dispatcher's choice of ours per row (no forced wide / stream / pipe: a 
 the compiles); ``--pdl``: ours launched with programmatic dependent launch, as
 ``launch/decode.py`` launches them (the replay rows without).
 
+``--peers fla composed sglang`` (default: the two fla peers): which peers run beside ours;
+``sglang`` adds SGLang 0.5.23's fused K3 kernel (``kda_peers.py`` says how it is loaded) at
+H 3 / 6 / 12, T 1: timed in the same graph harness on its own copies of the pools, its
+outputs and pages checked against ``kda.reference`` (it uses fast math: its ulps are
+reported). On those rows both kernels run on a window-first conv pool of 3 taps (its
+layout). ``--peer-grid``: H 3, 6, 12 x B 1, 8, 32, 64, 128, 256, T 1; with ``--state-dtype
+both`` each bf16 row is set against SGLang's fp32 kernel of its shape.
+
 Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --verify |
        --deployed] [--state-dtype both] [--replay-only] [--diag] [--kernels auto] [--pdl]
 """
@@ -52,14 +60,19 @@ Usage: python scripts/bench_kda.py [--json out.json] [--quick | --small | --veri
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 
 import torch
-from _common import event_us, replay_us
-from kda_peers import fla_composed, fla_recurrence
+from _common import copy_bandwidth, time_graph, write_json
+from kda_peers import (
+    SGLANG_HEADS,
+    fla_composed,
+    fla_recurrence,
+    sglang_fused,
+    sglang_module,
+    sglang_numerics,
+    window_first,
+)
 
 from kda import layer as kl
 from kda import synthetic as kt
@@ -69,36 +82,11 @@ STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROTATE_BYTES = 256 << 20
 
 
-def time_graph(fn, replays=7, inner=1):
-    """Median time (us) of one replay of a CUDA graph of ``fn`` divided by ``inner``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up / compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return replay_us(graph, replays, inner)
-
-
-def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second (TB/s)."""
-    n = 1 << 28  # 1 GiB of fp32
-    a = torch.empty(n, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    graph_us = time_graph(lambda: b.copy_(a), replays=9)
-    eager = [event_us(lambda: b.copy_(a)) for _ in range(9)]  # a plain cudaMemcpyAsync
-    us = min(graph_us, statistics.median(eager))
-    return 2 * 4 * n / (us * 1e-6) / 1e12
-
-
-def setup(H, B, T, rotations, seed=0, device="cuda", state_dtype="fp32"):
+def setup(H, B, T, rotations, seed=0, device="cuda", state_dtype="fp32", dim_first=True):
     pages = 1 + rotations * B * T
-    layer = kt.make_layer(H, pages, window=T + 2, bias=True, seed=seed, device=device)
+    layer = kt.make_layer(
+        H, pages, window=T + 2, conv_dim_first=dim_first, bias=True, seed=seed, device=device
+    )
     layer.state = layer.state.to(STATE_DTYPES[state_dtype])
     steps = []
     for r in range(rotations):
@@ -225,6 +213,26 @@ def replay_bytes(heads, size, tokens, slots, accepted=None, calls=9, timed=7):
     return total / launches
 
 
+def sglang_row(result, layer, steps, peer_dir, rotations, dtype, sglang_fp32):
+    """SGLang's fused kernel on ``result``'s row (fp32 pages only) on its own copies of the
+    pools, its numerics against the reference on the first step; errors reported."""
+    H, B = result["H"], result["B"]
+    if dtype != "fp32":
+        return
+    try:
+        module = sglang_module(peer_dir)
+        result.update(
+            {f"sglang_{k}": v for k, v in sglang_numerics(module, layer, steps[0]).items()}
+        )
+        state = layer.state.float().clone()
+        conv = window_first(layer.conv_state, layer.conv_dim_first).clone()
+        us = time_graph(sglang_fused(module, layer, steps, state, conv), inner=rotations)
+        result["sglang_us"] = sglang_fp32[(H, B)] = us
+        del state, conv
+    except Exception as error:  # report, keep going
+        result["sglang_us"], result["sglang_error"] = None, repr(error)[:300]
+
+
 def diagnose():
     """Where the kernels' bf16 intermediates differ from the reference (record mode)."""
     import kda
@@ -295,6 +303,22 @@ def parse_args(argv=None):
         "--pdl", action="store_true", help="launch ours with PDL, as launch/decode.py does"
     )
     parser.add_argument(
+        "--peers",
+        nargs="+",
+        default=["fla", "composed"],
+        choices=("fla", "composed", "sglang"),
+        help="peers timed beside ours: fla's recurrence, fla's composed T = 1 step, SGLang's "
+        "fused K3 kernel (H 3 / 6 / 12, T 1, fp32 pages; both on a window-first conv pool)",
+    )
+    parser.add_argument(
+        "--peer-dir", default="/tmp/peer", help="where .peer/peer.tar.xz is unpacked"
+    )
+    parser.add_argument(
+        "--peer-grid",
+        action="store_true",
+        help="the SGLang grid: H 3, 6, 12 x B 1, 8, 32, 64, 128, 256, T 1 (with --peers sglang)",
+    )
+    parser.add_argument(
         "--state-dtype",
         choices=("fp32", "bf16", "both"),
         default="fp32",
@@ -333,6 +357,8 @@ def per_step_shapes(args):
         return []
     if args.heads is not None:
         return [(H, B, T) for T in args.tokens for H in args.heads for B in args.requests]
+    if args.peer_grid:
+        return [(H, B, 1) for H in SGLANG_HEADS for B in (1, 8, 32, 64, 128, 256)]
     if args.quick:
         return [(6, 1, 1), (12, 128, 1), (96, 128, 1), (96, 128, 4), (12, 128, 4)]
     if args.small:
@@ -352,17 +378,11 @@ def replay_shapes(args):
     if grid and args.replay_sizes and args.state_dtype != "bf16":
         shapes = [(H, B, T) for T in args.tokens for H in args.heads for B in args.requests]
         return [(H, B, T, R) for H, B, T in shapes for R in args.replay_sizes]
-    if args.small or args.verify or args.deployed or grid or args.state_dtype == "bf16":
+    if args.small or args.verify or args.deployed or grid or args.peer_grid:
+        return []
+    if args.state_dtype == "bf16":
         return []
     return replay_grid(quick=args.quick)
-
-
-def write_json(path, payload):
-    """Write ``payload`` to ``path`` whole (a run killed mid-write keeps the last rows)."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as handle:
-        json.dump(payload, handle, indent=1)
-    os.replace(partial, path)
 
 
 def f(v, w=8, p=1):
@@ -471,10 +491,13 @@ def main(argv=None):
         )
         print(header)
     dtypes = ("fp32", "bf16") if args.state_dtype == "both" else (args.state_dtype,)
+    sglang_fp32 = {}  # (H, B) -> SGLang's us on fp32 pages (the bf16 rows' peer)
     for H, B, T, dtype in [(*shape, d) for shape in shapes for d in dtypes]:
         page = PAGE // 2 if dtype == "bf16" else PAGE
         rotations, per_launch = rotations_for(H, B, T, page)
-        layer, steps = setup(H, B, T, rotations, state_dtype=dtype)
+        # SGLang's kernel takes a window-first pool of 3 taps: ours runs on the same layout
+        peer = "sglang" in args.peers and H in SGLANG_HEADS and T == 1
+        layer, steps = setup(H, B, T, rotations, state_dtype=dtype, dim_first=not peer)
         from kda.decode import plan
 
         choice = plan(B, H, T, "cuda", state_dtype=dtype)
@@ -502,12 +525,16 @@ def main(argv=None):
         if kernels:  # the forced kernels timed (``--kernels``)
             best = min(kernels, key=kernels.get)
             result["best"], result["auto_vs_best"] = best, result["auto_us"] / kernels[best]
-        try:
-            result["fla_us"] = time_graph(fla_recurrence(layer, steps, H, B, T), inner=rotations)
-        except Exception as error:  # the peer is optional: report, keep going
-            result["fla_us"], result["fla_error"] = None, repr(error)[:200]
-        result["composed_us"] = None
-        if T == 1:
+        result["fla_us"] = result["composed_us"] = None
+        if "fla" in args.peers:
+            try:
+                fn = fla_recurrence(layer, steps, H, B, T)
+                result["fla_us"] = time_graph(fn, inner=rotations)
+            except Exception as error:  # the peer is optional: report, keep going
+                result["fla_error"] = repr(error)[:200]
+        if peer:
+            sglang_row(result, layer, steps, args.peer_dir, rotations, dtype, sglang_fp32)
+        if T == 1 and "composed" in args.peers:
             try:
                 fn = fla_composed(layer, steps, H, B)
                 result["composed_us"] = time_graph(fn, inner=rotations)
@@ -516,9 +543,14 @@ def main(argv=None):
         us = result["auto_us"]
         result["state_tbs"] = per_launch / (us * 1e-6) / 1e12
         result["pct_copy"] = 100 * result["state_tbs"] / copy_tbs
+        if result.get("sglang_us"):
+            peer_tbs = per_launch / (result["sglang_us"] * 1e-6) / 1e12
+            result["sglang_pct_copy"] = 100 * peer_tbs / copy_tbs
         fla, comp = result["fla_us"], result["composed_us"]
         result["speedup_fla"] = fla / us if fla else None
         result["speedup_composed"] = comp / us if comp else None
+        peer_us = result.get("sglang_us") or sglang_fp32.get((H, B))
+        result["vs_sglang"] = peer_us / us if peer_us else None
         rows.append(result)
         save()
 
@@ -531,11 +563,22 @@ def main(argv=None):
             f"{f(result['speedup_composed'], 6, 2)}"
         )
         print(line)
+        if peer and dtype != "fp32":
+            print(f"    SGLang's fp32 kernel {f(peer_us)} us: ours {f(result['vs_sglang'], 5, 2)}x")
+        elif peer:
+            print(
+                f"    sglang {f(result.get('sglang_us'))} us ({f(result.get('sglang_pct_copy'), 4)}"
+                f"% copy; fp32 kernel {f(peer_us)}): ours {f(result['vs_sglang'], 5, 2)}x; "
+                f"its pages {result.get('sglang_page_diff', float('nan')):.2e} of the page max "
+                f"off the reference, outputs <= {result.get('sglang_out_max_ulps', 0):.0f} bf16 "
+                f"ulps ({100 * result.get('sglang_out_over_1ulp', 0):.1f}% > 1 ulp)"
+            )
         if args.small or args.splits:
             splits = " ".join(f"split{c} {f(result[f'split{c}_us'])}" for c in (2, 4, 8))
             best = f"best {result.get('best')}, auto / best {result.get('auto_vs_best', 0):.3f}"
             print(f"    {splits}; {best}")
         timed = ("wide", "stream", "pipe", "split2", "split4", "split8", "fla", "composed")
+        timed += ("sglang",)
         for key in (f"{name}_error" for name in timed):
             if key in result:
                 print(f"    {key}: {result[key]}")

@@ -47,7 +47,8 @@ import argparse
 import json
 
 import torch
-from oproj_rows import graph_us, torch_epilogue  # the rows sweep's (this folder)
+from _common import graph_us
+from oproj_rows import torch_epilogue  # the rows sweep's (this folder)
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks
@@ -302,7 +303,7 @@ def main():
 
 def rows_main(args):
     import oproj_rows
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     tbps = copy_bandwidth()
     device = torch.cuda.get_device_name()
@@ -327,7 +328,7 @@ def xmoe_main(args):
     import datetime
 
     import oproj_xmoe
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     tbps = copy_bandwidth()
     device = torch.cuda.get_device_name()

@@ -1,4 +1,4 @@
-"""One GPU's share of the decode step at serving batch (issue 33): rank 0's chain, KDA ->
+"""One GPU's share of the decode step at serving batch: rank 0's chain, KDA ->
 producer -> consumer, with the o-projection plan of one rank per GPU, stage by stage
 against each stage's floor, on one GPU.
 
@@ -34,7 +34,6 @@ bandwidth). The KDA stage and the o-projection (producer + consumer) are reporte
     python scripts/bench_rank.py [--tp 8 16] [--requests 1 8 32 128 256] [--tokens 1 4]
                                  [--replays 30] [--json rank.json] [--no-fence]
                                  [--no-flush | --clean-flush]
-    python scripts/bench_decode.py --rows --alone [--tp 8 16] [--json rank.json]
 
 Plot: ``python scripts/plot_rank.py rank8.json rank16.json --out docs/rank_rows.png``.
 """
@@ -55,16 +54,8 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 
 import torch  # noqa: E402
-from bench_decode import (  # noqa: E402
-    BUDGET_NS,
-    HOST_AHEAD_CYCLES,
-    ROWS_REQUESTS,
-    ROWS_TOKENS,
-    _captured,
-    _cell,
-    _config,
-    _replays,
-)
+from _common import HOST_AHEAD_CYCLES, captured, cell, median_replays  # noqa: E402
+from bench_decode import BUDGET_NS, ROWS_REQUESTS, ROWS_TOKENS, _config  # noqa: E402
 
 from engine.layer import DEFAULT_RING  # noqa: E402
 from kda.validate import CONV_TAPS, HEAD_DIM  # noqa: E402
@@ -160,14 +151,14 @@ def print_table(rows, tbps, tflops) -> None:
         s, x = r["stages_us"], r["x_floor"]
 
         def both(us, ratio):
-            return f"{_cell(us, 1, 8)} ({_cell(ratio, 2, 5).strip():>5})"
+            return f"{cell(us, 8, 1)} ({cell(ratio, 5, 2).strip():>5})"
 
         print(
             f"{r['tp']:>3}{r['requests']:>5}{r['tokens']:>3}{r['rows']:>6} {path:<13}"
             f"{both(s['kda'], x['kda'])}{both(s['produce'], x['producer'])}"
-            f"{_cell(r['gemm_us'], 1, 8)}{both(s['consume'], x['consumer'])}"
-            f"{both(r['oproj_us'], x['oproj'])}{_cell(r['chain_us'], 1)}"
-            f"{_cell(r['floors_us']['chain'], 1, 8)}{_cell(x['chain'], 2, 6)}"
+            f"{cell(r['gemm_us'], 8, 1)}{both(s['consume'], x['consumer'])}"
+            f"{both(r['oproj_us'], x['oproj'])}{cell(r['chain_us'], digits=1)}"
+            f"{cell(r['floors_us']['chain'], 8, 1)}{cell(x['chain'], 6, 2)}"
         )
     print(
         f"targets: chain <= {CHAIN_TARGET} x the sum of its stage floors; TP 16 B 8 T 1 chain "
@@ -180,9 +171,9 @@ def print_table(rows, tbps, tflops) -> None:
             x = r["x_floor"]
             print(
                 f"  TP {r['tp']} B {r['requests']} T {r['tokens']}: missed {', '.join(missed)} "
-                f"(chain x floors {_cell(x['chain'], 2).strip()}, producer x its reference "
-                f"{_cell(x['producer_target'], 2).strip()}, chain {_cell(r['chain_us'], 1).strip()}"
-                f" us, of which KDA {_cell(r['stages_us']['kda'], 1).strip()} us)"
+                f"(chain x floors {cell(x['chain'], 0, 2)}, producer x its reference "
+                f"{cell(x['producer_target'], 0, 2)}, chain {cell(r['chain_us'], 0, 1)}"
+                f" us, of which KDA {cell(r['stages_us']['kda'], 0, 1)} us)"
             )
 
 
@@ -306,18 +297,18 @@ def measure(cfg, replays, fence=True, flush="write", producer=None):
         chain()  # compiles every kernel of the chain
         gemm()
         torch.cuda.synchronize()
-        g_pub = _captured(publish_others)
-        graphs = [_captured(f) for f in (chain, kda, produce, consume, gemm)]
+        g_pub = captured(publish_others)
+        graphs = [captured(f) for f in (chain, kda, produce, consume, gemm)]
         g_chain, g_stages, g_gemm = graphs[0], graphs[1:4], graphs[4]
 
         def before():
             flush_l2()
             g_pub.replay()
 
-        us = dict(chain=_replays(g_chain.replay, replays, before=before))
+        us = dict(chain=median_replays(g_chain.replay, replays, before=before))
         stages = stage_us(g_stages, replays, before)
         us.update(zip(("kda", "produce", "consume"), stages, strict=True))
-        us["gemm"] = _replays(g_gemm.replay, replays, before=flush_l2)
+        us["gemm"] = median_replays(g_gemm.replay, replays, before=flush_l2)
         kernel = bk.kda_choice.kernel
     return us, plan, kernel
 
@@ -327,7 +318,7 @@ def measure(cfg, replays, fence=True, flush="write", producer=None):
 
 def run(args, tps, requests, tokens) -> int:
     """Every (TP, tokens, requests) row, JSON after each (a cut run keeps what it measured)."""
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
     from oproj_rows import gemm_tflops
 
     if args.kda_state != "per-step":
@@ -373,9 +364,9 @@ def _line(row) -> None:
         return
     print(
         f"TP{row['tp']:>3} B{row['requests']:>4} T{row['tokens']}: chain "
-        f"{_cell(row['chain_us'], 1).strip()} us (x floors "
-        f"{_cell(row['x_floor']['chain'], 2).strip()}), KDA {_cell(s['kda'], 1).strip()}, "
-        f"producer {_cell(s['produce'], 1).strip()}, consumer {_cell(s['consume'], 1).strip()}",
+        f"{cell(row['chain_us'], 0, 1)} us (x floors "
+        f"{cell(row['x_floor']['chain'], 0, 2)}), KDA {cell(s['kda'], 0, 1)}, "
+        f"producer {cell(s['produce'], 0, 1)}, consumer {cell(s['consume'], 0, 1)}",
         flush=True,
     )
 

@@ -4,7 +4,7 @@ measured in the same run.
 - ``copy_state``: ``DecodeLayer.copy_state`` (KdaCopy, one launch) of ``--slots`` pairs of a
   ``--heads``-head layer (fp32 pages, bf16 conv pages of window 10), per-step and replay
   (ring R copied), under a CUDA graph; bytes = read + written of every pool's pages; % of a
-  device-to-device copy (``bench_kda.copy_bandwidth``, bytes read + written). Beside it
+  device-to-device copy (``_common.copy_bandwidth``, bytes read + written). Beside it
   torch's per-pool ``index_copy_`` (the obvious alternative) and, for a replay slot, the
   other choice: ``fold`` + a copy of the pages without the ring.
 - ``fold``: ``DecodeLayer.fold`` (KdaFold) of the same slots with full rings (R committed
@@ -28,7 +28,7 @@ import statistics
 import sys
 
 import torch
-from bench_kda import copy_bandwidth, time_graph, write_json
+from _common import copy_bandwidth, time_graph, write_json
 
 import kda
 from engine import DecodeLayer
@@ -42,17 +42,8 @@ def make_layer(heads, pages, kda_state, ring_size=4):
     shard = kt.make_layer(heads, pages, window=WINDOW, seed=1, device="cuda")
     ones = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
     w_o = torch.zeros(1024, heads * 128, dtype=torch.bfloat16, device="cuda")
-    return DecodeLayer(
-        shard,
-        w_o,
-        {},
-        rank=0,
-        norm=ones,
-        query=ones,
-        out_norm=ones,
-        kda_state=kda_state,
-        ring_size=ring_size,
-    )
+    norms = dict(norm=ones, query=ones, out_norm=ones)
+    return DecodeLayer(shard, w_o, {}, rank=0, kda_state=kda_state, ring_size=ring_size, **norms)
 
 
 def page_bytes(layer, ring=True):

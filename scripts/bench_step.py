@@ -39,6 +39,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import step_peers as peers  # noqa: E402
 import torch  # noqa: E402
+from _common import cell  # noqa: E402
 
 from launch import report as rep  # noqa: E402
 from launch.checks import exact_gate_weights  # noqa: E402
@@ -111,10 +112,6 @@ def summarize(per_rank) -> dict:
     return out
 
 
-def _cell(v, width=9, digits=2):
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
-
-
 def format_table(meta: dict, rows: list[dict]) -> list[str]:
     """The report's lines: per requests count the floor, then every variant (median, p99,
     x floor, x ours, how or why skipped)."""
@@ -129,7 +126,7 @@ def format_table(meta: dict, rows: list[dict]) -> list[str]:
     for row in rows:
         floor = row["floor_us"]
         lines.append(
-            f"{row['requests']:>4}  {'floor':<24}{_cell(floor, 10)}{'-':>9}"
+            f"{row['requests']:>4}  {'floor':<24}{cell(floor, 10)}{'-':>9}"
             f"{'-':>9}{'-':>8}  {row['rank_bytes'] / 1e6:.1f} MB per rank"
         )
         ours = row["variants"].get("ours", {}).get("median_us")
@@ -140,8 +137,8 @@ def format_table(meta: dict, rows: list[dict]) -> list[str]:
             x_ours = None if med is None or ours is None else med / ours
             how = f"skipped: {v['skipped']}" if "skipped" in v else v.get("how", "")
             lines.append(
-                f"{'':>4}  {label:<24}{_cell(med, 10)}{_cell(v.get('p99_us'))}"
-                f"{_cell(x_floor)}{_cell(x_ours, 8)}  {how}"
+                f"{'':>4}  {label:<24}{cell(med, 10)}{cell(v.get('p99_us'))}"
+                f"{cell(x_floor)}{cell(x_ours, 8)}  {how}"
             )
     return lines
 
@@ -280,7 +277,7 @@ def peer(kind, runner, procs, bk, nccl, symm, steps: int) -> dict:
 
 def run(args, backend, procs):
     """Every requests count on this process's GPU: (rows, failures, copy TB/s)."""
-    from bench_kda import copy_bandwidth
+    from _common import copy_bandwidth
 
     nccl = torch.distributed.new_group(backend="nccl")
     symm = peers.symm_mem_for(nccl)

@@ -176,11 +176,7 @@ def main(argv=None) -> dict:
         command="python scripts/drift_bf16.py " + " ".join(sys.argv[1:] if argv is None else argv),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         parameters=dict(
-            steps=args.steps,
-            heads=args.heads,
-            requests=args.requests,
-            seed=args.seed,
-            lower_bound=args.lower_bound,
+            **{k: getattr(args, k) for k in ("steps", "heads", "requests", "seed", "lower_bound")},
             tokens=1,
             initial_state="zero",
             layer="kda.synthetic.make_layer (a_log = log U(1, 16), dt_bias ~ N(0, 0.25))",

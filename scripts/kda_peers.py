@@ -1,9 +1,23 @@
-"""fla's KDA decode beside ours, as ``bench_kda.py`` and ``profile_kda.py`` time it: its
-recurrence alone (``fused_recurrent_kda_fwd`` on our step's q, k, v, raw gate and beta, the
-same state pages) and, at T = 1, the composed step (conv update + SiLU, the gate matmul,
-the recurrence, the gated RMSNorm)."""
+"""The peers of our KDA decode, as ``bench_kda.py`` and ``profile_kda.py`` time them.
+
+- fla: its recurrence alone (``fused_recurrent_kda_fwd`` on our step's q, k, v, raw gate
+  and beta, the same state pages) and, at T = 1, the composed step (conv update + SiLU, the
+  gate matmul, the recurrence, the gated RMSNorm).
+- SGLang 0.5.23's fused K3 decode (``sglang/kernels/jit/csrc/attention/kda_fused_decode.cuh``:
+  conv update + delta rule + sigmoid-gated RMSNorm in one kernel; H 3 / 6 / 12, T = 1, fp32
+  pages, PDL, fast math). Never vendored: ``../shared/device/prepare_peer.sh`` builds
+  ``.peer/peer.tar.xz`` (the ``.cuh``, its headers, a trimmed ``apache-tvm-ffi`` and the kernel
+  prebuilt for sm_90a with the flags SGLang's JIT uses). On the GPU machine, carry
+  ``[".dev", ".peer"]`` and unpack it: ``mkdir -p /tmp/peer && tar -xJf .peer/peer.tar.xz -C
+  /tmp/peer``; ``sglang_module("/tmp/peer")`` loads it. It takes the forget gate projected
+  to full rank (``a = bf16(f_a @ f_b^T)``, the engine's GEMM output), its conv weights, bias
+  and norm weight in fp32 and a window-first bf16 conv pool of exactly 3 taps.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 
@@ -68,3 +82,96 @@ def fla_composed(layer, steps, H, B):
             rms_norm_gated(o, gate, layer.norm_weight, None, activation=activation, eps=kl.EPS)
 
     return fn
+
+
+SGLANG_HEADS = (3, 6, 12)
+
+
+def sglang_module(peer_dir="/tmp/peer"):
+    """SGLang's fused decode as a tvm-ffi module (``prepare_peer.sh``'s ``kda_peer.so``);
+    ImportError / FileNotFoundError where it is not unpacked."""
+    path = os.path.join(peer_dir, "kda_peer.so")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: unpack .peer/peer.tar.xz into {peer_dir} first")
+    if peer_dir not in sys.path:
+        sys.path.insert(0, peer_dir)
+    import tvm_ffi
+
+    return tvm_ffi.load_module(path)
+
+
+def sglang_operands(layer, step, state, conv):
+    """SGLang's ``run`` arguments for ``step`` (T = 1) on ``layer``'s weights, over the pools
+    ``state`` [S, H, 128, 128] fp32 and ``conv`` [S, 3, 3D] bf16 (window-first, 3 taps)."""
+    B, D = step.gate.shape
+    H = D // 128
+    if H not in SGLANG_HEADS or step.slots.dim() != 1:
+        raise ValueError(f"SGLang's kernel takes H in {SGLANG_HEADS} at T = 1; got H {H}")
+    if conv.dim() != 3 or conv.shape[1] != 3 or state.dtype != torch.float32:
+        raise ValueError("SGLang's kernel takes a [S, 3, 3D] conv pool and fp32 pages")
+    weight = layer.conv_weight.float()
+    bias = layer.conv_bias
+    bias = torch.zeros(3 * D, device=weight.device) if bias is None else bias.float()
+    a = (step.f_a.float() @ layer.f_b.float().T).to(torch.bfloat16)  # bf16(f_a . f_b)
+    taps = [weight[p].contiguous() for p in range(3)]  # [4, D] each: 3 cached taps + current
+    out = torch.empty(B, D, dtype=torch.bfloat16, device=weight.device)
+    norm = layer.norm_weight.float().contiguous()
+    return (step.x, a, step.beta.to(torch.bfloat16), conv, *taps, bias.contiguous()) + (
+        layer.a_log.float().contiguous(),
+        layer.dt_bias.float().contiguous(),
+        step.gate,
+        norm,
+        state,
+        step.slots,
+        out,
+    )
+
+
+def sglang_fused(module, layer, steps, state, conv):
+    """One SGLang launch per step of ``steps`` on the pools ``state`` / ``conv`` (its own copies
+    of ours: same pages, same slot tables), on the current torch stream."""
+    import tvm_ffi
+
+    prepared = [sglang_operands(layer, s, state, conv) for s in steps]
+    scalars = (kl.SCALE, kl.EPS, kl.LOWER_BOUND, True)
+
+    def fn():
+        with tvm_ffi.use_torch_stream():
+            for args in prepared:
+                module.run(*args, *scalars)
+
+    return fn
+
+
+def sglang_numerics(module, layer, step):
+    """SGLang's one step against ``kda.reference.decode`` on the same inputs (fresh copies
+    of the pools): its pages' max |diff| over the page max, and its outputs in bf16 ulps of
+    the reference (max, and the share above 1 ulp)."""
+    import tvm_ffi
+
+    from kda import synthetic as kt
+
+    ref_layer = layer.clone()
+    ref = kt.run_reference(ref_layer, step).float()
+    state = layer.state.float().clone()
+    conv = window_first(layer.conv_state, layer.conv_dim_first).clone()
+    args = sglang_operands(layer, step, state, conv)
+    with tvm_ffi.use_torch_stream():
+        module.run(*args, kl.SCALE, kl.EPS, kl.LOWER_BOUND, True)
+    torch.cuda.synchronize()
+    got = args[-1].float()
+    live = step.slots[step.slots > 0].long()
+    pages = state[live] - ref_layer.state.float()[live]
+    scale = ref_layer.state.float()[live].abs().amax(dim=(-1, -2), keepdim=True)
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2.0**-126))) - 7)
+    ulps = (got - ref).abs() / ulp
+    return dict(
+        page_diff=(pages.abs() / scale).max().item(),
+        out_max_ulps=ulps.max().item(),
+        out_over_1ulp=(ulps > 1).float().mean().item(),
+    )
+
+
+def window_first(conv_state, dim_first):
+    """The conv pool as [S, W, 3D] (a copy when ``dim_first``)."""
+    return conv_state.transpose(1, 2).contiguous() if dim_first else conv_state

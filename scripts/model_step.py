@@ -1,4 +1,4 @@
-"""Step-latency model of one KDA decode layer at TP 2 / 4 / 8 / 16 (issue 36, part 2).
+"""Step-latency model of one KDA decode layer at TP 2 / 4 / 8 / 16.
 
     python3 scripts/model_step.py [--data docs/data] [--json docs/data/tp_model.json]
                                   [--plot docs/tp_model.png] [--no-write]

@@ -1,5 +1,5 @@
 """More mutants for ``scripts/mutants.py`` (``scripts/mutants_table.py`` is full): the
-o-projection's wgmma producer."""
+o-projection's wgmma producer and its hidden-width geometry (``plan.slicing``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ GEMM = "tpcomm/oproj/kernels/gemm.py"
 PRODUCER = "tpcomm/oproj/kernels/producer.py"
 GEMM_PTX = "tests/test_oproj_gemm_compile.py"
 GEMM_GPU = "tests/test_oproj_gemm_gpu.py"
+PLAN = "tpcomm/oproj/plan.py"
+CONSUMER = "tpcomm/oproj/kernels/consumer.py"
 
 OPROJ_MUTANTS = [
     # --- OprojGemmProducer (TMA + wgmma, publishing from its epilogue) ----------------------
@@ -62,5 +64,29 @@ OPROJ_MUTANTS = [
         f"{GEMM_GPU}::test_per_rank_publishes_the_projection",
         gpu=True,
         select="True",
+    ),
+    # --- hidden widths: multiples of 256 -------------------------------------------------
+    M(  # the most CTAs instead of the fewest: 4096 would split into 8 x 512
+        "slicing-most-ctas",
+        PLAN,
+        "    n = min(narrow) if narrow else max(ctas)",
+        "    n = max(narrow) if narrow else max(ctas)",
+        "tests/test_oproj_slicing.py::test_slicing_rule",
+    ),
+    M(  # one producer team per consumer group whatever the group's threads
+        "fused-teams-are-groups",
+        PLAN,
+        "    return threads // THREADS\n",
+        "    return groups\n",
+        "tests/test_oproj_fused.py::test_tiles_cover_every_feature_once",
+    ),
+    M(  # a CTA's dot products from its first four warps only (2816: eleven)
+        "gpu-consumer-four-warps",
+        CONSUMER,
+        "        for w in cutlass.range_constexpr(1, self.warps):",
+        "        for w in cutlass.range_constexpr(1, min(self.warps, 4)):",
+        "tests/test_oproj_consumer_gpu.py::test_consumer_matches_reference",
+        gpu=True,
+        select="hid2816",
     ),
 ]

@@ -27,7 +27,7 @@ import json
 import pathlib
 
 import torch
-from _common import replay_us
+from _common import cell, graph_us
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks
@@ -38,19 +38,6 @@ from tpcomm.oproj.rows import RowChunks
 ROWS = (1, 4, 8, 32, 128, 256, 512, 1024)  # requests {1, 8, 32, 128, 256} x tokens {1, 4}
 EPS = 1e-6
 BUDGET = 20_000_000
-
-
-def graph_us(fn, iters, repeats):
-    """Median us per step of a graph of ``iters`` calls ``fn(i)`` (i: the step)."""
-    fn(0)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for i in range(iters):
-            fn(i)
-    return replay_us(graph, repeats, iters)
 
 
 def gemm_tflops():
@@ -181,21 +168,9 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
             chunks = choose(tp, rows, hid, wgmma=wgmma)  # per-rank launches (RowChunks)
             exchange = tp * buffer_bytes(tp, rows, hid, False) // 2
             floor = floor_us(tp, rows, hid, nb, d_local, exchange, tbps, tflops)
-            row = dict(
-                tp=tp,
-                rows=rows,
-                hid=hid,
-                nb=nb,
-                d_local=d_local,
-                floor_us=floor,
-                plan=dict(
-                    producer=plan.producer,
-                    twoshot=plan.twoshot,
-                    bytes=plan.bytes,
-                    reason=plan.reason,
-                ),
-                chunks_plan=dict(twoshot=chunks.twoshot, reason=chunks.reason),
-            )
+            row = dict(tp=tp, rows=rows, hid=hid, nb=nb, d_local=d_local, floor_us=floor)
+            row["plan"] = {k: getattr(plan, k) for k in ("producer", "twoshot", "bytes", "reason")}
+            row["chunks_plan"] = dict(twoshot=chunks.twoshot, reason=chunks.reason)
             kinds = ["oneshot_1l", "oneshot_chunks", "twoshot_chunks"]
             if plan.producer != "cublas":
                 kinds.insert(1, "oneshot_1l_cublas")
@@ -215,8 +190,8 @@ def sweep(tps, rows_list, hid, nb, heads, iters, repeats, tbps, on_row=None):
     return out, tflops
 
 
-def cell(v, width=9, digits=1):
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+def cell1(v, width=9):
+    return cell(v, width, 1)
 
 
 def print_row(r):
@@ -224,11 +199,11 @@ def print_row(r):
     ratio = None if ours is None else ours / floor
     vs_best = None if ours is None or best is None else ours / best
     print(
-        f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell(ours)} (x floor {cell(ratio, 5, 2)}, "
-        f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell(r['oneshot_chunks_us'])} | "
-        f"2-shot chunks {cell(r['twoshot_chunks_us'])} | cuBLAS 1l "
-        f"{cell(r.get('oneshot_1l_cublas_us'))} | peer {cell(r['peer_us'])} | floor "
-        f"{cell(floor)} | {r['plan']['producer']}",
+        f"TP{r['tp']:>3} rows {r['rows']:>5}: ours {cell1(ours)} (x floor {cell(ratio, 5, 2)}, "
+        f"x best {cell(vs_best, 5, 2)}) | 1-shot chunks {cell1(r['oneshot_chunks_us'])} | "
+        f"2-shot chunks {cell1(r['twoshot_chunks_us'])} | cuBLAS 1l "
+        f"{cell1(r.get('oneshot_1l_cublas_us'))} | peer {cell1(r['peer_us'])} | floor "
+        f"{cell1(floor)} | {r['plan']['producer']}",
         flush=True,
     )
 

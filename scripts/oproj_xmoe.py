@@ -11,7 +11,7 @@ before each step, whose time (measured alone) is subtracted:
 - ``consumer_only_us``: ``reps`` copies, no waiter (the consumer's share of the cost).
 
 Copies' bytes: the consumer's stores of ``TP x reps x rows x HID x 2`` bytes, read back
-and written once more by the reader: ``copy_bytes`` = 3 x that. Target (issue 33):
+and written once more by the reader: ``copy_bytes`` = 3 x that. Target:
 ``xmoe_us <= 1.1 x (base_us + copy_bytes / the copy bandwidth measured in the run)``.
 After the timed steps the hint words must be zero (each waiter took its quota back, none
 timed out) and the reader's copies bitwise the outputs.
@@ -20,7 +20,8 @@ timed out) and the reader's copies bitwise the outputs.
 from __future__ import annotations
 
 import torch
-from oproj_rows import BUDGET, EPS, graph_us, inputs
+from _common import graph_us
+from oproj_rows import BUDGET, EPS, inputs
 
 from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj.all_ranks import AllRanks

@@ -1,10 +1,14 @@
 """Plot the KDA-bandwidth grid: % of the copy bandwidth against (request, head) items, one
 panel per T, a line per H for ours (the dispatcher's kernel) and fla's recurrence, and
-the replay rows (ring size R) as markers; the issue's targets as horizontal lines.
+the replay rows (ring size R) as markers, SGLang's fused kernel where the run timed it
+(``--peers sglang``: dashed, its time over our row's state bytes); the targets as
+horizontal lines.
 
     python3 scripts/bench_kda.py --heads 6 12 24 96 --requests 1 8 32 128 256 \\
         --tokens 1 2 4 8 --replay-sizes 4 8 --json docs/data/kda_grid_h200.json
     python3 scripts/plot_kda_grid.py docs/data/kda_grid_h200.json --out docs/kda_grid.png
+    python3 scripts/bench_kda.py --peer-grid --peers fla sglang --pdl --json docs/data/kda_peer.json
+    python3 scripts/plot_kda_grid.py docs/data/kda_peer.json --out docs/kda_peer.png
 
 fla's % of copy counts the same state bytes as ours (its time, our bytes); a replay row's
 counts its own bytes (``replay_bytes``).
@@ -26,20 +30,23 @@ MARKERS = {4: "s", 8: "^", 16: "v"}
 
 
 def series(rows, replay_rows, dtype="fp32"):
-    """{T: {"ours": {H: [(items, pct)]}, "fla": {H: [...]}, "replay": {(H, R): [...]}}},
-    points sorted by items; fla's % from its time over our row's state bytes."""
+    """{T: {"ours": {H: [(items, pct)]}, "fla": {H: [...]}, "sglang": {H: [...]}, "replay":
+    {(H, R): [...]}}}, points sorted by items; fla's and SGLang's % from their times over our
+    row's state bytes."""
     out = {}
     copy = None
     for r in rows:
         if r.get("state_dtype", "fp32") != dtype or r.get("pct_copy") is None:
             continue
-        panel = out.setdefault(r["T"], {"ours": {}, "fla": {}, "replay": {}})
+        panel = out.setdefault(r["T"], {"ours": {}, "fla": {}, "sglang": {}, "replay": {}})
         items = r["B"] * r["H"]
         panel["ours"].setdefault(r["H"], []).append((items, r["pct_copy"]))
         copy = r["state_tbs"] / (r["pct_copy"] / 100)  # the run's copy bandwidth
         if r.get("fla_us"):
             pct = 100 * r["state_bytes"] / (r["fla_us"] * 1e-6) / 1e12 / copy
             panel["fla"].setdefault(r["H"], []).append((items, pct))
+        if r.get("sglang_pct_copy"):
+            panel["sglang"].setdefault(r["H"], []).append((items, r["sglang_pct_copy"]))
     for r in replay_rows:
         if r.get("pct_copy") is None or r["T"] not in out:
             continue
@@ -75,6 +82,9 @@ def main(argv=None):
             if H in panel["fla"]:
                 xs, ys = zip(*panel["fla"][H], strict=True)
                 ax.plot(xs, ys, ":", color=color, label=f"fla rec H {H}")
+            if H in panel["sglang"]:
+                xs, ys = zip(*panel["sglang"][H], strict=True)
+                ax.plot(xs, ys, "--x", color=color, label=f"SGLang H {H}")
             for (h, R), points in sorted(panel["replay"].items()):
                 if h == H:
                     xs, ys = zip(*points, strict=True)

@@ -1,8 +1,7 @@
 """One rank's chain against rows per step, stage by stage with each stage's floor, from
-``bench_rank.py --json`` (or ``bench_decode.py --rows --alone --json``; one or more files,
-e.g. one per TP): a panel per (TP, tokens), the chain against the sum of its stage floors
-and the 1.3x target, KDA, producer, consumer and the o-projection (producer + consumer)
-each beside its floor, and TP 16 B 8 T 1's 12 us target.
+``bench_rank.py --json`` (one or more files, e.g. one per TP): a panel per (TP, tokens), the
+chain against the sum of its stage floors and the 1.3x target, KDA, producer, consumer and
+the o-projection (producer + consumer) each beside its floor, and TP 16 B 8 T 1's 12 us target.
 
     python scripts/plot_rank.py docs/data/rank_rows_tp8.json docs/data/rank_rows_tp16.json \
         --out docs/rank_rows.png
@@ -11,13 +10,12 @@ each beside its floor, and TP 16 B 8 T 1's 12 us target.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import pyplot, rows_axes, save_figure  # noqa: E402
+from _common import finish_rows_panel, json_rows, pyplot, save_figure  # noqa: E402
 
 CHAIN_TARGET = 1.3
 ALONE_TARGET_US = 12.0
@@ -29,18 +27,6 @@ SERIES = (
     ("consumer", lambda r: r["stages_us"]["consume"], lambda r: r["floors_us"]["consumer"], "C2"),
     ("o-projection", lambda r: r["oproj_us"], lambda r: r["floors_us"]["oproj"], "C3"),
 )
-
-
-def load(paths):
-    """(rows of every file, the devices named, in order)."""
-    rows, devices = [], []
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        rows += data["rows"]
-        if data.get("device") and data["device"] not in devices:
-            devices.append(data["device"])
-    return rows, devices
 
 
 def panels(rows):
@@ -62,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("json", nargs="+", help="JSON of bench_rank.py (one or more)")
     p.add_argument("--out", default="docs/rank_rows.png")
     args = p.parse_args(argv)
-    rows, devices = load(args.json)
+    rows, devices = json_rows(args.json)
     shown = panels(rows)
     if not shown:
         print("no rows to plot")
@@ -114,13 +100,9 @@ def main(argv=None) -> int:
                     markersize=10,
                     label=f"B 8 target {ALONE_TARGET_US:g} us",
                 )
-            rows_axes(ax, ticks)
-            ax.set_xlabel(f"rows per step (requests x {t})")
-            ax.set_ylabel("us (median)")
             kind = "decode" if t == 1 else f"verify, T = {t}"
-            ax.set_title(f"TP {tp}, {kind}: rank 0 alone\n{', '.join(devices)}", fontsize=9)
-            ax.grid(True, alpha=0.3, which="both")
-            ax.legend(fontsize=6)
+            title = f"TP {tp}, {kind}: rank 0 alone\n{', '.join(devices)}"
+            finish_rows_panel(ax, ticks, f"rows per step (requests x {t})", "us (median)", title, 6)
     save_figure(fig, args.out, f"{count} points, {len(tps) * len(tokens)} panels")
     return 0 if count else 1
 

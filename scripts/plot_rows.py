@@ -11,13 +11,12 @@ tokens count: decode steps T = 1, verify steps T = 4) and ``bench_oproj.py --row
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: _common
 
-from _common import pyplot, rows_axes, save_figure  # noqa: E402
+from _common import finish_rows_panel, json_rows, pyplot, save_figure  # noqa: E402
 
 SERIES = (
     ("ours_us", "-", "o", "ours"),
@@ -37,25 +36,10 @@ def lines(rows, x="rows"):
     return {k: sorted(out[k]) for k in sorted(out, key=lambda k: (k[0], order.index(k[1])))}
 
 
-def merged(paths):
-    """(rows of every file, the devices named, in order)."""
-    rows, devices = [], []
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        rows += data["rows"]
-        device = data.get("device")
-        if device and "loopback" in data.get("measured", {}).get("machine", ""):
-            device += " (loopback)"  # docs/data's files say how they were measured
-        if device and device not in devices:
-            devices.append(device)
-    return rows, devices
-
-
 def panels(decode, oproj=None):
     """[(title, rows, devices)]: the decode rows per tokens count (one panel when they
     name none), then the o-projection rows."""
-    rows, devices = merged(decode)
+    rows, devices = json_rows(decode)
     tokens = sorted({r.get("tokens") for r in rows}, key=lambda t: (t is None, t))
     out = []
     for t in tokens:
@@ -70,7 +54,7 @@ def panels(decode, oproj=None):
             title += "; peer: T = 1 only"
         out.append((title, mine, devices))
     if oproj:
-        rows, devices = merged(oproj)
+        rows, devices = json_rows(oproj)
         out.append(
             ("o-projection alone (producer + exchange + consumer), all ranks", rows, devices)
         )
@@ -108,12 +92,8 @@ def main(argv=None) -> int:
             )
             ticks.update(x for x, _ in points)
             count += len(points)
-        rows_axes(ax, ticks)
-        ax.set_xlabel("rows per step (requests x tokens)")
-        ax.set_ylabel("latency, us (median)")
-        ax.set_title(f"{title}\n{', '.join(devices)}", fontsize=9)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        xlabel, ylabel = "rows per step (requests x tokens)", "latency, us (median)"
+        finish_rows_panel(ax, ticks, xlabel, ylabel, f"{title}\n{', '.join(devices)}")
     save_figure(fig, args.out, f"{count} points, {n} panels")
     return 0 if count else 1
 

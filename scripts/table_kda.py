@@ -3,7 +3,7 @@ with the run's copy bandwidth).
 
 - ``rows`` (default): one line per per-step row: H, B, T, pages, the kernel the dispatcher
   took, us, TB/s, % of copy, fla's recurrence and x fla (composed where measured).
-- ``--dtypes``: fp32 and bf16 pages side by side per (H, B, T) (issue 31's table): us of
+- ``--dtypes``: fp32 and bf16 pages side by side per (H, B, T): us of
   each, bf16's speedup over fp32, bf16's % of copy for its bytes, and x fla's recurrence on
   bf16 pages; rows with one dtype only are left out.
 

@@ -44,10 +44,22 @@ _failures_out: list = []  # the controller's --gpu-failures-out, if any
 
 
 def pytest_configure(config):
+    # ``-n N``: loadgroup instead of load, so the tests marked ``xdist_group`` (fla's, whose
+    # Triton compiles and autotuning take minutes) share one worker and its caches; each
+    # other test is its own unit, handed out in the order below as under load
+    if getattr(config.option, "dist", "no") == "load" and not hasattr(config, "workerinput"):
+        config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("loadgroup"):  # a worker parses the command
+        config.option.loadgroup = True  # line again (dist "load"): told by the controller
     out = config.getoption("--gpu-failures-out")
     if out and not hasattr(config, "workerinput"):  # the controller sees every report
         pathlib.Path(out).write_text("")
         _failures_out.append(out)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: on the controller, per worker
+def pytest_configure_node(node):
+    node.workerinput["loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 def shard_of(nodeids, known, count):
@@ -73,6 +85,7 @@ def _parse_shard(text):
     return k, n
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist suffixes grouped node ids with "@group"
 def pytest_collection_modifyitems(config, items):
     shard = config.getoption("--gpu-shard")
     if shard:
@@ -99,8 +112,8 @@ _seconds: dict = {}
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call" and report.passed:
-        _seconds[report.nodeid] = round(report.duration, 1)
+    if report.when == "call" and report.passed:  # loadgroup's "@group" suffix left out
+        _seconds[report.nodeid.split("@")[0]] = round(report.duration, 1)
     if report.failed and _failures_out:
         with open(_failures_out[0], "a") as f:
             f.write(f"{report.nodeid} ({report.when})\n")

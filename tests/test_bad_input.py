@@ -351,6 +351,7 @@ def cpu_backend():
         ("out_eps", {"out_eps": -1.0}),
         ("tokens", {"tokens": 0}),
         ("hid", {"hid": 1000}),
+        ("groups", {"hid": 2816, "groups": 3}),  # 352-thread groups: at most 2
         ("xmoe_reps", {"xmoe_reps": -1}),
     ],
 )
@@ -361,6 +362,13 @@ def test_oproj_allreduce_constructor_refuses(cpu_backend, name, kw):
     args.update(kw)
     refused(lambda: OprojAllReduce(cpu_backend, args.pop("tokens"), args.pop("hid"),
                                    args.pop("nb"), **args), [], name)  # fmt: skip
+
+
+@pytest.mark.parametrize("hidden", [-1024, 1000, 8448])
+def test_all_reduces_names_hidden(cpu_backend, hidden):
+    from engine import all_reduces
+
+    refused(lambda: all_reduces(cpu_backend, [2], hidden, 2), [], "hidden")
 
 
 def test_oproj_allreduce_methods_refuse(cpu_backend):
@@ -408,6 +416,7 @@ CLI_BAD = [
     ("--groups", ["--groups", "5"]),
     ("--heads", ["--heads", "x"]),
     ("--hidden", ["--hidden", "100"]),
+    ("--hidden", ["--hidden", "1000"]),  # not a multiple of 256
     ("--padding", ["--padding", "nan"]),
     ("--padding", ["--padding", "1.5"]),
     ("--timeout", ["--timeout", "0"]),

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 
+import _common  # noqa: E402
 import bench_decode  # noqa: E402
 
 from launch.layer import step_kind  # noqa: E402
@@ -49,7 +50,7 @@ def test_replay_samples_span_a_ring_cycle():
     replay = bench_decode._config(8, 4, _args("replay", 4))
     assert bench_decode._cycle(per_step) == 1 and bench_decode._cycle(replay) == 4
     steps = [10.0, 10.0, 10.0, 50.0] * 3 + [10.0]  # a fold every 4th step, a partial window
-    assert bench_decode.cycle_means(steps, 4) == [20.0, 20.0, 20.0]
-    assert bench_decode.cycle_means(steps, 1) == steps
+    assert _common.cycle_means(steps, 4) == [20.0, 20.0, 20.0]
+    assert _common.cycle_means(steps, 1) == steps
     with pytest.raises(ValueError, match="cycle"):
-        bench_decode.cycle_means(steps, 0)
+        _common.cycle_means(steps, 0)

@@ -43,6 +43,7 @@ def test_replay_grid_covers_the_issue_headline_first():
         (["--replay-only", "--quick"], 0, 2),
         (["--small"], 16, 0),
         (["--verify"], 12, 0),
+        (["--peer-grid", "--peers", "sglang"], 18, 0),
     ],
 )
 def test_flags_select_the_tables(argv, per_step, replays):
@@ -204,3 +205,34 @@ def test_kernels_and_pdl_flags():
     assert args.kernels == ["auto"] and args.pdl is True
     with pytest.raises(SystemExit):
         bench_kda.parse_args(["--kernels", "wide", "pipe"])
+
+
+def test_sglang_operands_are_its_layout():
+    """SGLang's arguments from our layer and step: its shapes and dtypes (bf16 activations,
+    fp32 conv taps / bias / norm weight, the full-rank gate bf16(f_a . f_b)), the pools
+    passed as given; other head counts, T > 1 and a dim-first pool refused."""
+    import kda_peers
+
+    H, B, pages = 3, 4, 9
+    layer = kt.make_layer(H, pages, window=3, conv_dim_first=False, bias=False)
+    step = kt.make_step(B, 1, H, pages=pages)
+    conv = kda_peers.window_first(layer.conv_state, layer.conv_dim_first)
+    args = kda_peers.sglang_operands(layer, step, layer.state, conv)
+    D = H * 128
+    x, a, beta, pool, wq, wk, wv, bias, a_log, dt_bias, gate, norm, state, slots, out = args
+    assert x is step.x and pool is conv and state is layer.state and slots is step.slots
+    assert a.dtype == torch.bfloat16 and a.shape == (B, D)
+    assert torch.equal(a, (step.f_a.float() @ layer.f_b.float().T).to(torch.bfloat16))
+    for t, p in zip((wq, wk, wv), range(3), strict=True):
+        assert t.dtype == torch.float32 and torch.equal(t, layer.conv_weight[p].float())
+    assert bias.shape == (3 * D,) and not bias.any()  # no conv bias: zeros
+    assert norm.dtype == torch.float32 and norm.shape == (128,)
+    assert beta.dtype == gate.dtype == out.dtype == torch.bfloat16 and out.shape == (B, D)
+    assert a_log.shape == (H,) and dt_bias.shape == (D,)
+    with pytest.raises(ValueError, match="H in"):
+        big = kt.make_layer(4, pages, window=3, conv_dim_first=False)
+        kda_peers.sglang_operands(big, kt.make_step(B, 1, 4, pages=pages), big.state, conv)
+    dim_first = kt.make_layer(H, pages, window=3)
+    with pytest.raises(ValueError, match="conv pool"):
+        kda_peers.sglang_operands(dim_first, step, dim_first.state, dim_first.conv_state)
+    assert kda_peers.window_first(dim_first.conv_state, True).shape == (pages, 3, 3 * D)

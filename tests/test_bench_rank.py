@@ -1,6 +1,6 @@
 """CPU tests of ``scripts/bench_rank.py`` (one rank's chain alone, stage by stage) with
 fake timings: the bytes and floors per stage, the targets, the sweep's JSON and table, the
-options (also through ``bench_decode.py --rows --alone``), and ``plot_rank.py`` on the
+options, and ``plot_rank.py`` on the
 JSON (skipped without matplotlib)."""
 
 import argparse
@@ -68,11 +68,11 @@ def test_row_floors_ratios_and_targets():
 
 def _fake_gpu(monkeypatch, measured, producers=None):
     producers = [] if producers is None else producers
-    import bench_kda
+    import _common
     import oproj_rows
     import torch
 
-    monkeypatch.setattr(bench_kda, "copy_bandwidth", lambda: TBPS)
+    monkeypatch.setattr(_common, "copy_bandwidth", lambda: TBPS)
     monkeypatch.setattr(oproj_rows, "gemm_tflops", lambda: TFLOPS)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -111,17 +111,6 @@ def test_sweep_writes_json_and_table(tmp_path, monkeypatch, capsys):
     assert "twoshot mma" in text and "targets: chain <= 1.3" in text
 
 
-def test_bench_decode_rows_alone_runs_the_rank_sweep(tmp_path, monkeypatch):
-    measured = []
-    _fake_gpu(monkeypatch, measured)
-    out = tmp_path / "rank.json"
-    argv = ["--rows", "--alone", "--tp", "8", "--replays", "3", "--json", str(out)]
-    assert bench_decode.main(argv) == 0
-    want = [(8, b, t, 3, True, "write") for t in (1, 4) for b in bench_decode.ROWS_REQUESTS]
-    assert measured == want
-    assert len(json.loads(out.read_text())["rows"]) == 10
-
-
 def test_producer_option_reaches_measure(tmp_path, monkeypatch):
     measured, producers = [], []
     _fake_gpu(monkeypatch, measured, producers)
@@ -156,7 +145,7 @@ def test_plot_rank_from_the_json(tmp_path, monkeypatch):
         paths.append(tmp_path / f"rank{tp}.json")
         argv = ["--tp", str(tp), "--requests", "1", "8", "256", "--json", str(paths[-1])]
         assert bench_rank.main(argv) == 0
-    rows, devices = plot_rank.load([str(p) for p in paths])
+    rows, devices = plot_rank.json_rows([str(p) for p in paths])
     shown = plot_rank.panels(rows)
     assert set(shown) == {(8, 1), (8, 4), (16, 1), (16, 4)}
     got, floors = shown[(16, 1)]["chain"]

@@ -1,6 +1,7 @@
 """CPU: ``--gpu-shard K/N`` splits the suite into parts of about equal recorded time,
 every test in exactly one part, the same split on every worker."""
 
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,47 @@ def test_two_shards_partition_a_file(tmp_path):
 
     whole, one, two = ids([]), ids(["--gpu-shard", "1/2"]), ids(["--gpu-shard", "2/2"])
     assert one and two and not one & two and one | two == whole
+
+
+GROUPED = """
+import os
+
+import pytest
+
+
+@pytest.mark.xdist_group("fla")
+@pytest.mark.parametrize("i", range(3))
+def test_grouped(i):
+    with open(os.path.join(os.path.dirname(__file__), "workers"), "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + " ")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_other(i):
+    pass
+"""
+
+
+def test_xdist_runs_a_group_on_one_worker(tmp_path):
+    """Under ``-n`` (dist load) the conftest switches to loadgroup: the tests marked
+    ``xdist_group("fla")`` all run on one worker (skipped without pytest-xdist)."""
+    pytest.importorskip("xdist")
+    here = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "conftest.py").write_text(  # this suite's hooks, under another name
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('suite', {here!r} + '/conftest.py')\n"
+        "suite = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(suite)\n"
+        "pytest_addoption = suite.pytest_addoption\n"
+        "pytest_configure = suite.pytest_configure\n"
+        "pytest_configure_node = suite.pytest_configure_node\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n"
+    )
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    workers = (tmp_path / "workers").read_text().split()
+    assert "9 passed" in p.stdout and len(workers) == 3, p.stdout + p.stderr
+    assert len(set(workers)) == 1, workers

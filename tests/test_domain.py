@@ -166,12 +166,12 @@ def test_signal_wait_only_in_the_split_configuration(tmp_path):
         OprojConsumerKernel(4, 1024, 2, groups=1, twoshot=True, domain=2)
 
 
-def test_domain_hazards_script_names_missing_ranks(monkeypatch):
-    """``tests/nvshmem_domain_hazards.py`` (a GPU torchrun script) imports on the CPU, and
+def test_hazards_script_names_missing_ranks(monkeypatch):
+    """``tests/nvshmem_hazards.py`` (a GPU torchrun script) imports on the CPU, and
     its failure lines read a consumer's error word as ranks (bit r: nothing from rank r)."""
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         monkeypatch.setenv(var, os.environ.get(var, "unset"))  # the import sets them; undone
-    import nvshmem_domain_hazards as script
+    import nvshmem_hazards as script
 
     assert script.error_text(0x1).startswith("error word 0x1 (nothing from rank(s) [0]")
     assert "rank(s) [1, 3]" in script.error_text(0xA)

@@ -192,6 +192,7 @@ def runtime_decode(module, trace: fh.Trace, tp: int, kimi_linear=False):
         backend.teardown()
 
 
+@pytest.mark.xdist_group("fla")  # one worker: fla's Triton compiles and autotuning reused
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_decode_matches_fla_layer(tp):
     """fla's layer prefills 64 tokens and decodes 16; ``DecodeLayer`` ranks loaded from it

@@ -347,6 +347,7 @@ def gated_norm(o, gate, norm_weight, eps, heads):
     return (((o * rstd) * norm_weight.float()) * sig).reshape(o.shape[0], -1).bfloat16()
 
 
+@pytest.mark.xdist_group("fla")  # one worker: fla's Triton compiles and autotuning reused
 @pytest.mark.parametrize("state_v_first", [True, False])
 def test_handoff_from_fla_chunk_kda(state_v_first):
     chunk_kda, fused_recurrent_kda = fla_ops()

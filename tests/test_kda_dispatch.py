@@ -13,9 +13,10 @@ from kda import synthetic as kt
 
 
 def test_one_wave_picks_wide():
-    choice = dispatch.choose(8, 12, 1, sms=132)
-    assert choice.kernel == "wide" and choice.ctas == 96 and choice.ahead == 0
+    choice = dispatch.choose(32, 6, 1, sms=132)  # 192 items
+    assert choice.kernel == "wide" and choice.ctas == 192 and choice.ahead == 0
     assert "one wave" in choice.reason
+    assert dispatch.choose(8, 12, 4, sms=132).kernel == "wide"  # 96 items at T 4
 
 
 def test_several_waves_pick_pipe_for_decode():
@@ -95,15 +96,25 @@ def test_few_items_pick_split_with_the_largest_cluster_that_fits():
     eight = choose(8, 6, 4, sms=132)  # 48 items: cluster 2 (96 CTAs)
     assert eight.kernel == "split" and eight.cluster == 2 and eight.ctas == 96
     assert choose(4, 6, 1, sms=132).cluster == 4  # 24 items x 4 = 96
-    # The crossover: items x 2 <= SPLIT_MAX_CTAS_PER_SM x SMs.
+    # One CTA per SM: items x 2 <= SPLIT_MAX_CTAS_PER_SM x SMs, at any T.
     limit = dispatch.SPLIT_MAX_CTAS_PER_SM * 132 // 2
-    assert choose(limit, 1, 1, sms=132).kernel == "split"
-    assert choose(limit + 1, 1, 1, sms=132).kernel == "wide"
+    assert choose(limit, 1, 4, sms=132).kernel == "split"
+    assert choose(limit + 1, 1, 4, sms=132).kernel == "wide"
+    # T = 1: cluster 2 up to two CTAs per SM (all co-resident), Wide past it.
+    pairs = dispatch.SPLIT_PAIR_MAX_CTAS_PER_SM * 132 // 2
+    assert pairs > limit
+    mid = choose(8, 12, 1, sms=132)  # 96 items: 192 CTAs on 132 SMs
+    assert mid.kernel == "split" and mid.cluster == 2 and mid.ctas == 192
+    assert "2 CTA(s) per SM" in mid.reason
+    assert choose(pairs, 1, 1, sms=132).cluster == 2
+    assert choose(pairs + 1, 1, 1, sms=132).kernel == "wide"
+    assert choose(32, 6, 1, sms=132).kernel == "wide"  # 192 items
+    assert dispatch.split_cluster(48, 132, 1) == 2  # larger clusters stay at one per SM
 
 
 def test_auto_takes_split_for_few_items():
     assert dispatch.choose(1, 6, 1, sms=132).kernel == "split"
-    assert dispatch.choose(8, 12, 1, sms=132).kernel == "wide"  # 96 items: wide measured best
+    assert dispatch.choose(8, 12, 1, sms=132).kernel == "split"  # 96 items: split2 measured best
 
 
 def test_forced_split_and_cluster():

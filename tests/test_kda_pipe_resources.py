@@ -22,7 +22,7 @@ import re
 
 import pytest
 from compile_harness import ptxas_sm90a, require_dsl
-from test_kda_compile import dynamic_args, fake_args
+from test_kda_compile import dynamic_args
 
 pytestmark = pytest.mark.compile
 
@@ -57,33 +57,3 @@ def test_pipe_spills_bounded(dtype, tokens, tmp_path):
     bound = BOUNDS[(dtype, tokens)]
     assert spills and all(int(st) <= bound and int(ld) <= bound for st, ld in spills), report
     print(f"KdaPipe {dtype} T {tokens}: {registers} registers, spills {spills}")
-
-
-def test_pipe_probe_variants_compile(tmp_path):
-    """scripts/probe_pipe.py's ablations still remove KdaPipe's phases (a renamed phase
-    would leave a variant whole): compiled for sm_90a at T 1, each removal shortens the PTX
-    (no_gate, no_conv, no_state < full; no_prep < no_gate and no_conv; neither < no_prep
-    and no_state; the copy variants between their neighbours)."""
-    cute = require_dsl()
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-    import probe_pipe
-
-    def ptx_lines(cls):
-        kernel = cls(6, 1, 3, True, True, 3, 8)
-        args = fake_args(6, 1, has_bias=True, conv_dim_first=True, window=3)
-        options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-        text = cute.compile(kernel, *args, options=options).__ptx__
-        return sum(1 for line in text.splitlines() if line.strip().endswith(";"))
-
-    n = {name: ptx_lines(cls) for name, cls in probe_pipe.ABLATIONS.items()}
-    for name in ("no_gate", "no_conv", "no_state"):
-        assert n[name] < n["full"], n
-    assert n["no_prep"] < min(n["no_gate"], n["no_conv"]), n
-    assert n["neither"] < min(n["no_prep"], n["no_state"]), n
-    # the copy variants store the page (more than no_state), without the math (less than full)
-    assert n["no_state"] < n["copy_only"] < n["full"], n
-    assert n["neither"] < n["copy_no_prep"] < n["copy_only"], n
-    print(n)

@@ -57,11 +57,11 @@ def assert_ok(p, lines):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("n", [2, 4])
-def test_torchrun(n):
-    p, lines = torchrun(n, "--heads", "8", *SMALL)
+@pytest.mark.parametrize("n, hidden", [(2, 1024), (4, 1024), (2, 2304)])  # 2304: Kimi-Linear
+def test_torchrun(n, hidden):
+    p, lines = torchrun(n, "--heads", "8", *SMALL, "--hidden", str(hidden))
     assert_ok(p, lines)
-    assert f"TP {n}, heads 8 ({8 // n}/rank)" in p.stdout
+    assert f"TP {n}, heads 8 ({8 // n}/rank), hidden {hidden}," in p.stdout
     assert "1 decode" in p.stdout and "verify+record+recover" in p.stdout
     assert "ok   state pages == unsharded (bitwise): 4/4 steps" in p.stdout
 

@@ -149,6 +149,22 @@ def test_loopback_tp16_kimi_shapes(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("launches", ["per-rank", "both"])
+def test_loopback_kimi_linear_width(tmp_path, launches):
+    """Kimi-Linear's hidden width, 2304 = 3 consumer CTAs of 768 columns (plan.slicing), 32
+    heads at TP 8, verify steps of 2 tokens and nb 8: every stage's checks pass."""
+    out = tmp_path / "kimi_linear.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "8", "--heads", "32", "--hidden", "2304",
+        "--requests", "4", "--tokens", "2", "--blocks", "8", "--steps", "5",
+        "--json", str(out), "--oproj-launch", launches,
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["config"]["hidden"] == 2304 and report["config"]["heads_per_rank"] == 4
+    print(p.stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches", ["per-rank", "both"])
 def test_loopback_trace(tmp_path, launches):
     """``--trace``: every rank's stamps around every stage of a recorded verify step (the
     last step's bucket), stages tiling each step, and the timeline plotted."""

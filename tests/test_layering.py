@@ -1,6 +1,8 @@
 """The tree's layering holds: no module-level import cycle, no upward import (``tpcomm``
 never imports ``kda``; neither imports ``engine`` or ``launch``; ``engine`` never imports
-``launch``), no source file over 600 lines and no ``# fmt: skip`` outside the tests."""
+``launch``), no import cycle among ``scripts/`` (any import, at module level or in a
+function, since scripts import each other late), no package importing a script, no source
+file over 600 lines and no ``# fmt: skip`` outside the tests."""
 
 from __future__ import annotations
 
@@ -43,7 +45,11 @@ def _imports(mods, name, path) -> set[str]:
 
 def test_no_import_cycle():
     mods = _modules()
-    graph = {name: _imports(mods, name, path) for name, path in mods.items()}
+    cycles = _cycles({name: _imports(mods, name, path) for name, path in mods.items()})
+    assert not cycles, cycles[:5]
+
+
+def _cycles(graph) -> list[list[str]]:
     state, cycles = {}, []
 
     def visit(node, stack):
@@ -60,7 +66,37 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+    return cycles
+
+
+def _script_imports(scripts, path) -> set[str]:
+    """The scripts ``path`` imports anywhere in it (scripts import each other by bare name,
+    ``scripts/`` on sys.path)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in scripts)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module in scripts:
+            found.add(node.module)
+    return found - {path.stem}
+
+
+def test_no_import_cycle_in_scripts():
+    scripts = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    graph = {name: _script_imports(scripts, path) for name, path in scripts.items()}
+    cycles = _cycles(graph)
     assert not cycles, cycles[:5]
+
+
+def test_packages_never_import_scripts():
+    scripts = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    bad = [
+        f"{name} -> {dep}"
+        for name, path in _modules().items()
+        for dep in _script_imports(scripts, path)
+        | _script_imports({f"scripts.{s}" for s in scripts}, path)
+    ]
+    assert not bad, bad
 
 
 def test_no_upward_import():

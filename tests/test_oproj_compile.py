@@ -10,6 +10,13 @@ CONFIGS = [  # tp, hid, nb, has_delta, groups, xmoe_reps
     (8, 7168, 3, False, 2, 0),
     (2, 1024, 0, True, 1, 0),
     (4, 8192, 1, True, 3, 2),
+    # other multiples of 256 (plan.slicing): 3 x 768, 5 x 1024, 1 x 256, 5 x 256 (more
+    # (value, peer) pairs than lead threads: several pushes each), 1 x 2816 (352 threads)
+    (8, 2304, 8, True, 4, 1),
+    (16, 5120, 3, True, 4, 0),
+    (2, 256, 2, True, 1, 0),
+    (5, 1280, 8, False, 2, 1),
+    (4, 2816, 2, True, 2, 0),
 ]
 
 
@@ -69,13 +76,13 @@ def test_consumer_ptx_protocol(tmp_path):
     assert text.count("red.release.gpu") == 1 and "fence.acq_rel.gpu" not in text
 
 
-def _hint_after_lead_barrier(text):
+def _hint_after_lead_barrier(text, threads=128):
     """The hint's order in a compiled consumer: the last copy store, then the lead group's
-    ``bar.sync 1, 128`` (every lead thread reaches it: it sits at the join of the stored
+    ``bar.sync 1, threads`` (every lead thread reaches it: it sits at the join of the stored
     and the failed paths), then the only release increment, under thread 0 and the flag."""
     copies = text.rfind("st.relaxed.gpu.global.v4.b32")
     release = text.find("red.release.gpu")
-    barrier = text.rfind("bar.sync \t1, 128;", 0, release)
+    barrier = text.rfind(f"bar.sync \t1, {threads};", 0, release)
     assert -1 < copies < barrier < release, (copies, barrier, release)
     assert text.count("red.release.gpu") == 1 and "fence.acq_rel.gpu" not in text
     between = text[barrier:release]
@@ -88,6 +95,7 @@ HINT_PATHS = [  # tp, hid, nb, the kernel's keywords: every path a GPU test runs
     (8, 7168, 3, dict(groups=4, xmoe_reps=2, ranks=8)),  # hints-gate test, the bench
     (8, 2048, 3, dict(groups=1, xmoe_reps=2, twoshot=True)),  # twoshot: shard, then gather
     (3, 2048, 2, dict(groups=2, xmoe_reps=1)),  # odd TP
+    (8, 2304, 3, dict(groups=4, xmoe_reps=2, ranks=8)),  # 96-thread groups
 ]
 
 
@@ -102,7 +110,8 @@ def test_consumer_hint_order_every_path(tmp_path, tp, hid, nb, kw, arch):
     kernel = OprojConsumerKernel(tp, hid, nb, **kw)
     args = fake_arguments(tp, hid, nb, kw["xmoe_reps"], kw.get("twoshot", False))
     options = f"--gpu-arch {arch} --keep-ptx --dump-dir {tmp_path}"
-    _hint_after_lead_barrier(cute.compile(kernel, *args, options=options).__ptx__)
+    text = cute.compile(kernel, *args, options=options).__ptx__
+    _hint_after_lead_barrier(text, kernel.group_threads)
 
 
 def test_fused_consumer_hint_order(tmp_path):
@@ -133,7 +142,8 @@ def test_kernel_config_validation():
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
-    "tp, hid, d_local, multicast, pdl", [(16, 7168, 768, False, True), (2, 1024, 128, True, False)]
+    "tp, hid, d_local, multicast, pdl",
+    [(16, 7168, 768, False, True), (2, 1024, 128, True, False), (8, 2304, 512, False, True)],
 )
 def test_producer_compiles(arch, tp, hid, d_local, multicast, pdl):
     require_dsl()
@@ -167,7 +177,9 @@ def test_producer_config_validation():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tp, hid, nb, groups", [(16, 2048, 8, 1), (8, 7168, 0, 2)])
+@pytest.mark.parametrize(
+    "tp, hid, nb, groups", [(16, 2048, 8, 1), (8, 7168, 0, 2), (16, 2304, 8, 1), (10, 5120, 2, 3)]
+)
 def test_twoshot_compiles(arch, tp, hid, nb, groups):
     require_dsl()
     from tpcomm.oproj.kernels.consumer import compiled
@@ -276,7 +288,7 @@ def test_hint_waiter_validation():
     from tpcomm.oproj.hints import HintReader, HintWaiter, hint_quota
 
     assert hint_quota(7168, 64) == 7 * 64
-    for kw, match in ((dict(hid=1000, reps=1), "1024"), (dict(hid=1024, reps=0), "reps"),
+    for kw, match in ((dict(hid=1000, reps=1), "256"), (dict(hid=1024, reps=0), "reps"),
                       (dict(hid=1024, reps=1, ranks=17), "ranks")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             HintReader(**kw)
@@ -299,17 +311,47 @@ def test_hint_reader_ctas():
     assert reader_ctas(1024, 8, 7168, 16, 132) == READER_CTAS_PER_SM * 132 // 16
 
 
-@pytest.mark.parametrize("tp, nb, groups, twoshot", [(16, 8, 1, True), (8, 8, 2, False)])
-def test_consumer_shared_memory_is_the_plans(tp, nb, groups, twoshot):
+@pytest.mark.parametrize(
+    "tp, hid, nb, groups, twoshot",
+    [
+        (16, 7168, 8, 1, True),
+        (8, 7168, 8, 2, False),
+        (16, 2304, 8, 1, True),
+        (4, 2816, 3, 2, False),
+    ],
+)
+def test_consumer_shared_memory_is_the_plans(tp, hid, nb, groups, twoshot):
     """The launch asks for ``plan.smem_bytes`` (the residency figure), and one group
     allocates no helper sums: the twoshot consumer at nb 8 fits 8 CTAs per SM (7 with them)."""
     cute = require_dsl()
     from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
     from tpcomm.oproj.plan import RESERVED_SMEM, min_blocks_per_sm, smem_bytes
 
-    kernel = OprojConsumerKernel(tp, 7168, nb, groups=groups, twoshot=twoshot)
-    f = cute.compile(kernel, *fake_arguments(tp, 7168, nb, 0, twoshot), options="--gpu-arch sm_90a")
-    want = smem_bytes(7168, nb, groups)
+    kernel = OprojConsumerKernel(tp, hid, nb, groups=groups, twoshot=twoshot)
+    f = cute.compile(kernel, *fake_arguments(tp, hid, nb, 0, twoshot), options="--gpu-arch sm_90a")
+    want = smem_bytes(hid, nb, groups)
     assert f"llvm.mlir.constant({want} : i64)" in str(f.ir_module)
-    if groups == 1:
-        assert 228 * 1024 // (want + RESERVED_SMEM) >= min_blocks_per_sm(1) == 8
+    if groups == 1:  # 8 CTAs per SM at 1024 columns, 10 at 2304's 768
+        bound = min_blocks_per_sm(1, kernel.group_threads)
+        assert 228 * 1024 // (want + RESERVED_SMEM) >= bound == {7168: 8, 2304: 10}[hid]
+
+
+@pytest.mark.parametrize(
+    "tp, hid, nb, groups",
+    [(8, 2304, 8, 4), (2, 256, 2, 1), (5, 1280, 8, 2), (4, 2816, 8, 2)],
+)
+def test_consumer_slices_spill_nothing(tmp_path, tp, hid, nb, groups):
+    """Slices of 96, 32 (5 CTAs: 80 exchange values over 32 lead threads) and 352 threads a
+    group assemble within their launch bound's registers without spilling. (992 threads,
+    7936 = 31 x 256 in one CTA, hold 64 registers and spill 4 bytes with xmoe copies.)"""
+    cute = require_dsl()
+    from compile_harness import ptxas_sm90a
+
+    from tpcomm.oproj.kernels.consumer import OprojConsumerKernel, fake_arguments
+
+    kernel = OprojConsumerKernel(tp, hid, nb, groups=groups, xmoe_reps=1)
+    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    text = cute.compile(kernel, *fake_arguments(tp, hid, nb, 1), options=options).__ptx__
+    assert f".reqntid {kernel.threads}" in text
+    report = ptxas_sm90a(text, tmp_path / "consumer.ptx")
+    assert "0 bytes spill stores" in report and "0 bytes spill loads" in report, report

@@ -18,6 +18,7 @@ from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import reference as R
 from tpcomm.oproj.all_ranks import AllRanks
 from tpcomm.oproj.allreduce import OprojAllReduce
+from tpcomm.oproj.plan import slicing
 
 pytestmark = pytest.mark.gpu
 EPS, OUT_EPS = 1e-6, 1e-5
@@ -147,11 +148,20 @@ CASES = [  # tp, tokens, hid, nb, has_delta, groups, xmoe
     (1, 2, 1024, 1, True, 1, 0),  # TP 1: one rank's own slot
     (3, 3, 2048, 2, True, 2, 1),  # odd TP: groups of 2 and 1
     (5, 4, 1024, 8, False, 3, 0),  # odd TP: groups of 2, 2, 1
+    # other multiples of 256 (plan.slicing): 3 CTAs of 768 columns (Kimi-Linear), 5 of 1024,
+    # 1 of 256, 5 of 256 (more exchange pushes than lead threads), 1 of 2816 (352 threads)
+    (8, 2, 2304, 8, True, 4, 1),
+    (16, 1, 5120, 3, True, None, 1),
+    (2, 1, 256, 2, True, 1, 0),
+    (5, 2, 1280, 8, False, 2, 0),
+    (4, 2, 2816, 2, True, 2, 1),
 ]
 
 
 @pytest.mark.parametrize(
-    "index, case", list(enumerate(CASES)), ids=[f"c{i}-tp{c[0]}" for i, c in enumerate(CASES)]
+    "index, case",
+    list(enumerate(CASES)),
+    ids=[f"c{i}-tp{c[0]}-hid{c[2]}" for i, c in enumerate(CASES)],
 )
 def test_consumer_matches_reference(index, case):
     """Four steps: parity 0 and parity 1 on clean data against the reference, a step with a
@@ -186,7 +196,7 @@ def test_consumer_matches_reference(index, case):
         exact.append(frac)
         worst = max(worst, ulps)
     if xmoe:
-        want = 4 * (hid // 1024) * tokens  # 4 steps, one release increment per CTA
+        want = 4 * slicing(hid).ctas * tokens  # 4 steps, one release increment per CTA
         got = s.comm.hint_words[:, 0].tolist()
         assert got == [want] * tp, f"hints {got} != {want}"
     print(f"\nTP{tp} T{tokens} HID{hid} nb{nb} delta={has_delta} groups={s.groups} xmoe={xmoe}: "
@@ -311,6 +321,9 @@ def test_never_publishing_rank_errors():
         (1, 3, 2048, 128, 1),  # TP 1
         (3, 2, 1024, 256, 2),  # odd TP
         (5, 4, 3072, 384, 0),
+        (16, 2, 2304, 256, 8),
+        (8, 3, 5120, 640, 1),
+        (2, 2, 256, 128, 0),
     ],
 )
 def test_producer_publishes_projection(tp, tokens, hid, d_local, nb):
@@ -359,6 +372,9 @@ TWOSHOT_CASES = [  # tp, tokens, hid, nb, has_delta, groups
     (4, 2, 1024, 0, False, 2),  # an empty group adds +0.0 to the gathered value
     (2, 1, 7168, 1, True, 1),
     (3, 2, 3072, 2, True, 1),  # odd TP: 1024 columns per shard
+    (16, 4, 2304, 8, True, 1),  # 144-column shards: owners change inside a CTA's warps
+    (10, 2, 5120, 2, True, 2),  # 512-column shards over 5 CTAs of 1024
+    (8, 1, 256, 1, True, 1),  # 32-column shards: 4 threads each
 ]
 
 

@@ -14,31 +14,49 @@ from tpcomm.oproj.plan import min_blocks_per_sm, smem_bytes
 H200 = P.DeviceLimits(sms=132)
 
 
-@pytest.mark.parametrize("hid", [1024, 2048, 7168, 8192])
-@pytest.mark.parametrize("groups", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "hid, groups",
+    [(h, g) for h in (1024, 2048, 7168, 8192) for g in (1, 2, 3, 4)]
+    + [(2304, 4), (1280, 4), (2560, 2), (5120, 3), (6400, 4)],
+)
 @pytest.mark.parametrize("tiles", [1, 2, 4, 16, 64])
 def test_tiles_cover_every_feature_once(hid, groups, tiles):
-    ctas = hid // 1024
+    ctas, teams = P.slicing(hid).ctas, P.producer_teams(hid, groups)
+    assert teams == P.slicing(hid).threads * groups // 128
     rows = P.producer_rows(hid, groups, tiles)
     seen = []
     for row in range(rows):
         for cta in range(ctas):
-            for g in range(groups):
+            for e in range(teams):
                 for t in range(tiles):
-                    i = P.tile_index(row, cta, g, t, ctas, groups, tiles)
+                    i = P.tile_index(row, cta, e, t, ctas, teams, tiles)
                     if i < P.tile_count(hid):
                         seen.append(i)
     assert sorted(seen) == list(range(hid // 16))
     # one row fewer would leave tiles out
-    assert (rows - 1) * ctas * groups * tiles < hid // 16
+    assert (rows - 1) * ctas * teams * tiles < hid // 16
 
 
 def test_tiles_candidates_end_at_one_row():
-    assert P.tiles_candidates(4) == [1, 2, 4, 8, 16]
-    assert P.tiles_candidates(1) == [1, 2, 4, 8, 16, 32, 64]
-    assert P.tiles_candidates(3)[-1] == 32
-    for g in range(1, 5):
-        assert P.producer_rows(7168, g, P.tiles_candidates(g)[-1]) == 1
+    assert P.tiles_candidates(7168, 4) == [1, 2, 4, 8, 16]
+    assert P.tiles_candidates(7168, 1) == [1, 2, 4, 8, 16, 32, 64]
+    assert P.tiles_candidates(7168, 3)[-1] == 32
+    assert P.tiles_candidates(2304, 4) == [1, 2, 4, 8, 16]  # 3 teams of 768 / 16 = 48 tiles
+    for hid, g in [(7168, 1), (7168, 2), (7168, 3), (7168, 4), (2304, 4), (1280, 4)]:
+        assert P.producer_rows(hid, g, P.tiles_candidates(hid, g)[-1]) == 1
+
+
+def test_producer_teams_need_whole_128_thread_teams():
+    """The fused CTA's threads split into 128-thread producer teams: at 1024-column slices
+    the groups themselves; 2304 (96-thread groups) with 4 groups is 3 teams, with 1 or 2
+    groups refused (naming groups) before any plan or compile."""
+    assert [P.producer_teams(7168, g) for g in (1, 2, 3, 4)] == [1, 2, 3, 4]
+    assert P.producer_teams(2304, 4) == 3 and P.producer_teams(256, 4) == 1
+    for hid, groups in ((2304, 1), (2304, 2), (256, 2), (2816, 2)):
+        with pytest.raises(ValueError, match="groups"):
+            P.producer_teams(hid, groups)
+        with pytest.raises(ValueError, match="groups"):
+            P.plan_fused(16, 1, hid, 0, groups, H200)
 
 
 def test_smem_is_consumer_plus_producer_fragments():
@@ -46,6 +64,8 @@ def test_smem_is_consumer_plus_producer_fragments():
         for groups in (1, 2, 4):
             base = smem_bytes(7168, nb, groups)
             assert P.fused_smem_bytes(7168, nb, groups) == -(-base // 16) * 16 + groups * 2048
+    base = smem_bytes(2304, 8, 4)  # 3 teams
+    assert P.fused_smem_bytes(2304, 8, 4) == -(-base // 16) * 16 + 3 * 2048
 
 
 def test_ctas_per_sm_names_the_limit():

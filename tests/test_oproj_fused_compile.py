@@ -12,6 +12,8 @@ CONFIGS = [  # tp, hid, nb, d_local, keyword configuration
     (8, 2048, 3, 1536, dict(groups=1, tiles=2, twoshot=True, fence=True)),
     (16, 7168, 1, 768, dict(groups=3, multicast=True, fence=True)),  # idle tiles
     (2, 1024, 0, 128, dict(groups=1, tiles=64)),
+    (16, 2304, 8, 256, dict(groups=4, tiles=2, xmoe_reps=1, pdl=True)),  # 3 producer teams
+    (8, 5120, 2, 512, dict(groups=2, twoshot=True, fence=True)),
 ]
 
 

@@ -25,6 +25,7 @@ from tpcomm.backends.loopback import LoopbackBackend
 from tpcomm.oproj import reference as R
 from tpcomm.oproj.all_ranks import AllRanks
 from tpcomm.oproj.allreduce import OprojAllReduce
+from tpcomm.oproj.plan import slicing
 
 pytestmark = pytest.mark.gpu
 KINDS = ("pair", "fused")
@@ -158,6 +159,11 @@ CASES = [
     (1, 2, 1, 2048, None, 256, True, 0),  # TP 1
     (3, 4, 2, 2048, None, 256, True, 0),  # odd TP
     (5, 1, 8, 1024, None, 384, True, 1),
+    # other multiples of 256: 3 CTAs of 768 columns, 4 x 96 threads = 3 producer teams
+    (16, 2, 8, 2304, None, 256, True, 1),
+    (8, 4, 3, 2304, 4, 256, False, 0),
+    (4, 1, 2, 5120, None, 512, True, 0),  # 5 CTAs of 1024
+    (2, 2, 1, 256, 4, 128, True, 0),  # one 32-thread group a CTA each: one team
 ]
 
 
@@ -185,7 +191,7 @@ def test_fused_matches_pair_and_reference(tp, tokens, nb, hid, groups, d_local, 
         want_out, want_prefix = s.reference(partials, a, a["prefix"])
         worst = max(worst, _check_against_reference(s, "fused", want_out, want_prefix))
     if xmoe:
-        want = len(KINDS) * steps * (hid // 1024) * tokens
+        want = len(KINDS) * steps * slicing(hid).ctas * tokens
         assert s.comm.hint_words[:, 0].tolist() == [want] * tp
     print(f"\nfused TP{tp} T{tokens} HID{hid} nb{nb} groups={s.groups} tiles={plan.tiles}: "
           f"worst {worst:.2f} ulp (partials {worst_partial:.2f})")  # fmt: skip

@@ -13,6 +13,8 @@ CONFIGS = [  # tp, hid, d_local, tile, multicast, pdl, twoshot, ranks
     (8, 7168, 1536, (128, 256), False, False, True, 1),
     (16, 7168, 768, (128, 128), True, True, False, 1),
     (8, 7168, 768, (64, 128), False, True, False, 8),
+    (16, 2304, 256, (128, 256), False, False, True, 1),  # 144-column shards straddle tiles
+    (8, 5120, 640, (64, 64), True, True, False, 1),
 ]
 
 

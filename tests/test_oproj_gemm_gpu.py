@@ -54,17 +54,19 @@ def _twoshot_partials(comm, step):
                         for r in range(tp)])  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [9, 64, 100, 256, 1024])
-def test_one_launch_publishes_the_projection(rows):
+@pytest.mark.parametrize(
+    "rows, hid", [(r, HID) for r in (9, 64, 100, 256, 1024)] + [(100, 2304), (256, 5120)]
+)
+def test_one_launch_publishes_the_projection(rows, hid):
     nb = 4
     backend = LoopbackBackend(TP)
-    comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, one_launch=True,
+    comm = OprojAllReduce(backend, rows, hid, nb, eps=EPS, out_eps=OUT_EPS, one_launch=True,
                           producer="wgmma")  # fmt: skip
-    a = random_inputs(TP, rows, HID, nb, seed=rows)
-    attn, w_os = _projection(TP, rows, seed=rows + 1)
+    a = random_inputs(TP, rows, hid, nb, seed=rows)
+    attn, w_os = _projection(TP, rows, seed=rows + 1, hid=hid)
     bf = dict(dtype=torch.bfloat16, device="cuda")
     prefixes = a["prefix"][None].repeat(TP, 1, 1)
-    outputs = torch.empty(TP, rows, HID, **bf)
+    outputs = torch.empty(TP, rows, hid, **bf)
     prefix, ranks = a["prefix"], AllRanks(comm)
     for step in range(2):
         poison(outputs)
@@ -82,17 +84,20 @@ def test_one_launch_publishes_the_projection(rows):
 
 
 @pytest.mark.parametrize(
-    "tp, rows, twoshot",
-    [(8, r, t) for r in (9, 300, 1024) for t in (False, True)] + [(16, 300, True), (16, 9, False)],
+    "tp, rows, twoshot, hid",
+    [(8, r, t, HID) for r in (9, 300, 1024) for t in (False, True)]
+    + [(16, 300, True, HID), (16, 9, False, HID)]
+    # 144-column shards: a 256-feature tile publishes to two owners; 5 x 1024 one-shot
+    + [(16, 300, True, 2304), (8, 64, False, 2304), (8, 200, False, 5120)],
 )
-def test_per_rank_publishes_the_projection(tp, rows, twoshot):
+def test_per_rank_publishes_the_projection(tp, rows, twoshot, hid):
     nb = 2
     backend = LoopbackBackend(tp)
     backend.check_coresident = lambda *args: None  # no consumer runs in this test
-    comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, twoshot=twoshot,
+    comm = OprojAllReduce(backend, rows, hid, nb, eps=EPS, out_eps=OUT_EPS, twoshot=twoshot,
                           producer="wgmma")  # fmt: skip
     assert comm.twoshot == twoshot
-    attn, w_os = _projection(tp, rows, seed=rows + 5)
+    attn, w_os = _projection(tp, rows, seed=rows + 5, hid=hid)
     for r in range(tp):
         comm.produce(attn[r], w_os[r], 1, rank=r)
     torch.cuda.synchronize()

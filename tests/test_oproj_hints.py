@@ -15,7 +15,7 @@ import pytest
 import torch
 from compile_harness import require_dsl
 
-from tpcomm.oproj.plan import SLICE, WORD_ROW_BYTES
+from tpcomm.oproj.plan import WORD_ROW_BYTES, slicing
 
 
 def layout_mismatch(fake, real) -> str:
@@ -118,16 +118,19 @@ def _consumer_writes(x_rank0, hints_rank0, r, rows, hid, reps):
     per_rank = rows * hid * 2
     a_x = x_rank0.data_ptr() + r * reps * per_rank
     writes = set()
+    cut = slicing(hid)
     for token in range(rows):
-        for cta in range(hid // SLICE):
-            for tid in range(SLICE // 8):
-                row_bytes = token * hid * 2 + (cta * SLICE + tid * 8) * 2
+        for cta in range(cut.ctas):
+            for tid in range(cut.threads):
+                row_bytes = token * hid * 2 + (cta * cut.columns + tid * 8) * 2
                 for rep in range(reps):
                     writes.add(a_x + rep * rows * hid * 2 + row_bytes)
     return hints_rank0.data_ptr() + r * WORD_ROW_BYTES, writes
 
 
-@pytest.mark.parametrize("tp, rows, hid, reps", [(4, 16, 2048, 2), (8, 3, 1024, 3)])
+@pytest.mark.parametrize(
+    "tp, rows, hid, reps", [(4, 16, 2048, 2), (8, 3, 1024, 3), (2, 5, 2304, 2)]
+)
 @pytest.mark.parametrize("ctas", [1, 3, None])
 def test_reader_reads_every_copy_the_consumer_writes(tp, rows, hid, reps, ctas):
     """Over ``wait_hints``' launch values, one launch for every rank and one per rank: the
@@ -145,7 +148,7 @@ def test_reader_reads_every_copy_the_consumer_writes(tp, rows, hid, reps, ctas):
     launches += [(r, launch_values(comm, xmoes[r], dests[r], rank=r)) for r in range(tp)]
     for first, (ranks, x, d, hint_row, n, quota, budget) in launches:
         assert (n, quota, budget) == (rows, hint_quota(hid, rows), comm.budget_ns)
-        assert quota == (hid // SLICE) * rows  # consumer CTAs: one release increment each
+        assert quota == slicing(hid).ctas * rows  # consumer CTAs: one release increment each
         k = reader_ctas(n, reps, hid, ranks, 132) if ctas is None else ctas
         reads = _reader_reads(ranks, x, d, hint_row, n, reps, hid, k)
         for z, (a_h, a_err, src, dst) in enumerate(reads):

@@ -103,6 +103,8 @@ CASES = [  # tp, n, hidden, nb, groups, has_delta
     (5, 2, 1024, 2, 2, False),
     (1, 2, 1024, 1, 1, True),
     (7, 3, 2048, 8, 4, True),
+    (8, 2, 2304, 8, 2, True),  # Kimi-Linear's width
+    (3, 2, 256, 2, 1, False),
 ]
 
 

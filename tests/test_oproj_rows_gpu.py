@@ -26,21 +26,25 @@ from tpcomm.oproj import bound as B
 from tpcomm.oproj import reference as R
 from tpcomm.oproj.all_ranks import AllRanks
 from tpcomm.oproj.allreduce import OprojAllReduce
+from tpcomm.oproj.plan import slicing
 from tpcomm.oproj.rows import RowChunks
 
 pytestmark = pytest.mark.gpu
 TP, HID, D_LOCAL = 8, 7168, 768
 ROWS = [9, 64, 512, 1024]
+# (rows, hid): Kimi-K3's width at every rows count, then other multiples of 256 (3 CTAs of
+# 768 columns, 5 of 1024, 1 of 256; plan.slicing)
+WIDTHS = [(r, HID) for r in ROWS] + [(64, 2304), (512, 2304), (100, 5120), (64, 256)]
 
 
 def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-def _projection(tp, rows, seed):
+def _projection(tp, rows, seed, hid=HID):
     g = torch.Generator(device="cuda").manual_seed(seed)
     attn = torch.randn(tp, rows, D_LOCAL, generator=g, device="cuda").to(torch.bfloat16)
-    w = torch.randn(tp, HID, D_LOCAL, generator=g, device="cuda") * D_LOCAL**-0.5
+    w = torch.randn(tp, hid, D_LOCAL, generator=g, device="cuda") * D_LOCAL**-0.5
     return attn, w.to(torch.bfloat16)
 
 
@@ -62,22 +66,22 @@ def _check(prefixes, outputs, partials, a, prefix, groups, tp, *, twoshot=False)
 
 
 @pytest.mark.parametrize("project", [False, True])
-@pytest.mark.parametrize("rows", ROWS)
-def test_one_shot_one_launch(rows, project):
+@pytest.mark.parametrize("rows, hid", WIDTHS)
+def test_one_shot_one_launch(rows, hid, project):
     nb, xmoe = 8, 1
     backend = LoopbackBackend(TP)
     # projecting: cuBLAS + publisher, whose staged partials the test reads back (the plan's
     # producer on sm_90, OprojGemmProducer, stages none: tests/test_oproj_gemm_gpu.py)
-    comm = OprojAllReduce(backend, rows, HID, nb, eps=EPS, out_eps=OUT_EPS, xmoe_reps=xmoe,
+    comm = OprojAllReduce(backend, rows, hid, nb, eps=EPS, out_eps=OUT_EPS, xmoe_reps=xmoe,
                           one_launch=True, producer="cublas" if project else None)  # fmt: skip
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     assert comm.plan.producer == ("wgmma" if sm90 else "cublas") and not comm.twoshot
-    a = random_inputs(TP, rows, HID, nb, seed=rows)
-    attn, w_os = _projection(TP, rows, seed=rows + 1)
+    a = random_inputs(TP, rows, hid, nb, seed=rows)
+    attn, w_os = _projection(TP, rows, seed=rows + 1, hid=hid)
     bf = dict(dtype=torch.bfloat16, device="cuda")
-    prefixes = torch.empty(TP + 1, rows, HID, **bf)  # a guard rank past the last
-    outputs = torch.empty(TP + 1, rows, HID, **bf)
-    xmoes = torch.empty(TP + 1, xmoe, rows, HID, **bf)
+    prefixes = torch.empty(TP + 1, rows, hid, **bf)  # a guard rank past the last
+    outputs = torch.empty(TP + 1, rows, hid, **bf)
+    xmoes = torch.empty(TP + 1, xmoe, rows, hid, **bf)
     prefixes.copy_(a["prefix"][None].expand_as(prefixes))
     poison(xmoes)
     guard = (prefixes[TP].clone(), outputs[TP].clone(), xmoes[TP].clone())
@@ -100,11 +104,12 @@ def test_one_shot_one_launch(rows, project):
         worst = max(worst, ulps)
         for r in range(TP):
             assert torch.equal(_bits(xmoes[r, 0]), _bits(outputs[r])), f"rank {r}: xmoe"
-    want = 2 * (HID // 1024) * rows  # one release increment per CTA, two steps
+    want = 2 * slicing(hid).ctas * rows  # one release increment per CTA, two steps
     assert comm.hint_words[:TP, 0].tolist() == [want] * TP
     for t, g in zip((prefixes[TP], outputs[TP], xmoes[TP]), guard, strict=True):
         assert torch.equal(_bits(t), _bits(g)), "the guard rank's rows were written"
-    print(f"\none-shot one launch TP{TP} rows {rows} project={project}: worst {worst:.2f} ulp")
+    print(f"\none-shot one launch TP{TP} hid{hid} rows {rows} project={project}: "
+          f"worst {worst:.2f} ulp")  # fmt: skip
     backend.teardown()
 
 
@@ -144,18 +149,18 @@ def test_cublas_producer_at_few_rows():
 
 
 @pytest.mark.parametrize("twoshot", [True, False])
-@pytest.mark.parametrize("rows", ROWS)
-def test_per_rank_chunks(rows, twoshot):
+@pytest.mark.parametrize("rows, hid", WIDTHS)
+def test_per_rank_chunks(rows, hid, twoshot):
     nb = 3
     backend = LoopbackBackend(TP)
-    chunks = RowChunks(backend, rows, HID, nb, twoshot=twoshot, eps=EPS, out_eps=OUT_EPS)
+    chunks = RowChunks(backend, rows, hid, nb, twoshot=twoshot, eps=EPS, out_eps=OUT_EPS)
     assert chunks.twoshot == twoshot and chunks.chunk >= 1
     bf = dict(dtype=torch.bfloat16, device="cuda")
-    prefixes = torch.empty(TP, rows, HID, **bf)
-    outputs = torch.empty(TP, rows, HID, **bf)
+    prefixes = torch.empty(TP, rows, hid, **bf)
+    outputs = torch.empty(TP, rows, hid, **bf)
     worst = 0.0
     for step in range(2):
-        a = random_inputs(TP, rows, HID, nb, seed=700 + rows + step)
+        a = random_inputs(TP, rows, hid, nb, seed=700 + rows + step)
         prefixes.copy_(a["prefix"][None].expand_as(prefixes))
         poison(outputs)
         chunks.run_ranks(a["partials"], prefixes, a["blocks"], a["norm"], a["query"],
@@ -167,8 +172,8 @@ def test_per_rank_chunks(rows, twoshot):
                          twoshot=twoshot)  # fmt: skip
         worst = max(worst, ulps)
     # the producer (cuBLAS GEMM above 8 rows per chunk, else mma.sync) through the chunks
-    attn, w_os = _projection(TP, rows, seed=rows + 2)
-    a = random_inputs(TP, rows, HID, nb, seed=rows + 3)
+    attn, w_os = _projection(TP, rows, seed=rows + 2, hid=hid)
+    a = random_inputs(TP, rows, hid, nb, seed=rows + 3)
     prefixes.copy_(a["prefix"][None].expand_as(prefixes))
     poison(outputs)
     chunks.run_ranks(attn, prefixes, a["blocks"], a["norm"], a["query"], a["out_norm"],
@@ -177,7 +182,7 @@ def test_per_rank_chunks(rows, twoshot):
     assert chunks.error_masks() == [0] * TP and chunks.armed()
     for r in range(TP):
         assert torch.equal(_bits(outputs[r]), _bits(outputs[0])), f"rank {r}: output"
-    print(f"\nper-rank chunks of {chunks.chunk} TP{TP} rows {rows} twoshot={twoshot}: "
+    print(f"\nper-rank chunks of {chunks.chunk} TP{TP} hid{hid} rows {rows} twoshot={twoshot}: "
           f"worst {worst:.2f} ulp; {chunks.bytes} B per rank")  # fmt: skip
     backend.teardown()
 

@@ -22,7 +22,7 @@ def row(H, B, T, us, fla_us=None, dtype="fp32"):
 
 
 ROWS = [
-    row(6, 32, 1, 20.0, 10.0),
+    dict(row(6, 32, 1, 20.0, 10.0), sglang_us=16.0, sglang_pct_copy=31.25),
     row(6, 1, 1, 5.0),
     row(96, 32, 1, 100.0, 200.0),
     row(6, 32, 4, 50.0),
@@ -40,6 +40,7 @@ def test_series_by_tokens_and_heads():
     # fla's % of copy: its time over our bytes, at the run's copy bandwidth
     assert one["fla"][6] == [(192, pytest.approx(2 * ROWS[0]["pct_copy"]))]
     assert one["fla"][96] == [(3072, pytest.approx(0.5 * ROWS[2]["pct_copy"]))]
+    assert one["sglang"] == {6: [(192, 31.25)]}  # the peer where the run timed it
     assert one["replay"] == {(6, 4): [(192, 50.0)]}  # T 2 has no per-step panel: dropped
     bf16 = plot_kda_grid.series(ROWS, REPLAY, "bf16")
     assert list(bf16) == [1] and bf16[1]["ours"] == {6: [(192, ROWS[4]["pct_copy"])]}

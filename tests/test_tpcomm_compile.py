@@ -1,4 +1,4 @@
-"""CPU compile tests: the device primitives and the mailbox all-reduce for sm_90a and sm_100a.
+"""CPU compile tests: the device primitives for sm_90a and sm_100a.
 
 Multicast paths compile here although the H200 cannot run them (no NVLink multicast).
 """
@@ -83,38 +83,3 @@ def test_primitives_compile(arch):
         fake_stream(),
     )
     assert compiled is not None
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tp, multicast", [(2, False), (16, False), (16, True), (5, True)])
-def test_allreduce_compiles(arch, tp, multicast):
-    require_dsl()
-    from tpcomm.kernels.allreduce import compiled
-
-    assert compiled(tp, 2048, multicast, multicast, arch) is not None
-
-
-def test_allreduce_ptx_uses_scoped_accesses(tmp_path):
-    cute = require_dsl()
-    from tpcomm.kernels.allreduce import AllReduceKernel, fake_arguments
-
-    kernel = AllReduceKernel(4, 1024, fence=True)
-    options = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-    fn = cute.compile(kernel, *fake_arguments(4, 1024), options=options)
-    text = fn.__ptx__
-    assert "ld.relaxed.sys.global.v4.b32" in text
-    assert "st.relaxed.sys.global.v4.b32" in text
-    assert "atom.global.sys.or.b32" in text
-    assert "%globaltimer" in text
-    assert "fence.acq_rel.sys" in text
-    assert ".minnctapersm 8" in text and ".reqntid 128" in text
-
-
-def test_kernel_config_validation():
-    require_dsl()
-    from tpcomm.kernels.allreduce import AllReduceKernel
-
-    with pytest.raises(ValueError, match="tp"):
-        AllReduceKernel(17, 1024)
-    with pytest.raises(ValueError, match="hid"):
-        AllReduceKernel(2, 1000)

@@ -34,7 +34,8 @@ from tpcomm.checks import is_int
 SENTINEL = 0xFFFFFFFF
 CANONICAL_NAN_WORD = 0x7FC07FC0
 GROUP_ELEMS = 8  # bf16 per 16-byte group
-COLUMNS_PER_CTA = 1024  # 128 threads x one group each
+HID_STEP = 256  # a hidden width is whole warps of 16-byte groups: 32 threads x 8 columns
+COLUMNS_PER_CTA = 1024  # the plain all-reduce's CTA: 128 threads x one group each
 CTA_THREADS = COLUMNS_PER_CTA // GROUP_ELEMS
 ALLREDUCE_BLOCKS_PER_SM = 8  # the all-reduce kernel's launch bound (<= 64 registers a thread)
 MAX_TP = 16
@@ -53,13 +54,11 @@ def parity(step: int) -> int:
 
 
 def check_tp_hid(tp: int, hid: int) -> None:
-    """TP group size 1..MAX_TP and a hidden width of whole 1024-column slices."""
+    """TP group size 1..MAX_TP and a hidden width of whole 256-column warps."""
     if not is_int(tp) or not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in 1..{MAX_TP}; got {tp!r}")
-    if not is_int(hid) or hid % COLUMNS_PER_CTA or not 0 < hid <= MAX_HID:
-        raise ValueError(
-            f"hid must be a multiple of {COLUMNS_PER_CTA} up to {MAX_HID}; got {hid!r}"
-        )
+    if not is_int(hid) or hid % HID_STEP or not 0 < hid <= MAX_HID:
+        raise ValueError(f"hid must be a multiple of {HID_STEP} up to {MAX_HID}; got {hid!r}")
 
 
 @dataclass(frozen=True)

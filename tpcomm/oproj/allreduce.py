@@ -22,10 +22,8 @@ from tpcomm.oproj import checks, custom_ops, launcher
 from tpcomm.oproj.operands import ConsumeTensors
 from tpcomm.oproj.plan import (
     DEFAULT_BUDGET_NS,
-    GROUP_THREADS,
     MAX_TOKENS,
     PRODUCERS,
-    SLICE,
     WORD_ROW_BYTES,
     Plan,
     buffer_bytes,
@@ -33,6 +31,7 @@ from tpcomm.oproj.plan import (
     choose,
     gemm_tile,
     min_blocks_per_sm,
+    slicing,
 )
 from tpcomm.oproj.remote import RemotePuts
 
@@ -126,8 +125,9 @@ class OprojAllReduce:
             f"HID {hid})",
         )
         if not one_launch:  # per-rank consumers spin side by side (loopback: on one GPU)
+            cut = slicing(hid)
             backend.check_coresident(
-                (hid // SLICE) * tokens, GROUP_THREADS * groups, min_blocks_per_sm(groups)
+                cut.ctas * tokens, cut.threads * groups, min_blocks_per_sm(groups, cut.threads)
             )
         self.backend, self.plan = backend, plan
         self.tp, self.tokens, self.hid, self.nb = backend.world, tokens, hid, nb

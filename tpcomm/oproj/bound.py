@@ -1,8 +1,8 @@
 """How far a consumer's output may legitimately lie from ``reference.consume``'s.
 
 The kernels differ from the reference in the order of the HID-long fp32 dot products
-(per thread 8 fma, a warp butterfly, warps then CTAs in order; SPEC) and in exp / rsqrt
-(within 2 ulp; the reference rounds float64). Those move each logit by an absolute
+(per thread 8 fma, a warp butterfly, warps then CTAs in order; SPEC, ``plan.slicing``) and
+in exp / rsqrt (within 2 ulp; the reference rounds float64). Those move each logit by an absolute
 amount (the dot's rounding grows with its partial sums, not with the logit), so every
 softmax weight, and each output element ``y_i = sigma gamma_i sum_t pi_t v_t,i`` over the
 terms t (blocks and ``prefix_new``) moves by a small *relative* amount of each term.
@@ -18,33 +18,36 @@ from __future__ import annotations
 
 import torch
 
-from tpcomm.mailbox import COLUMNS_PER_CTA, GROUP_ELEMS
+from tpcomm.mailbox import GROUP_ELEMS
+from tpcomm.oproj.plan import slicing
 
 __all__ = ["U", "tree_dot", "dot_error", "allowance", "within"]
 
 U = 2.0**-24  # fp32 unit roundoff
-LANES, WARPS = 32, COLUMNS_PER_CTA // GROUP_ELEMS // 32
+LANES = 32
 
 
 def tree_dot(a, b):
     """The consumer's fp32 dot of ``a`` and ``b`` [..., HID] (fp32 values), in its order:
-    per thread a product and 7 fma over 8 columns, a 32-lane butterfly, 4 warps in order,
-    CTAs in order. (fma through float64: exact product, at most a double rounding.)"""
+    per thread a product and 7 fma over 8 columns, a 32-lane butterfly, the warps of a CTA
+    in order, CTAs in order. (fma through float64: exact product, at most a double
+    rounding.)"""
+    warps = slicing(a.shape[-1]).warps
     a, b = a.unflatten(-1, (-1, GROUP_ELEMS)).double(), b.unflatten(-1, (-1, GROUP_ELEMS)).double()
     acc = (a[..., 0] * b[..., 0]).float()
     for j in range(1, GROUP_ELEMS):
         acc = (a[..., j] * b[..., j] + acc.double()).float()
-    t = acc.unflatten(-1, (-1, WARPS, LANES))  # [..., CTA, warp, lane]
+    t = acc.unflatten(-1, (-1, warps, LANES))  # [..., CTA, warp, lane]
     while t.shape[-1] > 1:  # butterfly: lane l + lane l ^ half
         half = t.shape[-1] // 2
         t = t[..., :half] + t[..., half:]
     t = t[..., 0]
-    warps = t[..., 0]
-    for k in range(1, WARPS):
-        warps = warps + t[..., k]
-    out = warps[..., 0]
-    for c in range(1, warps.shape[-1]):
-        out = out + warps[..., c]
+    cta = t[..., 0]
+    for k in range(1, warps):
+        cta = cta + t[..., k]
+    out = cta[..., 0]
+    for c in range(1, cta.shape[-1]):
+        out = out + cta[..., c]
     return out
 
 

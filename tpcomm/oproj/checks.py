@@ -24,18 +24,7 @@ BF16 = torch.bfloat16
 
 
 def check_consume(
-    partials,
-    prefix,
-    blocks,
-    norm,
-    query,
-    out_norm,
-    *,
-    groups,
-    eps,
-    out_eps,
-    device=None,
-    full=False,
+    partials, prefix, blocks, norm, query, out_norm, *, groups, eps, out_eps, full, device=None
 ):
     """Validate consumer arguments; returns (TP, N, HID, nb). ``device``: where every
     tensor but ``partials`` must be (default: ``partials``'s); ``full``: the checked mode's
@@ -98,19 +87,9 @@ def consumer_tensors(
 ):
     """``OprojAllReduce.check``: unless the consumer can take these tensors (``validate=
     "full"``: also non-finite inputs; ``launch``: and the mailbox is on a GPU)."""
-    _, _, _, nb = check_consume(
-        comm.probe,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        groups=comm.groups,
-        eps=comm.eps,
-        out_eps=comm.out_eps,
-        device=comm.device,
-        full=validation_mode(validate) == "full",
-    )
+    operands = (comm.probe, prefix, blocks, norm, query, out_norm)
+    eps = dict(eps=comm.eps, out_eps=comm.out_eps, full=validation_mode(validate) == "full")
+    _, _, _, nb = check_consume(*operands, groups=comm.groups, device=comm.device, **eps)
     if nb != comm.nb:
         raise ValueError(f"blocks holds nb = {nb} snapshots; this all-reduce has nb = {comm.nb}")
     shape = (comm.tokens, comm.hid)

@@ -3,8 +3,8 @@ ready hints: ``HintWaiter`` (acquires the hints) then ``HintReader`` (reads the 
 
 The consumer (``xmoe_reps`` > 0) writes ``xmoe`` [reps, rows, HID] with relaxed gpu-scope
 stores, a lead-group barrier, then one gpu-scope release increment of the rank's hint
-counter per CTA: ``quota = (HID / 1024) * rows`` increments per step. On another stream of
-the same GPU, ``wait_hints`` launches two kernels:
+counter per CTA: ``quota = C * rows`` increments per step (``C = plan.slicing(HID).ctas``).
+On another stream of the same GPU, ``wait_hints`` launches two kernels:
 
 - ``HintWaiter``, one 32-thread CTA per rank: thread 0 spins (acquire, gpu scope, a
   ``nanosleep`` between polls, bounded by ``budget_ns``) until the counter reaches

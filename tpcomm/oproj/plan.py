@@ -1,9 +1,11 @@
 """Plain-Python plans and checks of the o-projection kernels (CPU-tested, no CuTe DSL).
 
-Geometry: a consumer CTA owns ``SLICE`` = 1024 hidden columns, 128 threads a group, one
-16-byte group (8 bf16) per thread; ``groups`` groups poll disjoint rank slots. A producer
-tile is 16 output features computed by four warps. ``choose`` picks the consumer plan,
-``plan_fused`` the fused launch (refused when its CTAs cannot all be resident).
+Geometry (``slicing``): a hidden width is whole warps of 16-byte groups (a multiple of
+``HID_STEP`` = 256). A token's consumer cluster of ``n`` <= 8 CTAs splits it into ``HID / n``
+column slices, ``HID / n / 8`` threads a group, one 16-byte group (8 bf16) per thread;
+``groups`` groups poll disjoint rank slots. A producer tile is 16 output features computed
+by four warps. ``choose`` picks the consumer plan, ``plan_fused`` the fused launch (refused
+when its CTAs cannot all be resident).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpcomm.checks import is_int
-from tpcomm.mailbox import COLUMNS_PER_CTA as SLICE
 from tpcomm.mailbox import (
     CTA_THREADS,
     DEFAULT_BUDGET_NS,
+    GROUP_ELEMS,
+    HID_STEP,
     MAX_ROWS,
     MAX_TOKENS,
     MAX_TP,
@@ -29,7 +32,8 @@ from tpcomm.mailbox import (
 from tpcomm.mailbox import MAX_HID as MAX_HIDDEN
 
 __all__ = [
-    "SLICE",
+    "HID_STEP",
+    "slicing",
     "MAX_HIDDEN",
     "MAX_TOKENS",
     "MAX_ROWS",
@@ -41,12 +45,15 @@ __all__ = [
 ]
 
 MAX_BLOCKS = 8  # AttnRes block snapshots
-GROUP_THREADS = CTA_THREADS  # one 16-byte group of each slot a thread
+GROUP_THREADS = CTA_THREADS  # a group of a 1024-column slice: one 16-byte group a thread
+SLICE_COLUMNS = GROUP_THREADS * GROUP_ELEMS  # the widest slice ``slicing`` prefers: 1024
 MAX_GROUPS = 4
-MAX_CLUSTER = 8
+MAX_CLUSTER = 8  # the portable cluster size
+MAX_CTA_THREADS = 1024
+REGISTER_THREADS = 1024  # threads per SM the launch bound keeps resident (64 registers each)
 WORD_ROW_BYTES = 16  # a rank's row of error words / hint counters: int32 [4]
 
-THREADS = CTA_THREADS  # a publisher CTA, a producer tile
+THREADS = CTA_THREADS  # a producer tile: four warps
 FEATURES = 16  # output features per producer tile (the MMA's M)
 K_CHUNK = 32  # k per warp iteration (two m16n8k16)
 WARPS = 4
@@ -56,8 +63,8 @@ RESERVED_SMEM = 1024  # bytes the hardware reserves per CTA (sm_80+)
 SMS_PER_GPC_AT_LEAST = 16  # assumed: Hopper / Blackwell data-center GPCs hold 16+ SMs
 
 PRODUCERS = ("mma", "cublas", "wgmma")
-# OprojGemmProducer's CTA tile (rows x features) by rows: the fastest of scripts/probe_gemm.py's
-# sweep at 8-32, 128, 256 and 1024 rows (H200, TP 8 / 16, one-shot and twoshot, 2026-12-02;
+# OprojGemmProducer's CTA tile (rows x features) by rows: the fastest of a tile sweep
+# at 8-32, 128, 256 and 1024 rows (H200, TP 8 / 16, one-shot and twoshot, 2026-12-02;
 # docs/oproj.md). Small tiles keep more CTAs streaming w_o at few rows; larger ones re-read
 # w_o fewer times per row.
 GEMM_TILES = ((64, (64, 64)), (128, (64, 128)), (256, (128, 128)), (None, (128, 256)))
@@ -71,8 +78,61 @@ CROSSOVERS = Path(__file__).with_name("crossovers.json")
 
 
 def check_hidden(hidden, name="hidden"):
-    if not is_int(hidden) or hidden % SLICE != 0 or not SLICE <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"{name} ({hidden}) must be a multiple of 1024 in 1024..8192")
+    if not is_int(hidden) or hidden % HID_STEP != 0 or not HID_STEP <= hidden <= MAX_HIDDEN:
+        raise ValueError(
+            f"{name} ({hidden}) must be a multiple of {HID_STEP} in {HID_STEP}..{MAX_HIDDEN}"
+        )
+
+
+# --- the consumer's slices ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """A token's consumer cluster: ``ctas`` CTAs of ``columns`` hidden columns each."""
+
+    ctas: int
+    columns: int
+
+    @property
+    def threads(self) -> int:
+        """Threads of one group (one 16-byte group of the slice each): whole warps."""
+        return self.columns // GROUP_ELEMS
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    @property
+    def max_groups(self) -> int:
+        """Groups a CTA can hold (at most ``MAX_CTA_THREADS`` threads)."""
+        return max(1, min(MAX_GROUPS, MAX_CTA_THREADS // self.threads))
+
+
+def slicing(hid: int) -> Slicing:
+    """The consumer cluster for ``hid``: the fewest CTAs (n <= ``MAX_CLUSTER``, dividing
+    ``hid / 256``) whose slices are at most ``SLICE_COLUMNS`` (1024) columns; where no n
+    gives one that narrow, the most CTAs (the narrowest slices). Multiples of 1024 get
+    ``hid / 1024`` CTAs of 1024 columns; 2304 = 3 x 768; 1280 = 5 x 256; 2816 = 1 x 2816."""
+    check_hidden(hid, "hid")  # before the cache: 1024.0 hashes as 1024
+    return _slicing(hid)
+
+
+@functools.cache
+def _slicing(hid: int) -> Slicing:
+    units = hid // HID_STEP
+    ctas = [n for n in range(1, MAX_CLUSTER + 1) if units % n == 0]
+    narrow = [n for n in ctas if hid // n <= SLICE_COLUMNS]
+    n = min(narrow) if narrow else max(ctas)
+    return Slicing(n, hid // n)
+
+
+def check_groups(hid, groups, name="groups"):
+    """``groups`` 1..4 and its threads within a CTA's 1024 for ``hid``'s slices."""
+    top = slicing(hid).max_groups
+    if not is_int(groups) or not 1 <= groups <= top:
+        why = "" if top == MAX_GROUPS else f" (hid {hid}: {slicing(hid).threads}-thread groups)"
+        raise ValueError(f"{name} must be an int in 1..{top}{why}; got {groups!r}")
 
 
 def check_domain(tp, domain, twoshot=False, ranks=1) -> int:
@@ -98,8 +158,7 @@ def check_config(tp, hid, nb, groups, xmoe_reps, twoshot=False):
     check_tp_hid(tp, hid)
     if not is_int(nb) or not 0 <= nb <= MAX_BLOCKS:
         raise ValueError(f"nb must be an int in 0..{MAX_BLOCKS}; got {nb!r}")
-    if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:
-        raise ValueError(f"groups must be an int in 1..{MAX_GROUPS}; got {groups!r}")
+    check_groups(hid, groups)
     if not is_int(xmoe_reps) or not 0 <= xmoe_reps <= 8:
         raise ValueError(f"xmoe_reps must be an int in 0..8; got {xmoe_reps!r}")
     _check_twoshot(tp, hid, twoshot)
@@ -156,8 +215,8 @@ def crossover(table: dict, tp: int) -> int | None:
 
 def hint_quota(hid: int, rows: int) -> int:
     """Release increments of one rank's consumer per step (``xmoe``): one per CTA (after
-    a lead-group barrier), ``HID / 1024`` CTAs per row."""
-    return (hid // SLICE) * rows
+    a lead-group barrier), ``slicing(hid).ctas`` CTAs per row."""
+    return slicing(hid).ctas * rows
 
 
 def buffer_bytes(tp: int, rows: int, hid: int, twoshot: bool) -> int:
@@ -181,11 +240,13 @@ def choose(
     """The o-projection plan for a TP group size, rows (tokens) per step and hidden width.
 
     Every group polls at most ``POLL_CHUNK`` slots (one round of four 16-byte loads per
-    thread in flight): ``groups = ceil(TP / 4)``. Producer: ``OprojProducer`` (mma.sync,
-    N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM (M = rows): with ``wgmma``
-    (the caller's GPU is sm_90) ``OprojGemmProducer``, publishing from its epilogue (against
-    cuBLAS + publisher at 32-1024 rows, TP 8 / 16: 1.11-1.27x faster twoshot, 1.01-1.16x
-    one-shot but for TP 16 at 128 rows, 0.91x; docs/oproj.md);
+    thread in flight): ``groups = ceil(TP / 4)``, at most what a CTA of ``hid``'s slices
+    holds (``Slicing.max_groups``; fewer groups poll more slots each). Producer:
+    ``OprojProducer`` (mma.sync, N = 8 rows) up to ``MAX_TOKENS`` rows; above, a real GEMM
+    (M = rows): with ``wgmma`` (the caller's GPU is sm_90) ``OprojGemmProducer``,
+    publishing from its epilogue (against cuBLAS + publisher at 32-1024 rows, TP 8 / 16:
+    1.11-1.27x faster twoshot, 1.01-1.16x one-shot but for TP 16 at 128 rows, 0.91x;
+    docs/oproj.md);
     otherwise cuBLAS into a staging partial, then ``PartialPublisher``.
 
     One-shot or twoshot (about ``2 / TP`` of one-shot's bytes into each rank plus a second
@@ -213,7 +274,7 @@ def choose(
     if one_launch and twoshot:
         raise ValueError("one launch for every rank is one-shot only: twoshot=False")
     data = load_crossovers() if crossovers is None else crossovers
-    groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK))
+    groups = min(MAX_GROUPS, -(-tp // POLL_CHUNK), slicing(hid).max_groups)
     if rows <= MAX_TOKENS:
         producer, why = "mma", f"mma.sync producer (rows {rows} <= {MAX_TOKENS})"
     elif wgmma:
@@ -277,9 +338,10 @@ def group_ranks(tp: int, groups: int, g: int) -> tuple[int, int]:
     return first, max(0, min(s, tp - first))
 
 
-def min_blocks_per_sm(groups: int) -> int:
-    """Launch bound: CTAs per SM the compiled kernel guarantees (64 registers a thread)."""
-    return max(1, 8 // groups)
+def min_blocks_per_sm(groups: int, group_threads: int = GROUP_THREADS) -> int:
+    """Launch bound: CTAs per SM the compiled kernel guarantees (64 registers a thread;
+    ``8 // groups`` for 128-thread groups)."""
+    return max(1, REGISTER_THREADS // (group_threads * groups))
 
 
 def pow2_at_least(n: int) -> int:
@@ -288,15 +350,16 @@ def pow2_at_least(n: int) -> int:
 
 def smem_layout(hid: int, nb: int, groups: int) -> list[tuple[int, int]]:
     """(bytes, alignment) of each shared allocation of the consumer, in its order."""
-    ctas = hid // SLICE
+    s = slicing(hid)
+    ctas, threads, warps = s.ctas, s.threads, s.warps
     kpre, kpost = max(1, pow2_at_least(2 * nb) if nb else 0), 4 if nb else 1
-    helpers = [((groups - 1) * GROUP_THREADS * 8 * 4, 16)] if groups > 1 else []
+    helpers = [((groups - 1) * threads * 8 * 4, 16)] if groups > 1 else []
     return [
         (2 * 8, 8),  # the two exchange mbarriers
-        ((4 + nb) * GROUP_THREADS * 16, 16),  # prefetch rows
+        ((4 + nb) * threads * 16, 16),  # prefetch rows
         *helpers,  # the helper groups' sums (none with one group)
-        (4 * kpre * 4, 16),
-        (4 * kpost * 4, 16),
+        (warps * kpre * 4, 16),
+        (warps * kpost * 4, 16),
         (ctas * kpre * 4, 16),
         (ctas * kpost * 4, 16),
         (kpre * 4, 16),
@@ -356,28 +419,43 @@ def tile_count(hid: int) -> int:
 
 def gemm_tile(rows: int) -> tuple[int, int]:
     """``OprojGemmProducer``'s (tile_m, tile_n) for ``rows`` (``GEMM_TILES``; every tile
-    width divides every valid hid, a multiple of 1024)."""
+    width, 64 to 256, divides every valid hid, a multiple of 256)."""
     if not is_int(rows) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in 1..{MAX_ROWS}; got {rows!r}")
     return next(t for limit, t in GEMM_TILES if limit is None or rows <= limit)
 
 
+def producer_teams(hid: int, groups: int) -> int:
+    """128-thread producer teams of a fused CTA (``groups`` consumer groups of ``hid``'s
+    slices; the groups themselves at 1024-column slices): ValueError naming ``groups``
+    unless the CTA's threads split into whole teams."""
+    threads = slicing(hid).threads * groups
+    if threads % THREADS:
+        raise ValueError(
+            f"groups ({groups}) x {slicing(hid).threads} threads (hid {hid}) = {threads} is "
+            f"not a multiple of the fused producer's {THREADS}-thread tile: use groups with "
+            "whole 128-thread teams, or the unfused producer + consumer"
+        )
+    return threads // THREADS
+
+
 def producer_rows(hid: int, groups: int, tiles: int) -> int:
-    """``P``: cluster rows of producer CTAs (``groups * tiles`` tiles per CTA)."""
-    ctas = hid // SLICE
-    return -(-tile_count(hid) // (ctas * groups * tiles))
+    """``P``: cluster rows of producer CTAs (``teams * tiles`` tiles per CTA)."""
+    per_cta = producer_teams(hid, groups) * tiles
+    return -(-tile_count(hid) // (slicing(hid).ctas * per_cta))
 
 
-def tile_index(row, cta, group, t, ctas: int, groups: int, tiles: int):
-    """Tile of group ``group``'s ``t``-th turn in producer CTA (``row``, ``cta``): plain
+def tile_index(row, cta, team, t, ctas: int, teams: int, tiles: int):
+    """Tile of team ``team``'s ``t``-th turn in producer CTA (``row``, ``cta``): plain
     arithmetic, also traced in the kernel. Tiles ``>= HID / 16`` are idle turns."""
-    return ((row * ctas + cta) * groups + group) * tiles + t
+    return ((row * ctas + cta) * teams + team) * tiles + t
 
 
 def fused_smem_bytes(hid: int, nb: int, groups: int) -> int:
-    """Dynamic shared memory of one fused CTA: the consumer's, then the producer groups'
+    """Dynamic shared memory of one fused CTA: the consumer's, then the producer teams'
     fragment areas (what the DSL passes at launch)."""
-    return pack_smem(smem_layout(hid, nb, groups) + [(groups * TILE_SMEM_BYTES, 16)])
+    teams = producer_teams(hid, groups)
+    return pack_smem(smem_layout(hid, nb, groups) + [(teams * TILE_SMEM_BYTES, 16)])
 
 
 def ctas_per_sm(threads: int, smem: int, launch_bound: int, limits: DeviceLimits):
@@ -416,12 +494,13 @@ class FusedPlan:
     reason: str
 
 
-def tiles_candidates(groups: int) -> list[int]:
-    """T = 1, 2, 4, ... up to one producer row (``HID / 16 = 64 C``)."""
+def tiles_candidates(hid: int, groups: int) -> list[int]:
+    """T = 1, 2, 4, ... up to one producer row (``HID / 16`` tiles over ``C`` CTAs)."""
+    teams, per_cta = producer_teams(hid, groups), slicing(hid).columns // FEATURES
     out, t = [], 1
     while True:
         out.append(t)
-        if groups * t >= 64:
+        if teams * t >= per_cta:
             return out
         t *= 2
 
@@ -443,14 +522,14 @@ def plan_fused(
         raise ValueError(f"launches must be a positive int; got {launches!r}")
     if tiles is not None and (not is_int(tiles) or tiles < 1):
         raise ValueError(f"tiles must be a positive int; got {tiles!r}")
-    ctas_x = hid // SLICE
-    threads = GROUP_THREADS * groups
+    ctas_x, group_threads = slicing(hid).ctas, slicing(hid).threads
+    threads = group_threads * groups
     smem = fused_smem_bytes(hid, nb, groups)
-    bound = min_blocks_per_sm(groups)
+    bound = min_blocks_per_sm(groups, group_threads)
     per_sm, limit = ctas_per_sm(threads, smem, bound, limits)
     capacity = resident_ctas(per_sm, ctas_x, limits)
     need = None
-    for t in [tiles] if tiles is not None else tiles_candidates(groups):
+    for t in [tiles] if tiles is not None else tiles_candidates(hid, groups):
         rows = producer_rows(hid, groups, t)
         ctas = ctas_x * (rows + tokens)
         need = ctas * launches

@@ -115,18 +115,8 @@ def consume(
     for name, flag in (("has_delta", has_delta), ("twoshot", twoshot)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool; got {flag!r}")
-    _, _, hidden, nb = check_consume(
-        partials,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        groups=groups,
-        eps=eps,
-        out_eps=out_eps,
-        full=full,
-    )
+    operands = (partials, prefix, blocks, norm, query, out_norm)
+    _, _, hidden, nb = check_consume(*operands, groups=groups, eps=eps, out_eps=out_eps, full=full)
     mailbox = twoshot_gather(partials)[None] if twoshot else partials
     attn = rank_order_sum(mailbox, groups).to(torch.bfloat16)
     prefix_new = (prefix.float() + attn.float()).to(torch.bfloat16) if has_delta else attn

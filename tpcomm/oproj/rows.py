@@ -1,7 +1,7 @@
 """``RowChunks``: a step's rows as chunks that per-rank launches on one GPU can hold.
 
 Per-rank launches of every rank on one GPU (loopback) spin side by side, so every rank's
-consumer CTAs (``HID / 1024`` per row) must be resident together, and while they spin
+consumer CTAs (``slicing(hid).ctas`` per row) must be resident together, and while they spin
 they must leave room for the publisher CTAs they wait on (as many again: a consumer CTA
 in the slot a publisher needs would spin until its poll budget ran out). Above that (TP
 8, HID 7168: about 4 rows one-shot, 8 twoshot) per-rank runs take the step's rows in
@@ -21,14 +21,15 @@ import torch
 from tpcomm.checks import is_int
 from tpcomm.oproj.all_ranks import AllRanks
 from tpcomm.oproj.allreduce import OprojAllReduce
-from tpcomm.oproj.plan import GROUP_THREADS, MAX_GROUPS, MAX_ROWS, SLICE, choose, min_blocks_per_sm
+from tpcomm.oproj.plan import MAX_GROUPS, MAX_ROWS, choose, min_blocks_per_sm, slicing
 
 
 def chunk_ctas(hid: int, rows: int) -> int:
     """CTAs of one rank's chunk that must fit the GPU together with every other rank's:
-    its consumer's (``HID / 1024`` per row) and the publisher's it waits on (as many, of
-    128 threads, each counted as a consumer CTA: at least its threads and registers)."""
-    return 2 * (hid // SLICE) * rows
+    its consumer's (``slicing(hid).ctas`` per row) and the publisher's it waits on (as many,
+    of one group's threads, each counted as a consumer CTA: at least its threads and
+    registers)."""
+    return 2 * slicing(hid).ctas * rows
 
 
 class RowChunks:
@@ -57,8 +58,9 @@ class RowChunks:
             if not is_int(groups) or not 1 <= groups <= MAX_GROUPS:  # OprojAllReduce's pick
                 groups = choose(backend.world, n, hid, twoshot=twoshot).groups
             try:  # refused before anything is allocated
+                threads = slicing(hid).threads
                 backend.check_coresident(
-                    chunk_ctas(hid, n), GROUP_THREADS * groups, min_blocks_per_sm(groups)
+                    chunk_ctas(hid, n), threads * groups, min_blocks_per_sm(groups, threads)
                 )
             except ValueError as e:  # halve while the chunk's CTAs cannot all be resident
                 if chunk is not None or n == 1:

@@ -1,14 +1,16 @@
 """OprojConsumer: mailbox all-reduce of the o-projection partials + residual + AttnRes + norm.
 
 Contract (``tpcomm.oproj.reference.consume`` is the math it must match). Grid
-``(C = HID / 1024, tokens)``, one C-CTA cluster per token; thread ``t`` of a 128-thread
-group owns 8 columns. Group g polls ranks ``g*S .. `` (``S = ceil(TP / groups)``) of the
-step's parity half of its own mailbox ``[2, TP, tokens, HID]`` and sums them in rank order
-in fp32; the lead group adds the other groups' sums in group order (an empty group adds
-+0.0), rounds once to bf16 and, with ``has_delta``, rounds ``prefix + attn`` once more:
-``prefix_new``, bitwise the reference's, written back to ``prefix``. AttnRes dot products
-are reduced per warp, per CTA, then across the cluster (``st.async`` into every peer, added
-in CTA order), so all CTAs and ranks hold the same bits; ``output`` is within 1 bf16 ulp.
+``(C, tokens)``, one C-CTA cluster per token, CTA c owning columns ``[c W, (c + 1) W)``
+(``plan.slicing``: ``C`` <= 8 CTAs of ``W = HID / C`` columns; 1024 for multiples of
+1024); thread ``t`` of a ``W / 8``-thread group owns 8 columns. Group g polls ranks
+``g*S .. `` (``S = ceil(TP / groups)``) of the step's parity half of its own mailbox
+``[2, TP, tokens, HID]`` and sums them in rank order in fp32; the lead group adds the other
+groups' sums in group order (an empty group adds +0.0), rounds once to bf16 and, with
+``has_delta``, rounds ``prefix + attn`` once more: ``prefix_new``, bitwise the reference's,
+written back to ``prefix``. AttnRes dot products are reduced per warp, per CTA (warps in
+order), then across the cluster (``st.async`` into every peer, added in CTA order), so all
+CTAs and ranks hold the same bits; ``output`` is within 1 bf16 ulp.
 
 Protocol: a poll that outlives ``budget_ns`` ORs the missing-rank mask (bit r: rank r;
 twoshot: bit r of a receive slot, bit 0 of the gather row) into the error word; its CTA
@@ -52,9 +54,7 @@ from tpcomm.cuteutil import (
 )
 from tpcomm.oproj.operands import ConsumerAddresses, ConsumerOperands
 from tpcomm.oproj.plan import (
-    GROUP_THREADS,
     POLL_CHUNK,
-    SLICE,
     WORD_ROW_BYTES,
     check_config,
     check_domain,
@@ -62,6 +62,7 @@ from tpcomm.oproj.plan import (
     group_ranks,
     min_blocks_per_sm,
     pow2_at_least,
+    slicing,
 )
 
 Const = cutlass.Constexpr[int]  # a compile-time int parameter
@@ -134,10 +135,12 @@ class OprojConsumerKernel:
         self.xmoe_reps, self.pdl = xmoe_reps, bool(pdl)
         # PDL wait before the polls and the prefix read (the fused kernel), else at the end
         self.wait_before_poll = self.pdl and bool(early_wait)
-        self.ctas = hid // SLICE
+        cut = slicing(hid)
+        self.ctas, self.columns = cut.ctas, cut.columns
+        self.group_threads, self.warps = cut.threads, cut.warps
         self.kpre = pow2_at_least(2 * nb) if nb else 0
         self.kpost = 4 if nb else 1
-        self.threads = GROUP_THREADS * groups
+        self.threads = self.group_threads * groups
 
     # --- launch ---------------------------------------------------------------
     @cute.jit
@@ -149,7 +152,7 @@ class OprojConsumerKernel:
             stream,
             cluster=(self.ctas, 1, 1),
             use_pdl=self.pdl,
-            min_blocks_per_mp=min_blocks_per_sm(self.groups),
+            min_blocks_per_mp=min_blocks_per_sm(self.groups, self.group_threads),
             carveout=100,
         )
 
@@ -170,13 +173,13 @@ class OprojConsumerKernel:
         smem = cutlass.memory.SmemAllocator()
         bars = smem.allocate_array(Int64, 2, byte_alignment=8)
         rows = ROW_BLOCK + self.nb
-        pf = smem_tensor(smem, Uint32, (rows, GROUP_THREADS, 4))
+        pf = smem_tensor(smem, Uint32, (rows, self.group_threads, 4))
         parts = None  # the helper groups' sums (none with one group)
         if cutlass.const_expr(self.groups > 1):
-            parts = smem_tensor(smem, Float32, (self.groups - 1, GROUP_THREADS, 8))
+            parts = smem_tensor(smem, Float32, (self.groups - 1, self.group_threads, 8))
         kpre = max(1, self.kpre)
-        warp_pre = smem_tensor(smem, Float32, (4, kpre))
-        warp_post = smem_tensor(smem, Float32, (4, self.kpost))
+        warp_pre = smem_tensor(smem, Float32, (self.warps, kpre))
+        warp_post = smem_tensor(smem, Float32, (self.warps, self.kpost))
         ex_pre = smem_tensor(smem, Float32, (self.ctas * kpre,))
         ex_post = smem_tensor(smem, Float32, (self.ctas * self.kpost,))
         tot_pre = smem_tensor(smem, Float32, (kpre,))
@@ -229,20 +232,31 @@ class OprojConsumerKernel:
         index, value = transpose_sum(values, lane)
         if (lane & (32 // k - 1)) == 0:
             warp_sums[warp, index] = value
-        cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
-        if tid < k * self.ctas:
-            i, peer = tid % k, tid // k
-            s = warp_sums[0, i] + warp_sums[1, i]
-            s = s + warp_sums[2, i]
-            s = s + warp_sums[3, i]
-            push_float(ex.iterator + cta * k + i, s, bar, peer)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.group_threads)
+        if cutlass.const_expr(k * self.ctas <= self.group_threads):
+            if tid < k * self.ctas:
+                self.push_sum(warp_sums, ex, k, tid, bar, cta)
+        else:  # fewer lead threads than (value, peer) pairs: several pushes a thread
+            for j in cutlass.range_constexpr(-(-k * self.ctas // self.group_threads)):
+                pair = tid + j * self.group_threads
+                if pair < k * self.ctas:
+                    self.push_sum(warp_sums, ex, k, pair, bar, cta)
         wait_exchange(bar)
         if tid < k:
             acc = ex[tid]
             for p in cutlass.range_constexpr(1, self.ctas):
                 acc = acc + ex[p * k + tid]
             total[tid] = acc
-        cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.group_threads)
+
+    @cute.jit
+    def push_sum(self, warp_sums, ex, k: Const, pair, bar, cta):
+        """The CTA's sum of value ``pair % k`` (warps in order) into peer ``pair // k``."""
+        i, peer = pair % k, pair // k
+        s = warp_sums[0, i]
+        for w in cutlass.range_constexpr(1, self.warps):
+            s = s + warp_sums[w, i]
+        push_float(ex.iterator + cta * k + i, s, bar, peer)
 
     @cute.jit
     def poll(
@@ -388,7 +402,7 @@ class OprojConsumerKernel:
         # 2. (twoshot: reduce this rank's shard into every gather row first) this group's
         # mailbox slots, then the other groups' sums in group order
         if cutlass.const_expr(self.twoshot):
-            column = cta * SLICE + tid * 8
+            column = cta * self.columns + tid * 8
             self.reduce_shard(op, parity, token, tokens, column, flag)
         acc = cute.make_rmem_tensor(8, Float32)
         raw = cute.make_rmem_tensor(POLL_CHUNK * 4, Int32)
@@ -465,7 +479,7 @@ class OprojConsumerKernel:
                     protocol.store16(addr, out, "relaxed.gpu")
         if cutlass.const_expr(self.xmoe_reps > 0):
             # the lead group's copies before thread 0's release (cumulative): one hint per CTA
-            cute.arch.barrier(barrier_id=1, number_of_threads=GROUP_THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.group_threads)
             if tid == 0:  # noqa: SIM102 (a DSL condition: no short-circuit and)
                 if flag[0] == 0:
                     protocol.release_increment(op.a_hints)
@@ -496,14 +510,14 @@ class OprojConsumerKernel:
         """One CTA of token ``token``'s cluster (CTA ``cta`` of it), ``smem`` from
         ``allocate``: what ``kernel`` runs, and the fused kernel's consumer CTAs."""
         a_prefix, a_error, budget_ns, rank = op.a_prefix, op.a_error, op.budget_ns, op.rank
-        group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
+        group, tid = thread // self.group_threads, thread % self.group_threads
         bars, pf, flag = smem[0], smem[1], smem[9]
         arm_exchanges(bars, (4 * self.ctas * max(1, self.kpre), 4 * self.ctas * self.kpost))
         if thread == 0:
             flag[0] = Int32(0)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        col_bytes = Int64(cta * SLICE + tid * 8) * 2
+        col_bytes = Int64(cta * self.columns + tid * 8) * 2
         token64 = Int64(token)
         tokens64 = Int64(op.tokens)
         if group == 0:

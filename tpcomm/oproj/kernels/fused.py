@@ -4,10 +4,12 @@ Contract: each rank's launch does exactly what ``OprojProducer`` then ``OprojCon
 (same fragments, sums and roundings), so ``prefix`` and ``output`` are bitwise those of the
 unfused pair; the bodies are shared (``OprojProducer.tile``, ``OprojConsumerKernel.body``).
 
-Grid ``(C, P + tokens)`` of C-CTA clusters (``C = HID / 1024``), ``128 * groups`` threads.
-Rows ``0 .. P-1`` are producer CTAs: group g of CTA ``q = row * C + x`` computes tiles
-``(q * groups + g) * T + t``, ``t < T`` (``tiles``), each one ``OprojProducer`` CTA's work
-with its own fragment area and a 128-thread named barrier; tiles past ``HID / 16`` idle.
+Grid ``(C, P + tokens)`` of C-CTA clusters (``plan.slicing``: ``C`` CTAs of ``W`` columns),
+``W / 8 * groups`` threads, split into ``E`` 128-thread producer teams (``plan.producer_teams``:
+the groups themselves at ``W`` = 1024; refused unless whole). Rows ``0 .. P-1`` are producer
+CTAs: team e of CTA ``q = row * C + x`` computes tiles ``(q * E + e) * T + t``, ``t < T``
+(``tiles``), each one ``OprojProducer`` CTA's work with its own fragment area and a
+128-thread named barrier; tiles past ``HID / 16`` idle.
 Rows ``P ..`` are consumer clusters, token ``row - P``.
 
 Consumer CTAs spin on what producer CTAs of every rank publish, so a launch is refused
@@ -31,11 +33,11 @@ from tpcomm.oproj.operands import (
     ProjectionAddresses,
 )
 from tpcomm.oproj.plan import (
-    GROUP_THREADS,
-    SLICE,
+    THREADS,
     WARPS,
     min_blocks_per_sm,
     producer_rows,
+    producer_teams,
     tile_count,
     tile_index,
 )
@@ -61,10 +63,10 @@ class OprojFused:
         )
         self.tp, self.hid, self.nb, self.d = tp, hid, nb, d_local
         self.groups, self.tiles, self.pdl = c.groups, tiles, c.pdl
-        self.ctas = hid // SLICE
+        self.ctas, self.teams = c.ctas, producer_teams(hid, self.groups)
         self.rows = producer_rows(hid, self.groups, tiles)
-        self.threads = GROUP_THREADS * self.groups
-        self.launch_bound = min_blocks_per_sm(self.groups)
+        self.threads = c.threads
+        self.launch_bound = min_blocks_per_sm(self.groups, c.group_threads)
 
     @cute.jit
     def __call__(self, producer: ProducerOperands, op: ConsumerOperands, stream: cuda.CUstream):
@@ -89,19 +91,19 @@ class OprojFused:
 
     @cute.jit
     def produce(self, red, thread, cta, row, p: ProjectionAddresses):
-        """A producer CTA: group g runs its T tiles (``OprojProducer.tile``)."""
-        group, tid = thread // GROUP_THREADS, thread % GROUP_THREADS
+        """A producer CTA: team e runs its T tiles (``OprojProducer.tile``)."""
+        team, tid = thread // THREADS, thread % THREADS
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()  # attn_out is the previous kernel's
-        for g in cutlass.range_constexpr(self.groups):  # static named-barrier ids 1 + g
-            if group == g:
+        for g in cutlass.range_constexpr(self.teams):  # static named-barrier ids 1 + g
+            if team == g:
                 for t in cutlass.range(self.tiles, unroll=1):
-                    index = tile_index(row, cta, g, t, self.ctas, self.groups, self.tiles)
-                    if index < tile_count(self.hid):  # uniform in the group: barrier-safe
+                    index = tile_index(row, cta, g, t, self.ctas, self.teams, self.tiles)
+                    if index < tile_count(self.hid):  # uniform in the team: barrier-safe
                         self.producer.tile(p, index, tid, red, g * WARPS, 1 + g, False)
                         if cutlass.const_expr(self.tiles > 1):  # the next tile reuses red
-                            cute.arch.barrier(barrier_id=1 + g, number_of_threads=GROUP_THREADS)
+                            cute.arch.barrier(barrier_id=1 + g, number_of_threads=THREADS)
 
     @cute.kernel
     def kernel(self, a_attn: Int64, a_w: Int64, peers: cute.Tensor, multicast_base: Int64, op):
@@ -110,7 +112,7 @@ class OprojFused:
         thread, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
         smem = self.consumer.allocate()
-        red_shape = (self.groups * WARPS, 32, 4)
+        red_shape = (self.teams * WARPS, 32, 4)
         red = smem_tensor(cutlass.memory.SmemAllocator(), Float32, red_shape)
         if row < self.rows:
             fields = (op.tokens, op.rank, op.step)

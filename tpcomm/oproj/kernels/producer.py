@@ -1,6 +1,7 @@
 """O-projection producer side: a rank's partial published into every rank's mailbox.
 
-``PartialPublisher``: rank r's ready partial ``[tokens, HID]`` bf16 goes into slot
+``PartialPublisher``: rank r's ready partial ``[tokens, HID]`` bf16 (one CTA per row and
+consumer slice, ``plan.slicing``; a thread per 16-byte group) goes into slot
 ``[step & 1, r]`` of every rank's mailbox (one relaxed sys store per peer, or one multicast
 store), sentinel words canonicalised. With ``fence`` a sys fence first orders the publish
 after the previous step's re-arms on other GPUs. With ``twoshot`` each group goes only to
@@ -34,7 +35,7 @@ from tpcomm.cuteutil import (
     smem_tensor,
 )
 from tpcomm.oproj.operands import ProducerOperands, ProjectionAddresses, PublishOperands
-from tpcomm.oproj.plan import FEATURES, K_CHUNK, SLICE, THREADS, WARPS, check_producer
+from tpcomm.oproj.plan import FEATURES, K_CHUNK, THREADS, WARPS, check_producer, slicing
 
 Flag = cutlass.Constexpr[bool]  # a compile-time bool parameter
 
@@ -79,6 +80,7 @@ class PartialPublisher(GroupPublisher):
         self.tp, self.hid = tp, hid
         self.multicast, self.fence, self.pdl = bool(multicast), bool(fence), bool(pdl)
         self.twoshot = bool(twoshot)
+        self.columns = slicing(hid).columns
 
     @cute.jit
     def __call__(self, op: PublishOperands, rank: Int32, step: Int32, stream: cuda.CUstream):
@@ -86,8 +88,8 @@ class PartialPublisher(GroupPublisher):
         call = self.kernel(
             Int64(partial.iterator.toint()), peers, multicast_base, partial.shape[0], rank, step
         )
-        grid = (self.hid // SLICE, partial.shape[0], self.ranks)
-        launch(call, grid, (THREADS, 1, 1), stream, use_pdl=self.pdl)
+        grid = (self.hid // self.columns, partial.shape[0], self.ranks)
+        launch(call, grid, (self.columns // 8, 1, 1), stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(
@@ -106,7 +108,7 @@ class PartialPublisher(GroupPublisher):
             rank = rank + r
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-        column = cta * SLICE + tid * 8
+        column = cta * self.columns + tid * 8
         row = (Int64(token) * self.hid + column) * 2
         words = protocol.load16(a_partial + row)
         slot_bytes = Int64(tokens) * (self.hid * 2)

@@ -1,1 +1,0 @@
-"""The mailbox all-reduce's CuTe kernel (``tpcomm.allreduce`` is its host entry)."""
