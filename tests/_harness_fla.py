@@ -10,7 +10,9 @@ names, ``kimi_linear_names``),
 which starts from fla's prefill state and conv windows. ``Trace`` holds what fla computed at
 each decode token; ``check`` compares the runtime's outputs with it within ``y_bound`` (the
 layer output before ``o_proj``) and ``z_bound`` (after it), and the greedy argmax of a random
-4096-word head on them token by token.
+4096-word head on them token by token wherever fla's top-1 margin decides it (a near-tie
+within ``TIE_SIGMAS`` of what the two outputs' difference can move is counted, not checked;
+at most a quarter of the tokens may be ties).
 
 fla is loaded by path where its package imports need more than this machine has: the naive
 KDA functions from ``fla/ops/kda/naive.py`` (torch and einops only), the lower-bound gate's
@@ -55,6 +57,12 @@ KIMI_LINEAR_HIDDEN = _kimi_linear_hidden()
 PROMPT, DECODE = 64, 16
 LOWER_BOUND, NORM_EPS = -5.0, 1e-5
 VOCAB = 4096
+# A greedy token is a tie, not decided by the check, where fla's top-1 margin lies within
+# TIE_SIGMAS standard deviations of the gap error the two paths' z difference gives the
+# random head: its rows are independent of the layer, so a gap's error W_a . dz - W_b . dz
+# is N(0, 2 |dz|^2) (at TP > 1 the partials' roundings alone put dz near 1 bf16 ulp in about
+# 40% of the elements: near-ties do come up, at any seed).
+TIE_SIGMAS = 6
 U = 2.0**-24  # fp32 unit roundoff
 BF16_U = 2.0**-8  # bf16 unit roundoff: |round(x) - x| <= 2^-8 |x|
 # one recurrence step's fp32 error per unit of |S_r| + |v| + |v_new|: a K-term dot in any
@@ -490,7 +498,9 @@ def compare(
     error / bound ratios (``inputs``: fla's recurrence inputs against ours, each a bf16
     rounding of nearly the same fp32 value; ``y``, ``z``), the fraction of ``y`` / ``z``
     bitwise fla's, the number of recurrence inputs rounded apart (``flips``) and the greedy
-    argmax of ``lm_head`` on ``z`` (``argmax_equal``, ``margin``: fla's smallest top-1 gap).
+    argmax of ``lm_head`` on ``z``: ``argmax_equal`` on every token the margin decides
+    (``TIE_SIGMAS``), ``ties`` the tokens it does not, ``argmax_all`` whether every token's
+    argmax is equal anyway, ``margin`` fla's smallest top-1 gap.
     ``lower_bound`` None: the softplus gate; ``triton``: ``trace`` from fla's kernels (their
     approximate softplus, ``TRITON_SOFTPLUS``), else from its naive functions."""
     sd = {n: t.detach().cpu() for n, t in sd.items()}
@@ -521,6 +531,10 @@ def compare(
     head = lm_head(hidden=trace.z.shape[1]).double()
     logits_f, logits_o = trace.z.double() @ head.T, z_ours.double() @ head.T
     top = logits_f.topk(2, dim=-1).values
+    margins = top[:, 0] - top[:, 1]
+    dz = (trace.z.double() - z_ours.double()).norm(dim=-1)
+    decided = margins > TIE_SIGMAS * math.sqrt(2) * dz
+    same = logits_f.argmax(-1) == logits_o.argmax(-1)
     return dict(
         inputs=worst,
         flips=flips,
@@ -528,7 +542,9 @@ def compare(
         z=float(z_ratio.max()),
         y_exact=float((trace.y == y_ours).float().mean()),
         z_exact=float((trace.z == z_ours).float().mean()),
-        argmax_equal=bool((logits_f.argmax(-1) == logits_o.argmax(-1)).all()),
-        margin=float((top[:, 0] - top[:, 1]).min()),
+        argmax_equal=bool(same[decided].all()),
+        ties=int((~decided).sum()),
+        argmax_all=bool(same.all()),
+        margin=float(margins.min()),
         heads=H,
     )

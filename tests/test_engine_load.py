@@ -375,7 +375,7 @@ def test_decode_matches_fla_naive(tp):
     ``tp`` takes fla's prefill state and conv windows and decodes the same 16: fla's
     recurrence inputs one rounding apart from ours, the outputs before and after ``o_proj``
     within ``y_bound`` / ``z_bound``, the greedy argmax of a 4096-word head equal on every
-    token."""
+    token its margin decides (``fh.TIE_SIGMAS``)."""
     pytest.importorskip("einops")
     if fh.fla_dir() is None:
         pytest.skip("fla-core 0.6.0 is not installed")
@@ -385,7 +385,7 @@ def test_decode_matches_fla_naive(tp):
     print(f"TP {tp}: {report}")
     assert report["inputs"] <= 1, report
     assert report["y"] <= 1 and report["z"] <= 1, report
-    assert report["argmax_equal"], report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report
 
 
 @pytest.mark.parametrize("hidden", [fh.KIMI_LINEAR_HIDDEN])  # 2304 where the o-proj takes it
@@ -405,4 +405,4 @@ def test_kimi_linear_layer_matches_fla_naive(tp, hidden):
     assert report["heads"] == 32 and z.shape[1] == hidden
     assert report["inputs"] <= 1, report
     assert report["y"] <= 1 and report["z"] <= 1, report
-    assert report["argmax_equal"], report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report

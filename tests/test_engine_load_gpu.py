@@ -14,7 +14,8 @@ module, take fla's prefill state (fla's layer keeps it V-first, [value row, key]
 runtime) and conv windows (``admit_prefill``), and decode the same 16 tokens from the
 recorded projections. ``_harness_fla.compare``: fla's recurrence inputs one bf16 rounding
 apart from ours, the outputs within ``y_bound`` / ``z_bound`` (derived from both paths'
-rounding points), the greedy argmax of a random 4096-word head equal on every token.
+rounding points), the greedy argmax of a random 4096-word head equal on every token
+whose margin decides it (``fh.TIE_SIGMAS``: near-ties counted, at most a quarter).
 
 fla's GEMMs run with cuBLAS's reduced-precision (bf16) split-K reduction off, so that its
 ``f_proj`` and ``o_proj`` round once, as the bounds assume (the runtime's cuBLAS producer
@@ -206,7 +207,7 @@ def test_decode_matches_fla_layer(tp):
     assert not torch.isnan(y).any() and not torch.isnan(z).any()
     assert report["inputs"] <= 1, report
     assert report["y"] <= 1 and report["z"] <= 1, report
-    assert report["argmax_equal"], report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report
 
 
 @pytest.mark.parametrize("hidden", [fh.KIMI_LINEAR_HIDDEN])  # 2304 where the o-proj takes it
@@ -224,4 +225,4 @@ def test_kimi_linear_layer_matches_fla_layer(tp, hidden):
     assert not torch.isnan(y).any() and not torch.isnan(z).any()
     assert report["inputs"] <= 1, report
     assert report["y"] <= 1 and report["z"] <= 1, report
-    assert report["argmax_equal"], report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report
