@@ -48,7 +48,7 @@ from kda import dispatch
 from kda import layer as kl
 from kda import reference as kref
 from kda.operands import MAX_RING, MIN_RING, make_ring
-from kda.validate import HEAD_DIM, STATE_DTYPES
+from kda.validate import HEAD_DIM, STATE_DTYPES, check_gate_form
 from tpcomm.checks import is_int
 from tpcomm.oproj.allreduce import OprojAllReduce
 from tpcomm.oproj.host_allreduce import HostAllReduce, runs_on_host
@@ -92,8 +92,10 @@ class DecodeLayer:
     each call, so buckets may be added later). ``kernel`` / ``gate_mode`` / ``pdl``:
     ``kda.decode``'s; ``sms``: the SMs the dispatcher may plan with (default the GPU's,
     shared by ``sharing`` ranks: loopback's per-step dispatcher plans with a rank's share;
-    replay's takes the whole GPU's, as ``kda.replay_decode`` does). ``lower_bound``,
-    ``scale``, ``eps``: the KDA step's.
+    replay's takes the whole GPU's, as ``kda.replay_decode`` does). ``gate_form``: the
+    decay's form, ``"lower-bound"`` (Kimi K3) or ``"softplus"`` (Kimi-Linear, fla's
+    ``lower_bound=None``); ``lower_bound``: the lower-bound gate's (None: the Kimi layer's
+    -5.0), None with softplus; ``scale``, ``eps``: the KDA step's.
     ``kda_state``: ``"per-step"`` or ``"replay"`` (module docstring); ``ring_size``: the
     replay ring's entries R (2..16, at least the verify steps' tokens), which the layer
     allocates as ``self.ring`` (None in per-step mode). Replay mode takes the replay
@@ -117,13 +119,14 @@ class DecodeLayer:
         gate_mode: int = 3,
         pdl: bool = True,
         sms: int | None = None,
-        lower_bound: float = kl.LOWER_BOUND,
+        lower_bound: float | None = None,
         scale: float = kl.SCALE,
         eps: float = kl.EPS,
         kda_state: str = "per-step",
         ring_size: int = DEFAULT_RING,
         sharing: int = 1,
         state_dtype: torch.dtype = torch.float32,
+        gate_form: str = "lower-bound",
     ):
         if kernel not in dispatch.KERNELS:
             raise ValueError(f"kernel must be one of {dispatch.KERNELS}; got {kernel!r}")
@@ -138,6 +141,9 @@ class DecodeLayer:
         if isinstance(sharing, bool) or not isinstance(sharing, int) or sharing < 1:
             raise ValueError(f"sharing must be a positive int; got {sharing!r}")
         check_state_dtype(state_dtype, shard.state)
+        gate = kl.gate_scalars(gate_form, lower_bound)
+        check_gate_form(**gate)
+        lower_bound = gate["lower_bound"]
         heads = shard.state.shape[1]
         if not isinstance(w_o, torch.Tensor) or w_o.dim() != 2 or w_o.shape[1] != heads * HEAD_DIM:
             raise ValueError(f"w_o must be [HID, {heads * HEAD_DIM}] (the rank's heads' columns)")
@@ -148,6 +154,7 @@ class DecodeLayer:
         self.kernel, self.gate_mode, self.pdl, self.sms = kernel, gate_mode, bool(pdl), sms
         self.sharing = sharing
         self.lower_bound, self.scale, self.eps = lower_bound, scale, eps
+        self.gate_form = gate_form
         self.heads, self.state_dtype = heads, state_dtype
         self.kda_state = kda_state
         self._choices: dict = {}
@@ -236,6 +243,7 @@ class DecodeLayer:
         head = (x, L.conv_weight, L.conv_bias, L.conv_state, f_a, beta, L.a_log, L.dt_bias)
         tail = (slots, L.state, gate, L.norm_weight, L.f_b)
         scalars = dict(lower_bound=self.lower_bound, scale=self.scale, eps=self.eps)
+        scalars["gate_form"] = self.gate_form
         launch = dict(gate_mode=self.gate_mode, pdl=self.pdl, out=out)
         step = dict(accepted=accepted, conv_dim_first=L.conv_dim_first)
         return (*head, *tail), scalars | launch | step
@@ -260,6 +268,7 @@ class DecodeLayer:
                 committed,
                 accepted,
                 lower_bound=self.lower_bound,
+                gate_form=self.gate_form,
             )
             return
         kda.recover(
@@ -272,6 +281,7 @@ class DecodeLayer:
             committed,
             accepted,
             lower_bound=self.lower_bound,
+            gate_form=self.gate_form,
             pdl=self.pdl,
         )
 
@@ -296,6 +306,7 @@ class DecodeLayer:
             lower_bound=self.lower_bound,
             slots=slots,
             accepted=accepted,
+            gate_form=self.gate_form,
         )
 
     def admit(self, slots: torch.Tensor) -> None:

@@ -5,8 +5,10 @@
 Source: the module, or a ``state_dict`` under fla's key names (``prefix`` + name, e.g.
 ``"model.layers.3.attn."``); a Kimi-Linear checkpoint names the low-rank factors apart
 (``names=KIMI_LINEAR_NAMES``) and stores ``A_log`` as [1, 1, H, 1]. A ``state_dict`` does
-not say which gate the layer was trained with nor its norm's eps: pass ``lower_bound`` and
-``eps`` (a module says both; its ``lower_bound=None`` is fla's softplus gate).
+not say which gate the layer was trained with nor its norm's eps: pass ``lower_bound`` (the
+lower-bound gate, Kimi K3's ``gate_lower_bound``) or ``gate_form="softplus"`` (fla's
+``lower_bound=None``: Kimi-Linear, whose config has no ``gate_lower_bound``), and ``eps``; a
+module says both (``lower_bound=None`` is its softplus gate).
 
 The runtime loads, for rank r of TP n (heads ``r*H/n .. (r+1)*H/n - 1``, ``D = H/n*128``
 channels): the rank's channels of ``{q,k,v}_conv1d.weight`` [H*128, 1, 4] (-> ``conv_weight``
@@ -24,8 +26,7 @@ Refused with ``ValueError`` naming the key (or the module attribute), before any
 allocated: a missing tensor, a shape or dtype that does not fit (head dim != 128, conv
 width != 4, f_b or o_proj not bf16, a hidden size the all-reduce cannot take), heads not
 divisible by TP, grouped values (``num_v_heads``), ``allow_neg_eigval``, no short conv, an
-output gate other than sigmoid, and the softplus gate (the kernels implement the lower-bound
-gate ``exp(lower_bound * sigmoid(exp(A_log) * (g + dt_bias)))``).
+output gate other than sigmoid, a gate form or bound that contradicts the module's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kda.layer import Layer, head_columns  # the runtime's layer container (one import)
-from kda.validate import CONV_TAPS, GATE_RANK, HEAD_DIM, MAX_TOKENS
+from kda.validate import CONV_TAPS, GATE_FORMS, GATE_RANK, HEAD_DIM, MAX_TOKENS, check_gate_form
 from tpcomm.oproj.plan import check_hidden
 
 from .layer import DecodeLayer, check_state_dtype
@@ -86,16 +87,18 @@ __all__ = [
 class RankLayer:
     """Rank ``rank`` of TP ``tp``: heads ``first .. first + shard.heads - 1`` of the source
     layer (``shard``: the weights and pools ``DecodeLayer`` takes), its ``w_o`` columns and
-    the step's scalars (``lower_bound``, the norm's ``eps``, ``scale = 128 ** -0.5``)."""
+    the step's scalars (``gate_form`` with its ``lower_bound``, None for softplus; the
+    norm's ``eps``, ``scale = 128 ** -0.5``)."""
 
     shard: Layer
     w_o: torch.Tensor
     rank: int
     tp: int
     first: int
-    lower_bound: float
+    lower_bound: float | None
     eps: float
     scale: float = HEAD_DIM**-0.5
+    gate_form: str = "lower-bound"
 
     def decode_layer(self, comms, *, norm, query, out_norm, **kwargs) -> DecodeLayer:
         """This rank's ``DecodeLayer`` with the layer's scalars (``kwargs``: its options)."""
@@ -108,14 +111,16 @@ class RankLayer:
             query=query,
             out_norm=out_norm,
             lower_bound=self.lower_bound,
+            gate_form=self.gate_form,
             scale=self.scale,
             eps=self.eps,
             **{"state_dtype": self.shard.state.dtype, **kwargs},
         )
 
 
-def _module_scalars(module, lower_bound, eps):
-    """The module's gate bound and norm eps, after refusing what the kernels do not run."""
+def _module_scalars(module, lower_bound, eps, gate_form):
+    """The module's gate form, bound and norm eps, after refusing what the kernels do not
+    run."""
     refusals = (
         ("use_short_conv", lambda v: v is not True, "the kernels always run the short conv"),
         ("allow_neg_eigval", lambda v: v is not False, "beta = 2 sigmoid(b) is not implemented"),
@@ -130,9 +135,11 @@ def _module_scalars(module, lower_bound, eps):
     norm = module.o_norm
     if getattr(norm, "activation", None) != "sigmoid" or getattr(norm, "weight", None) is None:
         raise ValueError("o_norm must be a sigmoid-gated RMSNorm with a weight")
-    if module.lower_bound is None:
+    own = "softplus" if module.lower_bound is None else "lower-bound"
+    if gate_form is not None and gate_form != own:
         raise ValueError(
-            "lower_bound = None: fla's softplus gate; the kernels implement the lower-bound gate"
+            f"gate_form ({gate_form!r}) differs from the module's ({own!r}: lower_bound = "
+            f"{module.lower_bound})"
         )
     if lower_bound is not None and lower_bound != module.lower_bound:
         raise ValueError(
@@ -140,7 +147,8 @@ def _module_scalars(module, lower_bound, eps):
         )
     if eps is not None and eps != norm.eps:
         raise ValueError(f"eps ({eps}) differs from the module's o_norm.eps ({norm.eps})")
-    return float(module.lower_bound), float(norm.eps)
+    bound = None if module.lower_bound is None else float(module.lower_bound)
+    return own, bound, float(norm.eps)
 
 
 def _scalar(name, value, why):
@@ -209,6 +217,7 @@ def load_rank(
     conv_dim_first: bool = True,
     lower_bound: float | None = None,
     eps: float | None = None,
+    gate_form: str | None = None,
     prefix: str = "",
     names: Mapping[str, str] | None = None,
     device=None,
@@ -219,7 +228,8 @@ def load_rank(
     source's) and zeroed pools, ``pages`` state pages [pages, H/tp, 128, 128] in
     ``state_dtype`` (fp32 or bf16; page 0 is the padding page) and conv pages of ``window``
     positions in ``conv_dtype``.
-    ``lower_bound`` / ``eps`` are required for a ``state_dict``; for a module they must be
+    ``eps`` and the gate (``lower_bound`` for the lower-bound gate, or ``gate_form=
+    "softplus"`` with no bound) are required for a ``state_dict``; for a module they must be
     None or its own. ValueError naming the key, before anything is allocated."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive int; got {tp!r}")
@@ -235,24 +245,26 @@ def load_rank(
     if isinstance(source, torch.nn.Module):
         if names is not None:
             raise ValueError("names: a module has fla's names (names= is for checkpoints)")
-        lower_bound, eps = _module_scalars(source, lower_bound, eps)
+        gate_form, lower_bound, eps = _module_scalars(source, lower_bound, eps, gate_form)
         state_dict = source.state_dict()
     elif isinstance(source, Mapping):
         why = "a state_dict does not say"
-        lower_bound = _scalar(
-            "lower_bound",
-            lower_bound,
-            f"{why} which gate; the kernels "
-            "implement the lower-bound gate, the softplus gate is refused",
-        )
+        gate_form = "lower-bound" if gate_form is None else gate_form
+        if gate_form not in GATE_FORMS:
+            raise ValueError(f"gate_form must be one of {GATE_FORMS} or None; got {gate_form!r}")
+        if gate_form == "lower-bound":
+            lower_bound = _scalar(
+                "lower_bound",
+                lower_bound,
+                f"{why} which gate: pass the lower-bound gate's bound, or gate_form='softplus'",
+            )
         eps = _scalar("eps", eps, f"{why} the o_norm's eps")
         state_dict = source
     else:
         raise ValueError(
             f"source must be a KimiDeltaAttention or a state_dict; got {type(source).__name__}"
         )
-    if lower_bound > 0:
-        raise ValueError(f"lower_bound must be <= 0; got {lower_bound}")
+    check_gate_form(gate_form, lower_bound)  # softplus: no bound; the bound <= 0
     src = _Source(state_dict, prefix, names)
     heads = _heads(src, tp)
     dim = heads * HEAD_DIM
@@ -310,7 +322,7 @@ def load_rank(
         conv_dim_first=conv_dim_first,
     )
     w_o_r = w_o.index_select(1, cols.to(w_o.device)).contiguous().to(device)
-    return RankLayer(shard, w_o_r, rank, tp, first, lower_bound, eps)
+    return RankLayer(shard, w_o_r, rank, tp, first, lower_bound, eps, gate_form=gate_form)
 
 
 def _rank_span(heads: int, rank: int, tp: int, name: str):

@@ -154,6 +154,7 @@ def fold(layer, slots, accepted=None) -> None:
         slots,
         lower_bound=layer.lower_bound,
         accepted=accepted,
+        gate_form=layer.gate_form,
     )
 
 

@@ -13,7 +13,8 @@ again, values included (and, with ``validate`` = ``"full"`` or ``$KDA_VALIDATE``
 non-finite scan), before the launch.
 
 The schemas are written once, as parameter lists: a step's tensors (``STEP``), then each
-op's own, then the step's scalars (``SCALARS``) and the options. ``step_arguments`` gives a
+op's own, then the step's scalars (``SCALARS``) and the options, last the decay's form
+(``GATE``: ``gate_form``, default the lower-bound gate). ``step_arguments`` gives a
 ``DecodeOperands``' fields under those names, so the entries call the ops by keyword.
 Importing this module needs no CuTe DSL.
 """
@@ -53,7 +54,16 @@ STEP = (
     ("out", Tensor),
     ("accepted", MaybeTensor),
 )
-SCALARS = (("lower_bound", float), ("scale", float), ("eps", float), ("conv_dim_first", bool))
+# lower_bound: None with gate_form "softplus" (kda.validate.check_gate_form)
+SCALARS = (
+    ("lower_bound", Optional[float]),  # noqa: UP045
+    ("scale", float),
+    ("eps", float),
+    ("conv_dim_first", bool),
+)
+# The decay's form (kda.validate.GATE_FORMS): the last parameter of each op, defaulted, so
+# that calls written before it (positional ones included) keep the lower-bound gate.
+GATE = (("gate_form", str, "lower-bound"),)
 VALIDATE = (("validate", Optional[str], None),)  # noqa: UP045
 RECORDS = (("v_records", MaybeTensor), ("kg_records", MaybeTensor))
 RING = (("ring_v", Tensor), ("ring_kg", Tensor), ("ring_length", Tensor))
@@ -66,7 +76,7 @@ RECOVER = (
     ("dt_bias", Tensor),
     ("accepted", Tensor),
     ("checkpoint", Tensor),
-    ("lower_bound", float),
+    ("lower_bound", Optional[float]),  # noqa: UP045
     ("pdl", bool),
 )
 
@@ -79,10 +89,11 @@ _DECODE = (
     ("gate_mode", int),
     ("pdl", bool),
     *VALIDATE,
+    *GATE,
 )
 _REPLAY = (*STEP, *RING, *SCALARS, ("gate_mode", int), ("pdl", bool), *VALIDATE)
-_REPLAY += (("kernel", str, "auto"),)
-_RECOVER = (*RECOVER, *VALIDATE)
+_REPLAY += (("kernel", str, "auto"), *GATE)
+_RECOVER = (*RECOVER, *VALIDATE, *GATE)
 
 
 def _signature(params) -> inspect.Signature:
@@ -115,8 +126,9 @@ def _custom_op(name, params, mutates, impl, fake):
 
 
 def step_arguments(op: DecodeOperands, out) -> dict:
-    """``op``'s step fields and scalars under the schemas' names (``STEP`` and ``SCALARS``)."""
-    names = [p[0] for p in STEP + SCALARS if p[0] != "out"]
+    """``op``'s step fields and scalars under the schemas' names (``STEP``, ``SCALARS`` and
+    ``GATE``)."""
+    names = [p[0] for p in STEP + SCALARS + GATE if p[0] != "out"]
     return {"out": out, **{name: getattr(op, name) for name in names}}
 
 
@@ -126,7 +138,7 @@ def ring_arguments(ring: Ring) -> dict:
 
 
 def _operands(a: dict, records=None) -> DecodeOperands:
-    fields = {p[0] for p in STEP + SCALARS} - {"out"}
+    fields = {p[0] for p in STEP + SCALARS + GATE} - {"out"}
     return DecodeOperands(**{name: a[name] for name in fields}, records=records)
 
 
@@ -150,8 +162,9 @@ def _decode_fake(**a) -> None:
 
 
 def _recover_operands(a) -> RecoverOperands:
-    names = [p[0] for p in RECOVER if p[0] not in ("lower_bound", "pdl")]
-    return RecoverOperands(*(a[n] for n in names), lower_bound=a["lower_bound"])
+    names = [p[0] for p in RECOVER if p[0] not in ("lower_bound", "gate_form", "pdl")]
+    gate = dict(lower_bound=a["lower_bound"], gate_form=a["gate_form"])
+    return RecoverOperands(*(a[n] for n in names), **gate)
 
 
 def _recover(**a) -> None:
@@ -202,7 +215,8 @@ FOLD = (
     ("dt_bias", Tensor),
     ("slots", Tensor),
     ("accepted", MaybeTensor),
-    ("lower_bound", float),
+    ("lower_bound", Optional[float]),  # noqa: UP045
+    *GATE,
 )
 
 
@@ -231,7 +245,7 @@ def _copy_state_fake(**a) -> None:
 
 
 def _fold_args(a):
-    names = ("a_log", "dt_bias", "slots", "accepted", "lower_bound")
+    names = ("a_log", "dt_bias", "slots", "accepted", "lower_bound", "gate_form")
     return (a["state"], _ring(a), *(a[n] for n in names))
 
 
@@ -243,11 +257,12 @@ def _fold(**a) -> None:
         return
     from .reference import materialize
 
-    state, ring, a_log, dt_bias, slots, accepted, lower_bound = _fold_args(a)
+    state, ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form = _fold_args(a)
     check_fold(*_fold_args(a))
     keep = slots > 0
     committed = None if accepted is None else accepted[keep]
     options = dict(lower_bound=lower_bound, slots=slots[keep], accepted=committed)
+    options["gate_form"] = gate_form
     materialize(state, ring, a_log, dt_bias, **options)
 
 

@@ -101,10 +101,10 @@ def typed(op: DecodeOperands) -> bool:
         or not all(isinstance(t, torch.Tensor) for t in op.records)
     ):
         return False
-    scalars = (op.lower_bound, op.scale, op.eps)
+    scalars = (op.scale, op.eps) + (() if op.lower_bound is None else (op.lower_bound,))
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in scalars):
         return False
-    return isinstance(op.conv_dim_first, bool)
+    return isinstance(op.conv_dim_first, bool) and isinstance(op.gate_form, str)
 
 
 __all__ = ["decode", "plan", "typed"]

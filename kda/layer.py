@@ -135,11 +135,22 @@ def shard_step(step: Step, heads_total, first, count) -> Step:
     )
 
 
-def step_operands(layer: Layer, step: Step, *, lower_bound=LOWER_BOUND, scale=SCALE, eps=EPS):
+def gate_scalars(gate_form="lower-bound", lower_bound=None) -> dict:
+    """The gate keywords of the KDA entries (``gate_form``, ``lower_bound``) of a Kimi layer
+    with ``gate_form``: the lower-bound gate's bound defaults to ``LOWER_BOUND``; the softplus
+    gate has none (a bound given with it is refused by the entries)."""
+    if gate_form == "lower-bound" and lower_bound is None:
+        lower_bound = LOWER_BOUND
+    return dict(gate_form=gate_form, lower_bound=lower_bound)
+
+
+def step_operands(
+    layer: Layer, step: Step, *, lower_bound=None, scale=SCALE, eps=EPS, gate_form="lower-bound"
+):
     """``step`` on ``layer`` as keywords of ``kda.decode`` / ``kda.reference.decode`` (and of
     the replay entries, with ``ring=``): ``DecodeOperands``' fields from the layer or the
-    step, ``accepted``, the conv layout and the scalars."""
+    step, ``accepted``, the conv layout and the scalars (``gate_scalars``)."""
     names = [f.name for f in dataclasses.fields(DecodeOperands) if not f.kw_only]
     named = {name: getattr(layer if hasattr(layer, name) else step, name) for name in names}
-    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps)
+    scalars = dict(scale=scale, eps=eps) | gate_scalars(gate_form, lower_bound)
     return named | scalars | dict(accepted=step.accepted, conv_dim_first=layer.conv_dim_first)

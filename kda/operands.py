@@ -34,12 +34,13 @@ class DecodeOperands:
     norm_weight: torch.Tensor  # [128]
     f_b: torch.Tensor  # [D, 128] bf16
     _: KW_ONLY
-    lower_bound: float
+    lower_bound: float | None = None  # the lower-bound gate's bound; None for softplus
     scale: float
     eps: float
     accepted: torch.Tensor | None = None  # [B] int32, T > 1 only
     conv_dim_first: bool = True
     records: tuple | None = None  # (v_records, kg_records): record mode, T > 1 only
+    gate_form: str = "lower-bound"  # decay of the raw gate: "lower-bound" or "softplus"
 
 
 # The decode step's operands as CuTe values, in the kernels' parameter order (the DSL passes
@@ -86,7 +87,8 @@ class RecoverOperands:
     accepted: torch.Tensor  # [B] int32: tokens to commit
     checkpoint: torch.Tensor  # [B] int32: the verify step's accepted (its state slot)
     _: KW_ONLY
-    lower_bound: float
+    lower_bound: float | None = None
+    gate_form: str = "lower-bound"
 
 
 class RecoverKernelOperands(NamedTuple):

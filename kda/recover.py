@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .operands import RecoverOperands, takes
-from .validate import check_options, check_recover
+from .validate import check_gate_form, check_options, check_recover
 
 
 @takes(RecoverOperands, pdl=False, validate=None)
@@ -34,12 +34,11 @@ def recover(*args, pdl=False, validate=None, **kwargs):
         op.accepted,
         op.checkpoint,
     )
-    lower_bound = op.lower_bound
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not (
-        isinstance(lower_bound, int | float) and not isinstance(lower_bound, bool)
-    ):
+    bound = check_gate_form(op.gate_form, op.lower_bound)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
         check_recover(op, check_values=False)  # a non-tensor where a tensor goes: named
-    torch.ops.kimi.kda_recover(*tensors, lower_bound, pdl, validate)
+    lower_bound = None if op.lower_bound is None else bound  # a float for the op's schema
+    torch.ops.kimi.kda_recover(*tensors, lower_bound, pdl, validate, op.gate_form)
 
 
 __all__ = ["recover"]

@@ -13,7 +13,13 @@ own dtypes (``v_new`` fp32, ``k`` / raw gate bf16) whatever the pool's.
 
 Rounding points, exactly the SPEC's:
 - convolution ``acc = fma(w[t+i], coeff[i], acc)`` in fp32, then ``silu`` rounded to bf16;
-- raw gate ``bf16(f_a . f_b)``; decay, beta and the q/k normalisation in fp32;
+- raw gate ``bf16(f_a . f_b)``; decay, beta and the q/k normalisation in fp32. The decay is
+  ``exp(g)`` of the log-decay ``g`` of ``gate_form`` (an argument of every entry here):
+  "lower-bound" (the default, Kimi K3) ``g = lower_bound * sigmoid(exp(a_log) * (raw_g +
+  dt_bias))``; "softplus" (fla's ``lower_bound=None``, Kimi-Linear; ``lower_bound`` must
+  then be None) ``g = -exp(a_log) * softplus(raw_g + dt_bias)``, softplus as torch's
+  (``x`` above 20, else ``log1p(exp(x))``). ``exp``, ``sigmoid`` and ``softplus`` are
+  evaluated in float64 and rounded once to fp32; the sum, the products and the sign in fp32;
 - recurrence in fp32 (``S *= decay``, ``v_new = (v - S.k) * beta``, ``S = fma(k, v_new, S)``),
   ``o`` rounded to bf16; gated RMSNorm in fp32, output bf16.
 
@@ -44,6 +50,7 @@ from .validate import (
     HEAD_DIM,
     STATE_DTYPES,
     check_decode,
+    check_gate_form,
     check_recover,
     check_replay,
     check_ring,
@@ -98,11 +105,32 @@ def _store(pool, index, S) -> None:
     pool[index] = S.to(pool.dtype)
 
 
-def _decay(raw_g, a_log, dt_bias, lower_bound):
-    """``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``; raw_g [..., H, 128]."""
+SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default (beta 1), fla's gate: x above it
+
+
+def _softplus(t):
+    """``x`` where ``x > 20``, else ``log1p(exp(x))``, evaluated in float64 and rounded once
+    to fp32 (torch's ``F.softplus`` with beta 1, threshold 20, as fla's gate calls it). Above
+    about 15 both branches round to ``x`` in fp32, so the threshold never moves a bit."""
+    d = t.double()
+    return torch.where(d > SOFTPLUS_THRESHOLD, d, torch.log1p(torch.exp(d))).float()
+
+
+def _log_decay(raw_g, a_log, dt_bias, lower_bound, gate_form="lower-bound"):
+    """The log-decay ``g`` (fp32) of raw gates [..., H, 128]: ``lower_bound * sigmoid(exp(a_log)
+    * (raw_g + dt_bias))`` (``gate_form`` "lower-bound") or ``-exp(a_log) * softplus(raw_g +
+    dt_bias)`` ("softplus"); each fp32 operation rounded, exp / sigmoid / softplus exactly."""
     heads = a_log.shape[0]
-    gated = _exp(a_log.float()).view(heads, 1) * (raw_g + dt_bias.float().view(heads, HEAD_DIM))
-    return _exp(lower_bound * _sigmoid(gated))
+    a = _exp(a_log.float()).view(heads, 1)
+    x = raw_g + dt_bias.float().view(heads, HEAD_DIM)
+    if gate_form == "softplus":
+        return -a * _softplus(x)
+    return lower_bound * _sigmoid(a * x)
+
+
+def _decay(raw_g, a_log, dt_bias, lower_bound, gate_form="lower-bound"):
+    """``exp(g)`` of ``_log_decay``; raw_g [..., H, 128]."""
+    return _exp(_log_decay(raw_g, a_log, dt_bias, lower_bound, gate_form))
 
 
 def _l2(v):
@@ -154,7 +182,7 @@ def _prologue(op, shape, lv, conv_l, off_l, raw_gate=None) -> _Prologue:
         raw_g = _bf16((fa.double() @ op.f_b.double().T).float()).view(L, T, H, HEAD_DIM)
     else:
         raw_g = raw_gate.float().view(B, T, H, HEAD_DIM)[lv]
-    decay = _decay(raw_g, op.a_log, op.dt_bias, op.lower_bound).transpose(0, 1)
+    decay = _decay(raw_g, op.a_log, op.dt_bias, op.lower_bound, op.gate_form).transpose(0, 1)
     beta_t = _sigmoid(op.beta.float().view(B, T, H)[lv]).transpose(0, 1)  # [T, L, H]
     q_hat = q * _l2(q) * op.scale
     k_hat = k * _l2(k)
@@ -245,13 +273,13 @@ def decode(*args, validate=None, o_fp32=None, o_abs=None, raw_gate=None, **kwarg
     return output
 
 
-def apply_record(S, kg, v_new, a_log, dt_bias, lower_bound):
+def apply_record(S, kg, v_new, a_log, dt_bias, lower_bound, gate_form="lower-bound"):
     """One recorded token applied to states ``S`` [..., H, 128, 128]: ``S * decay`` then
     ``fma(k^, v_new, .)``, the decay from the recorded raw gate ``kg[..., 128:]`` and k^ from
     the recorded k ``kg[..., :128]`` (``kg`` [..., H, 256] bf16, ``v_new`` [..., H, 128])."""
     kg = kg.float()
     k = kg[..., :HEAD_DIM]
-    decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, lower_bound)
+    decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, lower_bound, gate_form)
     return _fma((k * _l2(k))[..., None, :], v_new[..., None], S * decay[..., None, :])
 
 
@@ -273,7 +301,7 @@ def recover(*args, validate=None, **kwargs):
     shape = check_recover(op, full=full)
     state, slots, v_records, kg_records = op.state, op.slots, op.v_records, op.kg_records
     a_log, dt_bias, accepted, checkpoint = op.a_log, op.dt_bias, op.accepted, op.checkpoint
-    lower_bound = op.lower_bound
+    gate = (op.lower_bound, op.gate_form)
     T, device = shape.tokens, state.device
     s = slots.cpu().to(torch.int64)[:, :T]
     source = s.gather(1, checkpoint.cpu().to(torch.int64)[:, None] - 1)[:, 0]
@@ -286,7 +314,7 @@ def recover(*args, validate=None, **kwargs):
     S = _load(state[source[live].to(device)])
     for t in range(T):
         kg, v_new = kg_records[lv, :, t], v_records[lv, :, t]
-        nxt = apply_record(S, kg, v_new, a_log, dt_bias, lower_bound)
+        nxt = apply_record(S, kg, v_new, a_log, dt_bias, *gate)
         active = n > t
         S = torch.where(active[:, None, None, None], nxt, S)
         keep = active & (targets[:, t] > 0)
@@ -345,7 +373,8 @@ def replay_decode(*args, ring: Ring, o_out=None, o_abs=None, v_abs=None, validat
     n = counts[:, 0] + torch.minimum(commit, counts[:, 1])
     full = n + T > size
     if full.any():
-        _fold(op.state, ring, slot_l[full], n[full], op.a_log, op.dt_bias, op.lower_bound)
+        gate = (op.lower_bound, op.gate_form)
+        _fold(op.state, ring, slot_l[full], n[full], op.a_log, op.dt_bias, *gate)
         n = torch.where(full, 0, n)
 
     C = _load(op.state[slot_l])  # [L, H, 128, 128] fp32
@@ -371,7 +400,7 @@ def _replay_token(C, ring, slot_l, kept, pre, t, op, v_abs_before):
     k_hat, q_hat, v, d = pre.k_hat[t], pre.q_hat[t], pre.v[t], pre.decay[t]
     kg = ring.kg[slot_l].float()  # [L, R, H, 256]
     k_j = kg[..., :HEAD_DIM]
-    d_j = _decay(kg[..., HEAD_DIM:], op.a_log, op.dt_bias, op.lower_bound)
+    d_j = _decay(kg[..., HEAD_DIM:], op.a_log, op.dt_bias, op.lower_bound, op.gate_form)
     k_hat_j = k_j * _l2(k_j)  # as the step that wrote the entry (and apply_record) had it
     # Suffix products P_j over the entries j < entries (newest first), D = P_0 * d_0.
     prod = d.clone()
@@ -407,23 +436,36 @@ def _replay_token(C, ring, slot_l, kept, pre, t, op, v_abs_before):
     return o, o_abs, v_abs
 
 
-def _fold(state, ring, slots, counts, a_log, dt_bias, lower_bound):
+def _fold(state, ring, slots, counts, a_log, dt_bias, lower_bound, gate_form):
     """Apply the first ``counts[i]`` ring entries of ``slots[i]`` to its checkpoint and
     empty its ring."""
     S = _load(state[slots])
     for j in range(int(counts.max()) if counts.numel() else 0):
-        nxt = apply_record(S, ring.kg[slots, j], ring.v[slots, j], a_log, dt_bias, lower_bound)
+        gate = (lower_bound, gate_form)
+        nxt = apply_record(S, ring.kg[slots, j], ring.v[slots, j], a_log, dt_bias, *gate)
         S = torch.where((counts > j)[:, None, None, None], nxt, S)
     _store(state, slots, S)
     ring.length[slots] = 0
 
 
-def materialize(state, ring: Ring, a_log, dt_bias, *, lower_bound, slots=None, accepted=None):
+def materialize(
+    state,
+    ring: Ring,
+    a_log,
+    dt_bias,
+    *,
+    lower_bound=None,
+    slots=None,
+    accepted=None,
+    gate_form="lower-bound",
+):
     """Fold the committed ring entries of ``slots`` (default: every page but 0) into their
     checkpoint pages and empty those rings; ``accepted`` (per slot) first commits that many
     pending entries, the rest are dropped. Afterwards ``state`` holds the plain per-step
     state (for prefix caching, migration or ``recover``). ``state``: fp32 or bf16 pages (a
-    bf16 page is rounded once, after all its entries are applied in fp32)."""
+    bf16 page is rounded once, after all its entries are applied in fp32). ``gate_form`` /
+    ``lower_bound``: the decay of the entries' raw gates, as ``decode``'s."""
+    check_gate_form(gate_form, lower_bound)
     check_tensor("state", state, STATE_DTYPES, ndim=4)
     check_ring(ring, state)
     pages = state.shape[0]
@@ -441,7 +483,7 @@ def materialize(state, ring: Ring, a_log, dt_bias, *, lower_bound, slots=None, a
         if (accepted < 0).any():
             raise ValueError("accepted must be >= 0")
         counts[:, 0] += torch.minimum(accepted.long(), counts[:, 1])
-    _fold(state, ring, s, counts[:, 0], a_log, dt_bias, lower_bound)
+    _fold(state, ring, s, counts[:, 0], a_log, dt_bias, lower_bound, gate_form)
 
 
 def copy_state(state, conv_state, src, dst, *, ring: Ring | None = None, live=None):

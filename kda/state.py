@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from tpcomm.checks import check_is_tensor, check_real, check_tensor
+from tpcomm.checks import check_is_tensor, check_tensor
 
 from .operands import Ring
-from .validate import HEAD_DIM, STATE_DTYPES, check_ring
+from .validate import HEAD_DIM, STATE_DTYPES, check_gate_form, check_ring
 
 # STATE_DTYPES: fp32 or bf16 pages; KdaCopy moves either as words, KdaFold folds either
 # (a bf16 page rounded once per fold), as the reference does on a CPU pool.
@@ -81,7 +81,9 @@ def check_copy(state, conv_state, src, dst, ring=None, live=None, *, check_value
     return src.shape[0]
 
 
-def check_fold(state, ring, a_log, dt_bias, slots, accepted, lower_bound, *, check_values=True):
+def check_fold(
+    state, ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form, *, check_values=True
+):
     """Validate a ``fold`` call (module docstring); returns the ring size R."""
     check_tensor("state", state, STATE_DTYPES, ndim=4)  # KdaFold: fp32 only (its launcher)
     size = check_ring(ring, state)
@@ -91,7 +93,7 @@ def check_fold(state, ring, a_log, dt_bias, slots, accepted, lower_bound, *, che
     check_tensor("slots", slots, (torch.int32,), ndim=1, device=device)
     if accepted is not None:
         check_tensor("accepted", accepted, (torch.int32,), shape=slots.shape, device=device)
-    check_real("lower_bound", lower_bound, high=0.0)
+    check_gate_form(gate_form, lower_bound)
     if check_values:
         live = _slot_values("slots", slots, pages)
         live = live[live > 0]
@@ -123,17 +125,30 @@ def copy_state(state, conv_state, src, dst, *, ring: Ring | None = None, live=No
     torch.ops.kimi.kda_copy_state(state, conv_state, src, dst, *_ring_tensors(ring), live)
 
 
-def fold(state, ring: Ring, a_log, dt_bias, slots, *, lower_bound, accepted=None):
+def fold(
+    state,
+    ring: Ring,
+    a_log,
+    dt_bias,
+    slots,
+    *,
+    lower_bound=None,
+    accepted=None,
+    gate_form="lower-bound",
+):
     """Fold the rings of ``slots`` ([n] int32 on the pool's device; <= 0: padding) into their
     checkpoint pages and empty them; ``accepted`` ([n] int32) first commits that many pending
     entries per slot, the rest are dropped: ``kda.reference.materialize``, bit for bit.
     GPU: one KdaFold launch on the current stream, capturable; CPU: the reference (fp32 or
-    bf16 pages either way: a bf16 page rounded once per fold)."""
+    bf16 pages either way: a bf16 page rounded once per fold). ``gate_form`` /
+    ``lower_bound``: the decay of the entries' raw gates (``kda.validate.check_gate_form``)."""
     tensors = dict(state=state, a_log=a_log, dt_bias=dt_bias, slots=slots, accepted=accepted)
     check_is_tensor(("accepted",), **tensors)
     _check_ring_type(ring)
-    check_real("lower_bound", lower_bound, high=0.0)
-    torch.ops.kimi.kda_fold(state, *ring, a_log, dt_bias, slots, accepted, float(lower_bound))
+    bound = check_gate_form(gate_form, lower_bound)
+    lower_bound = None if lower_bound is None else bound  # a float for the op's schema
+    args = (a_log, dt_bias, slots, accepted, lower_bound, gate_form)
+    torch.ops.kimi.kda_fold(state, *ring, *args)
 
 
 def live_pairs(src, dst):

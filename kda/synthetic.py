@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .layer import EPS, LOWER_BOUND, SCALE, Layer, Step, step_operands, step_to
+from .layer import EPS, SCALE, Layer, Step, step_operands, step_to
 from .validate import GATE_RANK, HEAD_DIM
 
 
@@ -65,6 +65,17 @@ def make_layer(
     return layer.to(device) if device != "cpu" else layer
 
 
+def extreme_dt_bias(layer: Layer, seed=0) -> None:
+    """Test data for the softplus gate: dt_bias of a few channels (1 in 64) set far out,
+    past softplus's threshold of 20 (a decay of about exp(-20 exp(a_log)), fp32 zero or
+    subnormal further out) and far below (a decay of 1), a few around the threshold."""
+    g = _gen(seed)
+    D = layer.dt_bias.numel()
+    for value in (25.0, 19.5, 20.3, -40.0, 60.0):
+        channels = torch.randint(D, (max(1, D // 64),), generator=g)
+        layer.dt_bias[channels.to(layer.dt_bias.device)] = value
+
+
 def make_step(
     requests,
     tokens,
@@ -111,14 +122,16 @@ def run_reference(
     step: Step,
     records=None,
     *,
-    lower_bound=LOWER_BOUND,
+    lower_bound=None,
     scale=SCALE,
     eps=EPS,
+    gate_form="lower-bound",
     **outputs,
 ):
-    """``kda.reference.decode`` on a layer and a step (mutates the layer's pools);
-    ``outputs``: its ``o_fp32``, ``o_abs``, ``raw_gate``."""
+    """``kda.reference.decode`` on a layer and a step (mutates the layer's pools); the
+    scalars as ``kda.layer.step_operands``' (``lower_bound`` None: ``LOWER_BOUND`` with the
+    lower-bound gate); ``outputs``: its ``o_fp32``, ``o_abs``, ``raw_gate``."""
     from .reference import decode
 
-    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps)
+    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps, gate_form=gate_form)
     return decode(**step_operands(layer, step, **scalars), records=records, **outputs)

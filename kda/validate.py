@@ -1,8 +1,9 @@
 """Argument checks for a KDA decode step, shared by the reference and the kernels.
 
 Every check raises ``ValueError`` naming the argument, before anything is written.
-Always: shapes, dtypes, devices and the scalars (``lower_bound`` finite <= 0, ``scale``
-finite > 0, ``eps`` finite >= 0). The value checks (slots in range, ``accepted`` in 1..T,
+Always: shapes, dtypes, devices and the scalars (``gate_form`` one of ``GATE_FORMS``;
+``lower_bound`` finite <= 0 with the lower-bound gate, None with softplus; ``scale`` finite
+> 0, ``eps`` finite >= 0). The value checks (slots in range, ``accepted`` in 1..T,
 no page shared by two live requests) read the index tensors on the host; kernels run them
 outside CUDA-graph capture. The checked mode (``validate="full"``, or ``KDA_VALIDATE=full``
 in the environment) also refuses non-finite values in what the step reads.
@@ -24,6 +25,11 @@ MAX_TOKENS = 8
 CONV_TAPS = 4
 GATE_RANK = 128
 
+# The map from the raw gate to the decay (``kda.reference``'s module docstring):
+# "lower-bound" exp(lower_bound * sigmoid(exp(a_log) * (g + dt_bias))) (Kimi K3),
+# "softplus" exp(-exp(a_log) * softplus(g + dt_bias)) (fla's lower_bound=None, Kimi-Linear).
+GATE_FORMS = ("lower-bound", "softplus")
+
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 # State pool dtypes: fp32 or bf16 pages, in the reference and every kernel (arithmetic in
 # fp32: a bf16 page is widened on load and rounded to nearest-even once where the fp32 path
@@ -32,6 +38,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_STATE_DTYPES = STATE_DTYPES
 __all__ = [
     "CONV_TAPS",
+    "GATE_FORMS",
     "GATE_RANK",
     "HEAD_DIM",
     "KERNEL_STATE_DTYPES",
@@ -42,6 +49,7 @@ __all__ = [
     "capturing",
     "check_decode",
     "check_decode_finite",
+    "check_gate_form",
     "check_kernel_state",
     "check_options",
     "check_out",
@@ -267,10 +275,30 @@ def _check_records(v_records, kg_records, requests, heads, tokens, device):
     _tensor("kg_records", kg_records, (torch.bfloat16,), shape=shape, device=device)
 
 
+def check_gate_form(gate_form, lower_bound) -> float:
+    """``gate_form`` one of ``GATE_FORMS``; ``lower_bound`` finite <= 0 (a decay <= 1) with
+    "lower-bound", None with "softplus" (which has no bound). Returns the kernels'
+    ``lower_bound`` scalar (0.0 for softplus: compiled out). ValueError naming the argument."""
+    if not isinstance(gate_form, str) or gate_form not in GATE_FORMS:
+        raise ValueError(f"gate_form must be one of {GATE_FORMS}; got {gate_form!r}")
+    if gate_form == "softplus":
+        if lower_bound is not None:
+            raise ValueError(
+                "lower_bound must be None with gate_form='softplus' (it has no bound); "
+                f"got {lower_bound!r}"
+            )
+        return 0.0
+    if lower_bound is None:
+        raise ValueError(
+            "lower_bound must be a finite real number <= 0 with gate_form='lower-bound'"
+        )
+    return check_real("lower_bound", lower_bound, high=0.0)
+
+
 def check_scalars(op) -> None:
-    """``lower_bound`` finite <= 0 (a decay <= 1); decode's ``scale`` finite > 0 and
-    ``eps`` finite >= 0."""
-    check_real("lower_bound", op.lower_bound, high=0.0)
+    """``gate_form`` and ``lower_bound`` (``check_gate_form``); decode's ``scale`` finite > 0
+    and ``eps`` finite >= 0."""
+    check_gate_form(op.gate_form, op.lower_bound)
     if isinstance(op, DecodeOperands):
         check_real("scale", op.scale, low=0.0, low_open=True)
         check_real("eps", op.eps, low=0.0)

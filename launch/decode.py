@@ -23,6 +23,7 @@ import torch
 
 from engine.layer import DEFAULT_RING, KDA_STATES
 from kda.operands import MAX_RING, MIN_RING
+from kda.validate import GATE_FORMS
 from launch.layer import MAX_ROWS
 from launch.liveness import hard_exit
 from launch.procs import env_rank, job_processes, nvshmem_installed
@@ -176,6 +177,10 @@ def parser() -> Parser:
     add("--state-dtype", choices=("fp32", "bf16"), default="fp32",
         help="KDA state pages: fp32, or bf16 (half the bytes; fp32 arithmetic, each stored "
         "page rounded once; checked against the reference on bf16 pages)")
+    add("--gate", choices=GATE_FORMS, default=GATE_FORMS[0],
+        help="KDA decay of the raw gate: lower-bound, exp(-5 sigmoid(exp(A_log) (g + dt_bias))) "
+        "(Kimi K3), or softplus, exp(-exp(A_log) softplus(g + dt_bias)) (Kimi-Linear, fla's "
+        "lower_bound=None); the layer and the references use it")
     add("--ring", type=ranged(int, MIN_RING, MAX_RING), default=DEFAULT_RING,
         help=f"replay: ring entries per state page (R, {MIN_RING}..{MAX_RING}, >= --tokens)")
     add("--check-every", type=ranged(int, 0), default=1,

@@ -124,6 +124,7 @@ def host_layer(model: Model, me, backend) -> DecodeLayer:
     scalars = dict(groups=cfg.groups, eps=EPS, out_eps=OUT_EPS)
     comms = all_reduces(backend, rows, cfg.hidden, cfg.blocks, **scalars)
     state = dict(kda_state=cfg.kda_state, ring_size=cfg.ring, state_dtype=cfg.torch_state_dtype)
+    state["gate_form"] = cfg.gate
     weights = dict(norm=model.norm, query=model.query, out_norm=model.out_norm)
     return DecodeLayer(me.kda, me.w_o, comms, rank=me.rank, **weights, **state)
 

@@ -28,7 +28,7 @@ from kda import layer as kl
 from kda import reference as kref
 from kda import synthetic as kt
 from kda.operands import Ring, make_ring
-from kda.validate import HEAD_DIM
+from kda.validate import GATE_FORMS, HEAD_DIM
 from launch.checks import oproj_bound_ratios
 from tpcomm.oproj import bound as oproj_bound
 from tpcomm.oproj import reference as oref
@@ -63,6 +63,7 @@ class Config:
     kda_state: str = "per-step"  # or "replay" (engine.layer.KDA_STATES)
     ring: int = DEFAULT_RING  # replay: ring entries per state page
     state_dtype: str = "fp32"  # or "bf16": the state pages' dtype (STATE_DTYPES)
+    gate: str = "lower-bound"  # or "softplus": the KDA decay's form (kda.validate.GATE_FORMS)
 
     @property
     def torch_state_dtype(self) -> torch.dtype:
@@ -101,6 +102,8 @@ class Config:
         if self.groups is not None and not 1 <= self.groups <= 4:
             raise ValueError(f"groups must be in 1..4; got {self.groups}")
         check_kda_state(self.kda_state, self.ring)
+        if self.gate not in GATE_FORMS:
+            raise ValueError(f"gate must be one of {GATE_FORMS}; got {self.gate!r}")
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(
                 f"state_dtype must be one of {tuple(STATE_DTYPES)}; got {self.state_dtype!r}"
@@ -129,6 +132,7 @@ class Config:
             kda_state=getattr(args, "kda_state", KDA_STATES[0]),
             ring=getattr(args, "ring", DEFAULT_RING),
             state_dtype=getattr(args, "state_dtype", "fp32"),
+            gate=getattr(args, "gate", "lower-bound"),
         )
 
     @property
@@ -389,14 +393,16 @@ class Rank:
     model: Model
 
 
-def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step) -> torch.Tensor:
-    """One KDA step on ``layer``; a recorded step is committed by ``recover``."""
+def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step, gate_form="lower-bound"):
+    """One KDA step on ``layer`` (the Kimi layer's scalars, ``gate_form``'s decay); a
+    recorded step is committed by ``recover``. Returns the output [N, D]."""
+    gate = kl.gate_scalars(gate_form)
     if not plan.record:
-        return kt.run_reference(layer, step)
+        return kt.run_reference(layer, step, **gate)
     B, H, T = step.slots.shape[0], layer.heads, plan.tokens
     v_rec = torch.zeros(B, H, T, HEAD_DIM)
     kg_rec = torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16)
-    out = kt.run_reference(layer, step, records=(v_rec, kg_rec))
+    out = kt.run_reference(layer, step, records=(v_rec, kg_rec), **gate)
     kref.recover(
         layer.state,
         step.slots,
@@ -406,15 +412,16 @@ def run_kda(layer: kl.Layer, plan: StepPlan, step: kl.Step) -> torch.Tensor:
         layer.dt_bias,
         plan.committed,
         plan.accepted,
-        lower_bound=kl.LOWER_BOUND,
+        **gate,
     )
     return out
 
 
-def run_replay(layer: kl.Layer, ring: Ring, step: kl.Step, o_out=None) -> torch.Tensor:
+def run_replay(layer: kl.Layer, ring: Ring, step: kl.Step, o_out=None, gate_form="lower-bound"):
     """One replay step (``kda.reference.replay_decode``) on ``layer``'s checkpoint pool and
     ``ring``; ``o_out`` ([N, D] fp32, optional) receives the fp32 ``o``."""
-    return kref.replay_decode(**kl.step_operands(layer, step), ring=ring, o_out=o_out)
+    operands = kl.step_operands(layer, step, gate_form=gate_form)
+    return kref.replay_decode(**operands, ring=ring, o_out=o_out)
 
 
 def ring_folds(ring: Ring, step: kl.Step) -> int:
@@ -439,9 +446,9 @@ def materialize(layer: kl.Layer, ring: Ring, model: Model, accepted: torch.Tenso
         ring,
         layer.a_log,
         layer.dt_bias,
-        lower_bound=kl.LOWER_BOUND,
         slots=slots,
         accepted=accepted.to(device),
+        **kl.gate_scalars(model.cfg.gate),
     )
 
 
@@ -456,7 +463,7 @@ class PerStep:
         self.kda = model.fresh_layer()
 
     def step(self, step: kl.Step) -> torch.Tensor:
-        return kt.run_reference(self.kda, step)
+        return kt.run_reference(self.kda, step, gate_form=self.model.cfg.gate)
 
     def request_pages(self, accepted: torch.Tensor) -> torch.Tensor:
         """Where each request's state is after the last step: ``[B]`` pages."""
@@ -479,10 +486,11 @@ class Unsharded:
     def attention(self, plan, step, o_out=None):
         """The whole layer's KDA step (replay: also the per-step reference's, which is
         returned second; else None)."""
+        gate = self.model.cfg.gate
         if self.ring is None:
-            return run_kda(self.kda, plan, step), None
+            return run_kda(self.kda, plan, step, gate), None
         self.folds += ring_folds(self.ring, step)
-        attn = run_replay(self.kda, self.ring, step, o_out=o_out)
+        attn = run_replay(self.kda, self.ring, step, o_out=o_out, gate_form=gate)
         return attn, self.per_step.step(step)
 
     def step(self, plan, step, prefix, blocks, groups=None):

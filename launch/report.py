@@ -74,6 +74,7 @@ def config(cfg, backend, launcher, **extra):
         "kda_state": cfg.kda_state,
         "ring": cfg.ring if cfg.replay else None,
         "state_dtype": cfg.state_dtype,
+        "gate": cfg.gate,
         **extra,
     }
 
@@ -87,7 +88,7 @@ def config_line(c) -> str:
         f"conv {c['conv_layout']}, seed {c['seed']}, domain {c.get('domain_size', c['tp'])}, "
         f"kda state {c['kda_state']}"
         + (f" (ring {c['ring']})" if c["ring"] else "")
-        + f", state pages {c.get('state_dtype', 'fp32')}"
+        + f", state pages {c.get('state_dtype', 'fp32')}, gate {c.get('gate', 'lower-bound')}"
     )
 
 

@@ -126,7 +126,7 @@ class Runner:
         # each hosted rank's step, as an engine runs it; they share the rows buckets' comms
         common = dict(norm=self.norm, query=self.query, out_norm=self.out_norm, pdl=self.pdl)
         kda = dict(kernel=kernel, gate_mode=gate_mode, kda_state=cfg.kda_state, ring_size=cfg.ring)
-        kda["state_dtype"] = cfg.torch_state_dtype
+        kda.update(state_dtype=cfg.torch_state_dtype, gate_form=cfg.gate)
         ranks = zip(self.ranks, self.layers, self.w_o, strict=True)
         self.decode_layers = [
             DecodeLayer(L, w, self.comms, rank=r, sharing=len(self.ranks), **common, **kda)

@@ -1,17 +1,117 @@
 """More mutants for ``scripts/mutants.py`` (``scripts/mutants_table.py`` is full): KdaPipe's
-guards."""
+guards, the softplus gate's (reference and kernels)."""
 
 from __future__ import annotations
 
-from mutants_table import KGPU, PDL_PTX, M
+from mutants_table import KGPU, KREF, PDL_PTX, REPLAY, RGPU, SGPU, SPLIT_ROW, M
 
 PIPE = "kda/kernels/pipe.py"
 PIPE_PREP = "kda/kernels/pipe_prep.py"
 BF16_PTX = "tests/test_kda_bf16_compile.py"
 INDEX = "tests/test_kda_pipe_index.py"
+SOFTPLUS = "tests/test_kda_softplus.py"
+SCALAR = "kda/kernels/scalar.py"
+# KdaWide / KdaPipe cases of SCALARS[3] (the softplus gate): T 8 (KdaPipe's gate_decays), T 2
+# (KdaPipe's gate batch)
+WIDE_SOFTPLUS = f"{KGPU}::test_decode_matches_reference[s3-H96B130T8-wf-b1-r0-wide]"
+PIPE_SOFTPLUS = f"{KGPU}::test_decode_matches_reference[s3-H96B130T8-wf-b1-r0-pipe]"
+PIPE_SOFTPLUS_BATCH = f"{KGPU}::test_decode_matches_reference[s7-H1B64T2-df-b0-r0-pipe]"
 BATCH = "tests/test_kda_pipe_batch.py"
 
 KDA_MUTANTS = [
+    # --- the softplus gate: the reference ------------------------------------------------------
+    M(
+        "kref-softplus-threshold",
+        "kda/reference.py",
+        "torch.where(d > SOFTPLUS_THRESHOLD, d,",
+        "torch.where(d > 10.0, d,",
+        SOFTPLUS,
+        select="torchs",
+    ),
+    M(
+        "kref-softplus-without-a",
+        "kda/reference.py",
+        "        return -a * _softplus(x)\n",
+        "        return -_softplus(x)\n",
+        KREF,
+        select="float64",
+    ),
+    M(
+        "kref-replay-ring-decay-lower-bound",
+        "kda/reference.py",
+        "d_j = _decay(kg[..., HEAD_DIM:], op.a_log, op.dt_bias, op.lower_bound, op.gate_form)",
+        'd_j = _decay(kg[..., HEAD_DIM:], op.a_log, op.dt_bias, -5.0, "lower-bound")',
+        "tests/test_kda_replay.py",
+        select="decode_matches_per_step and None",
+    ),
+    # --- the softplus gate: the kernels (the compile-time switch, the threshold) ---------------
+    M(
+        "gpu-softplus-threshold",
+        SCALAR,
+        "    return cutlass.select_(x > Float32(SOFTPLUS_THRESHOLD), x, smooth)\n\n\ndef decay(",
+        "    return cutlass.select_(x > Float32(0.0), x, smooth)\n\n\ndef decay(",
+        WIDE_SOFTPLUS,
+        gpu=True,
+    ),
+    M(
+        "gpu-wide-softplus-off",
+        "kda/kernels/wide.py",
+        "dev.decay(a, raw_g, dt[e // 2], lower_bound, self.softplus_gate)",
+        "dev.decay(a, raw_g, dt[e // 2], lower_bound, False)",
+        WIDE_SOFTPLUS,
+        gpu=True,
+    ),
+    M(
+        "gpu-pipe-softplus-off",
+        PIPE_PREP,
+        "dev.decay(a, raw_g, dt_f, op.lower_bound, self.softplus_gate)",
+        "dev.decay(a, raw_g, dt_f, op.lower_bound, False)",
+        PIPE_SOFTPLUS,
+        gpu=True,
+    ),
+    M(
+        "gpu-pipe-batch-softplus-off",
+        PIPE_PREP,
+        "decays[j, feature] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound, self.softplus_gate)",
+        "decays[j, feature] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound, False)",
+        PIPE_SOFTPLUS_BATCH,
+        gpu=True,
+    ),
+    M(
+        "gpu-split-softplus-off",
+        "kda/kernels/split.py",
+        "dev.decay(a, raw_g, dt[e // 2], op.lower_bound, self.softplus_gate)",
+        "dev.decay(a, raw_g, dt[e // 2], op.lower_bound, False)",
+        SPLIT_ROW,
+        gpu=True,
+    ),
+    M(
+        "gpu-recover-softplus-off",
+        "kda/kernels/device.py",  # dev.stage_records (KdaRecover's and KdaReplay's decays)
+        "s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound, softplus_gate)",
+        "s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound, False)",
+        RGPU,
+        gpu=True,
+        select="H6B1T8 or H96B3T8",
+    ),
+    M(
+        "gpu-replay-ring-softplus-off",
+        "kda/kernels/replay.py",
+        "gate = dict(keys_past=False, softplus_gate=self.softplus_gate)",
+        "gate = dict(keys_past=False, softplus_gate=False)",
+        REPLAY,
+        gpu=True,
+        select="replay_matches_reference and s3",
+    ),
+    M(
+        "gpu-fold-softplus-fast",
+        SCALAR,
+        "return exp_f32_exact(-(a * softplus_exact(raw_g + dt)))",
+        "return exp_f32_exact(-(a * softplus(raw_g + dt)))",
+        SGPU,
+        gpu=True,
+        select="fold_kernel_is_the_reference and lbNone",
+    ),
     M(
         "pdl-wait-pipe",
         PIPE,

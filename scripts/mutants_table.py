@@ -60,8 +60,8 @@ MUTANTS: list[Mutant] = [
     M(
         "kref-lower-bound-hardcoded",
         "kda/reference.py",
-        "decay = _decay(raw_g, op.a_log, op.dt_bias, op.lower_bound)",
-        "decay = _decay(raw_g, op.a_log, op.dt_bias, -5.0)",
+        "decay = _decay(raw_g, op.a_log, op.dt_bias, op.lower_bound, op.gate_form)",
+        "decay = _decay(raw_g, op.a_log, op.dt_bias, -5.0, op.gate_form)",
         KREF,
         select="float64",
     ),
@@ -110,8 +110,8 @@ MUTANTS: list[Mutant] = [
     M(
         "kref-recover-lower-bound-hardcoded",
         "kda/reference.py",
-        "decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, lower_bound)",
-        "decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, -5.0)",
+        "decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, lower_bound, gate_form)",
+        "decay = _decay(kg[..., HEAD_DIM:], a_log, dt_bias, -5.0, gate_form)",
         KREF,
         select="record_and_recover",
     ),
@@ -376,8 +376,8 @@ MUTANTS: list[Mutant] = [
     M(
         "gpu-recover-lower-bound-hardcoded",
         "kda/kernels/device.py",  # dev.stage_records (KdaRecover's and KdaReplay's decays)
-        "s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound)",
-        "s_decay[j, channel] = decay(a, raw_g, dt, Float32(-5.0))",
+        "s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound, softplus_gate)",
+        "s_decay[j, channel] = decay(a, raw_g, dt, Float32(-5.0), softplus_gate)",
         RGPU,
         gpu=True,
         select="H1B1T2 or pdl",

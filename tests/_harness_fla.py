@@ -4,10 +4,15 @@ fla's ``KimiDeltaAttention`` itself).
 
 A run: random weights under fla's key names (``state_dict``), a 64-token prompt that fla
 prefills, then 16 decode tokens through fla and through the runtime (``engine.load``),
+for the lower-bound gate (hidden 2048, 16 heads) or the softplus gate of a Kimi-Linear-shaped
+layer (``lower_bound`` None; 32 heads, ``KIMI_LINEAR_HIDDEN``; loaded under Kimi-Linear's
+names, ``kimi_linear_names``),
 which starts from fla's prefill state and conv windows. ``Trace`` holds what fla computed at
 each decode token; ``check`` compares the runtime's outputs with it within ``y_bound`` (the
 layer output before ``o_proj``) and ``z_bound`` (after it), and the greedy argmax of a random
-4096-word head on them token by token.
+4096-word head on them token by token wherever fla's top-1 margin decides it (a near-tie
+within ``TIE_SIGMAS`` of what the two outputs' difference can move is counted, not checked;
+at most a quarter of the tokens may be ties).
 
 fla is loaded by path where its package imports need more than this machine has: the naive
 KDA functions from ``fla/ops/kda/naive.py`` (torch and einops only), the lower-bound gate's
@@ -33,15 +38,42 @@ from launch.checks import attn_drift, bf16_ulp
 from tpcomm.oproj import reference as oref
 
 HIDDEN, HEADS, K = 2048, 16, 128
+KIMI_LINEAR_HEADS = 32
+
+
+def _kimi_linear_hidden() -> int:
+    """Kimi-Linear's hidden width, 2304 (9 x 256), where the o-projection takes it; 2048
+    until then (a multiple of 1024: the widths it takes today)."""
+    from tpcomm.oproj.plan import check_hidden
+
+    try:
+        check_hidden(2304)
+    except ValueError:
+        return 2048
+    return 2304
+
+
+KIMI_LINEAR_HIDDEN = _kimi_linear_hidden()
 PROMPT, DECODE = 64, 16
 LOWER_BOUND, NORM_EPS = -5.0, 1e-5
 VOCAB = 4096
+# A greedy token is a tie, not decided by the check, where fla's top-1 margin lies within
+# TIE_SIGMAS standard deviations of the gap error the two paths' z difference gives the
+# random head: its rows are independent of the layer, so a gap's error W_a . dz - W_b . dz
+# is N(0, 2 |dz|^2) (at TP > 1 the partials' roundings alone put dz near 1 bf16 ulp in about
+# 40% of the elements: near-ties do come up, at any seed).
+TIE_SIGMAS = 6
 U = 2.0**-24  # fp32 unit roundoff
 BF16_U = 2.0**-8  # bf16 unit roundoff: |round(x) - x| <= 2^-8 |x|
 # one recurrence step's fp32 error per unit of |S_r| + |v| + |v_new|: a K-term dot in any
 # order, and 64u for the step's other roundings and Triton's approximate exp / sigmoid /
 # sqrt (the decay lands within about 20u: sigmoid(x)(1 - sigmoid(x)) |x| <= 0.23)
 STEP_FP32 = (K + 64) * U
+# The softplus gate's decay in fla's Triton kernels: log(1 + exp(x)) with ex2 / lg2.approx
+# (absolute error below 2^-22 of the log, plus the 2^-24 rounding of 1 + exp(x)), times
+# exp(A_log): the decay moves by at most exp(A_log) * 2^-21 (first order, decay <= 1).
+# fla's naive gate (CPU) evaluates softplus in fp32 to a few ulps: inside STEP_FP32.
+TRITON_SOFTPLUS = 2.0**-21
 SECOND_ORDER = 1 + 2.0**-5  # the bounds below are first order in the perturbations
 
 
@@ -79,15 +111,26 @@ def naive():
     return _load_file("fla_kda_naive", fla_file("ops/kda/naive.py"))
 
 
-def lower_bound_gate():
-    """fla's ``naive_kda_lowerbound_gate`` (``fla/ops/kda/gate.py``), compiled from its
-    source alone: the file imports triton, the function only torch."""
+def gate_function(name="naive_kda_lowerbound_gate"):
+    """A naive gate function of fla's ``fla/ops/kda/gate.py`` (``naive_kda_lowerbound_gate``,
+    ``naive_kda_gate``: the softplus gate), compiled from its source alone: the file imports
+    triton, the functions only torch."""
     path = fla_file("ops/kda/gate.py")
     tree = ast.parse(path.read_text())
-    fn = [n for n in tree.body if getattr(n, "name", "") == "naive_kda_lowerbound_gate"]
+    fn = [n for n in tree.body if getattr(n, "name", "") == name]
     namespace = {"torch": torch, "F": F}
     exec(compile(ast.Module(body=fn, type_ignores=[]), str(path), "exec"), namespace)
-    return namespace["naive_kda_lowerbound_gate"]
+    return namespace[name]
+
+
+def lower_bound_gate():
+    """fla's ``naive_kda_lowerbound_gate``."""
+    return gate_function("naive_kda_lowerbound_gate")
+
+
+def softplus_gate():
+    """fla's ``naive_kda_gate``: ``-exp(A_log) * softplus(g + dt_bias)`` (fp32)."""
+    return gate_function("naive_kda_gate")
 
 
 def kda_layer_class():
@@ -130,11 +173,13 @@ class Cache:
         return state
 
 
-def state_dict(seed=0, hidden=HIDDEN, heads=HEADS, conv_bias=True) -> dict:
+def state_dict(seed=0, hidden=HIDDEN, heads=HEADS, conv_bias=True, softplus=False) -> dict:
     """Random weights of a ``KimiDeltaAttention`` under its key names: bf16 as a served
     model, ``A_log`` and ``dt_bias`` fp32 (as Kimi checkpoints keep them); Linear weights at
     nn.Linear's scale, ``dt_bias`` ~ N(0, 1) and ``A_log`` = log U(1, 16) so the decays span
-    (e^-5, 1) rather than fla's initial ~1."""
+    (e^-5, 1) rather than fla's initial ~1. ``softplus``: the softplus gate's layer, whose
+    ``dt_bias`` is fla's initial one (softplus^-1 of dt = log U(1e-3, 0.1)), so that its
+    decays ``exp(-exp(A_log) softplus(g + dt_bias))`` mostly keep the state."""
     g = torch.Generator().manual_seed(seed)
     D = heads * K
 
@@ -151,11 +196,24 @@ def state_dict(seed=0, hidden=HIDDEN, heads=HEADS, conv_bias=True) -> dict:
     sd["b_proj.weight"] = lin(heads, hidden)
     sd["A_log"] = torch.log(torch.rand(heads, generator=g) * 15 + 1)
     sd["dt_bias"] = torch.randn(D, generator=g)
+    if softplus:
+        dt = torch.exp(torch.rand(D, generator=g) * math.log(100.0) + math.log(1e-3))
+        sd["dt_bias"] = dt + torch.log(-torch.expm1(-dt))
     sd["g_proj.0.weight"], sd["g_proj.1.weight"] = lin(K, hidden), lin(D, K)
     sd["g_proj.1.bias"] = (torch.randn(D, generator=g) * 0.1).bfloat16()
     sd["o_norm.weight"] = (1 + 0.1 * torch.randn(K, generator=g)).bfloat16()
     sd["o_proj.weight"] = lin(hidden, D)
     return sd
+
+
+def kimi_linear_names(sd, prefix="model.layers.0.self_attn.") -> dict:
+    """``sd`` (fla's names) as a Kimi-Linear checkpoint names it: ``engine.KIMI_LINEAR_NAMES``
+    under a model prefix, ``A_log`` as [1, 1, H, 1]."""
+    from engine import KIMI_LINEAR_NAMES
+
+    renamed = {prefix + KIMI_LINEAR_NAMES.get(n, n): t for n, t in sd.items()}
+    renamed[prefix + "A_log"] = sd["A_log"].reshape(1, 1, -1, 1)
+    return renamed
 
 
 def hidden_states(seed=1, tokens=PROMPT + DECODE, hidden=HIDDEN) -> torch.Tensor:
@@ -213,8 +271,14 @@ def cpu_fla(sd, hs, *, lower_bound=LOWER_BOUND, eps=NORM_EPS) -> Trace:
     state, ``naive_kda_lowerbound_gate``) and its kernels' rounding points written out
     (bf16 Linears; conv: fp32 products summed, bias, SiLU, one bf16 rounding; the chunk
     path's q, k normalised to bf16, the recurrent path's in fp32; o rounded to bf16; the
-    sigmoid-gated RMSNorm in fp32, rounded to bf16)."""
-    nv, gate_fn = naive(), lower_bound_gate()
+    sigmoid-gated RMSNorm in fp32, rounded to bf16). ``lower_bound`` None: the softplus gate
+    (``naive_kda_gate``)."""
+    nv = naive()
+    if lower_bound is None:
+        softplus = softplus_gate()
+        gate_fn = lambda g, a_log, dt_bias, _: softplus(g, a_log, dt_bias)  # noqa: E731
+    else:
+        gate_fn = lower_bound_gate()
     H = sd["A_log"].numel()
     D, P = H * K, hs.shape[0] - DECODE
     scale = K**-0.5
@@ -394,13 +458,16 @@ def our_inputs(trace: Trace, sd):
     return (*outs, spec_raw_gate(trace.f_a, sd["f_proj.1.weight"]))
 
 
-def exact_o(state, qc, kc, vc, raw_g, beta, sd, lower_bound):
+def exact_o(state, qc, kc, vc, raw_g, beta, sd, lower_bound, softplus_error=0.0):
     """The recurrence in float64 from ``state`` [H, 128 value rows, 128 keys] on given
     (bf16) inputs [N, D]: ``o`` [N, H, 128] before its bf16 rounding, and ``err`` [N, H, 128],
     the most an fp32 evaluation of it in any order can be off: ``STEP_FP32`` times
     ``sum_k |S[r, k] q^[k]|`` plus ``scale`` times the sum over the steps so far of
     ``|S_r| + |v_r| + |v_new_r|`` (each step's roundings; a step maps a state row by
-    ``diag(decay) (I - beta k^ k^T)``, of norm <= 1, so earlier errors do not grow)."""
+    ``diag(decay) (I - beta k^ k^T)``, of norm <= 1, so earlier errors do not grow).
+    ``lower_bound`` None: the softplus gate; ``softplus_error``: its decay's error beyond
+    the fp32 roundings per unit of ``exp(A_log)`` (``TRITON_SOFTPLUS``), which adds
+    ``softplus_error exp(A_log) |S_r|`` per step."""
     H = state.shape[0]
     view = lambda t: t.double().view(-1, H, K)
     q, k, v, raw = view(qc), view(kc), view(vc), view(raw_g)
@@ -412,7 +479,11 @@ def exact_o(state, qc, kc, vc, raw_g, beta, sd, lower_bound):
     carried = torch.zeros(H, K, dtype=torch.float64)
     o, err = torch.zeros_like(q), torch.zeros_like(q)
     for t in range(q.shape[0]):
-        decay = torch.exp(lower_bound * torch.sigmoid(a * (raw[t] + dt)))
+        if lower_bound is None:  # torch's softplus: beta 1, x above 20
+            decay = torch.exp(-a * F.softplus(raw[t] + dt))
+            carried += S.norm(dim=-1) * a * (softplus_error / STEP_FP32)
+        else:
+            decay = torch.exp(lower_bound * torch.sigmoid(a * (raw[t] + dt)))
         kh = k[t] / torch.sqrt((k[t] ** 2).sum(-1, keepdim=True) + 1e-6)
         qh = q[t] / torch.sqrt((q[t] ** 2).sum(-1, keepdim=True) + 1e-6) * scale
         carried += S.norm(dim=-1)
@@ -496,13 +567,19 @@ def _adjacent(a, b, slack):
     return float(((a.double() - b.double()).abs() / (ulp + slack)).max())
 
 
-def compare(trace: Trace, sd, y_ours, z_ours, tp, *, lower_bound=LOWER_BOUND, eps=NORM_EPS):
+def compare(
+    trace: Trace, sd, y_ours, z_ours, tp, *, lower_bound=LOWER_BOUND, eps=NORM_EPS, triton=False
+):
     """The runtime's outputs (``y_ours`` [N, D] before ``o_proj``, every rank's columns;
     ``z_ours`` [N, HID] after) against fla's ``trace`` (CPU tensors): a dict of worst
     error / bound ratios (``inputs``: fla's recurrence inputs against ours, each a bf16
     rounding of nearly the same fp32 value; ``y``, ``z``), the fraction of ``y`` / ``z``
     bitwise fla's, the number of recurrence inputs rounded apart (``flips``) and the greedy
-    argmax of ``lm_head`` on ``z`` (``argmax_equal``, ``margin``: fla's smallest top-1 gap)."""
+    argmax of ``lm_head`` on ``z``: ``argmax_equal`` on every token the margin decides
+    (``TIE_SIGMAS``), ``ties`` the tokens it does not, ``argmax_all`` whether every token's
+    argmax is equal anyway, ``margin`` fla's smallest top-1 gap.
+    ``lower_bound`` None: the softplus gate; ``triton``: ``trace`` from fla's kernels (their
+    approximate softplus, ``TRITON_SOFTPLUS``), else from its naive functions."""
     sd = {n: t.detach().cpu() for n, t in sd.items()}
     H = sd["A_log"].numel()
     ours = our_inputs(trace, sd)
@@ -521,7 +598,8 @@ def compare(trace: Trace, sd, y_ours, z_ours, tp, *, lower_bound=LOWER_BOUND, ep
         worst = max(worst, _adjacent(a, b, slack))
     S0 = trace.recurrent_state[0]
     S0 = S0 if trace.v_first else S0.transpose(-1, -2)
-    o_f, err_f = exact_o(S0, *theirs, trace.beta, sd, lower_bound)
+    softplus_error = TRITON_SOFTPLUS if triton else 0.0  # fla's kernels: approximate softplus
+    o_f, err_f = exact_o(S0, *theirs, trace.beta, sd, lower_bound, softplus_error)
     o_o, err_o = exact_o(S0, *ours, trace.beta, sd, lower_bound)
     yb = y_bound(o_f, o_o, err_f + err_o, trace.y, y_ours, trace.gate, sd["o_norm.weight"], eps)
     y_ratio = (trace.y.double() - y_ours.double()).abs() / yb
@@ -530,6 +608,10 @@ def compare(trace: Trace, sd, y_ours, z_ours, tp, *, lower_bound=LOWER_BOUND, ep
     head = lm_head(hidden=trace.z.shape[1]).double()
     logits_f, logits_o = trace.z.double() @ head.T, z_ours.double() @ head.T
     top = logits_f.topk(2, dim=-1).values
+    margins = top[:, 0] - top[:, 1]
+    dz = (trace.z.double() - z_ours.double()).norm(dim=-1)
+    decided = margins > TIE_SIGMAS * math.sqrt(2) * dz
+    same = logits_f.argmax(-1) == logits_o.argmax(-1)
     return dict(
         inputs=worst,
         flips=flips,
@@ -537,7 +619,9 @@ def compare(trace: Trace, sd, y_ours, z_ours, tp, *, lower_bound=LOWER_BOUND, ep
         z=float(z_ratio.max()),
         y_exact=float((trace.y == y_ours).float().mean()),
         z_exact=float((trace.z == z_ours).float().mean()),
-        argmax_equal=bool((logits_f.argmax(-1) == logits_o.argmax(-1)).all()),
-        margin=float((top[:, 0] - top[:, 1]).min()),
+        argmax_equal=bool(same[decided].all()),
+        ties=int((~decided).sum()),
+        argmax_all=bool(same.all()),
+        margin=float(margins.min()),
         heads=H,
     )

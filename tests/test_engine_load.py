@@ -1,6 +1,8 @@
 """CPU tests of ``engine.load``: a rank's shard of a KDA layer's ``state_dict`` (fla's names,
 Kimi-Linear's), what it refuses (ValueError naming the key), the engine's step inputs, the
-hand-off of an fla prefill, and the same 16 decode tokens as fla at TP 1, 2 and 4.
+hand-off of an fla prefill, and the same 16 decode tokens as fla at TP 1, 2 and 4 (the
+lower-bound gate) and, for a Kimi-Linear-shaped layer (softplus gate, 32 heads, its names),
+at TP 1, 2, 4 and 8.
 
 The decode test runs fla's naive functions (``tests/_harness_fla.py``: fla-core 0.6.0, no
 triton) against the runtime's CPU path, the references ``DecodeLayer.step`` stands for
@@ -152,7 +154,9 @@ class _Kda(torch.nn.Module):
 @pytest.mark.parametrize(
     "attrs, kw, match",
     [
-        (dict(lower_bound=None), {}, "lower_bound = None: fla's softplus gate"),
+        (dict(lower_bound=None), dict(lower_bound=-5.0), r"lower_bound \(-5.0\) differs"),
+        (dict(lower_bound=None), dict(gate_form="lower-bound"), "gate_form .* differs"),
+        ({}, dict(gate_form="softplus"), "gate_form .* differs"),
         (dict(num_v_heads=2 * H), {}, "num_v_heads"),
         (dict(head_dim=64), {}, "head_dim"),
         (dict(allow_neg_eigval=True), {}, "allow_neg_eigval"),
@@ -172,8 +176,31 @@ def test_module_source_gives_its_scalars():
     module = _Kda(lower_bound=-3.0)
     module.o_norm.eps = 1e-6
     got = load_rank(module, rank=1, tp=2, pages=2)
-    assert (got.lower_bound, got.eps) == (-3.0, 1e-6)
+    assert (got.lower_bound, got.eps, got.gate_form) == (-3.0, 1e-6, "lower-bound")
     assert torch.equal(got.shard.f_b, _load(rank=1, tp=2).shard.f_b)
+    softplus = load_rank(_Kda(lower_bound=None), rank=1, tp=2, pages=2, gate_form="softplus")
+    assert (softplus.lower_bound, softplus.gate_form) == (None, "softplus")
+    assert torch.equal(softplus.shard.dt_bias, got.shard.dt_bias)
+
+
+def test_softplus_state_dict_and_its_refusals():
+    """A state_dict with ``gate_form="softplus"`` loads with no bound (Kimi-Linear's names,
+    A_log [1, 1, H, 1]); its ``DecodeLayer`` carries the form. A bound with it, no gate at
+    all, or an unknown form: ValueError naming the argument."""
+    kimi = fh.kimi_linear_names(_sd())
+    got = _load(kimi, prefix="model.layers.0.self_attn.", names=KIMI_LINEAR_NAMES,
+                lower_bound=None, gate_form="softplus", rank=1, tp=2)  # fmt: skip
+    assert (got.gate_form, got.lower_bound) == ("softplus", None)
+    assert torch.equal(got.shard.a_log, _sd()["A_log"][2:])
+    layer = got.decode_layer({}, norm=None, query=None, out_norm=None)
+    assert (layer.gate_form, layer.lower_bound) == ("softplus", None)
+    for kw, match in (
+        (dict(gate_form="softplus"), "lower_bound must be None with gate_form='softplus'"),
+        (dict(gate_form="relu"), "gate_form must be one of"),
+        (dict(lower_bound=None), "or gate_form='softplus'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _load(**kw)
 
 
 def test_fla_module_loads_as_its_state_dict():
@@ -273,20 +300,24 @@ def test_spec_conv_and_gate_are_the_references():
 
 
 @functools.cache
-def _fla_run():
-    sd, hs = fh.state_dict(), fh.hidden_states()
-    return sd, fh.cpu_fla(sd, hs)
+def _fla_run(heads=fh.HEADS, hidden=fh.HIDDEN, lower_bound=fh.LOWER_BOUND):
+    """fla's naive layer (``lower_bound`` None: the softplus gate) and its trace."""
+    sd = fh.state_dict(heads=heads, hidden=hidden, softplus=lower_bound is None)
+    hs = fh.hidden_states(hidden=hidden)
+    return sd, fh.cpu_fla(sd, hs, lower_bound=lower_bound)
 
 
-def host_decode(sd, trace: fh.Trace, tp: int):
+def host_decode(sd, trace: fh.Trace, tp: int, lower_bound=fh.LOWER_BOUND):
     """fla's decode tokens through TP ``tp`` ranks loaded from ``sd``, on the CPU path of
     ``DecodeLayer.step``: each rank's ``kda.reference.decode`` and producer
     (``oref.project``), then the consumer (``oref.consume``; a zero prefix, so the prefix
-    it returns is the o-projection). Returns (y [N, D], z [N, HID])."""
-    ranks = [
-        load_rank(sd, rank=r, tp=tp, pages=2, window=4, lower_bound=fh.LOWER_BOUND, eps=fh.NORM_EPS)
-        for r in range(tp)
-    ]
+    it returns is the o-projection). ``lower_bound`` None: the softplus gate, loaded from
+    ``sd`` under Kimi-Linear's names. Returns (y [N, D], z [N, HID])."""
+    source, kw = sd, dict(lower_bound=lower_bound, eps=fh.NORM_EPS)
+    if lower_bound is None:
+        source, prefix = fh.kimi_linear_names(sd), "model.layers.0.self_attn."
+        kw.update(gate_form="softplus", names=KIMI_LINEAR_NAMES, prefix=prefix)
+    ranks = [load_rank(source, rank=r, tp=tp, pages=2, window=4, **kw) for r in range(tp)]
     for r, rl in enumerate(ranks):
         admit_prefill(
             rl.shard,
@@ -322,6 +353,7 @@ def host_decode(sd, trace: fh.Trace, tp: int):
                 L.norm_weight,
                 L.f_b,
                 lower_bound=rl.lower_bound,
+                gate_form=rl.gate_form,
                 scale=rl.scale,
                 eps=rl.eps,
                 conv_dim_first=L.conv_dim_first,
@@ -343,7 +375,7 @@ def test_decode_matches_fla_naive(tp):
     ``tp`` takes fla's prefill state and conv windows and decodes the same 16: fla's
     recurrence inputs one rounding apart from ours, the outputs before and after ``o_proj``
     within ``y_bound`` / ``z_bound``, the greedy argmax of a 4096-word head equal on every
-    token."""
+    token its margin decides (``fh.TIE_SIGMAS``)."""
     pytest.importorskip("einops")
     if fh.fla_dir() is None:
         pytest.skip("fla-core 0.6.0 is not installed")
@@ -353,4 +385,24 @@ def test_decode_matches_fla_naive(tp):
     print(f"TP {tp}: {report}")
     assert report["inputs"] <= 1, report
     assert report["y"] <= 1 and report["z"] <= 1, report
-    assert report["argmax_equal"], report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report
+
+
+@pytest.mark.parametrize("hidden", [fh.KIMI_LINEAR_HIDDEN])  # 2304 where the o-proj takes it
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_kimi_linear_layer_matches_fla_naive(tp, hidden):
+    """A Kimi-Linear-shaped layer (the softplus gate, 32 heads, random weights, fla's
+    initial dt_bias) loaded under Kimi-Linear's names: as ``test_decode_matches_fla_naive``,
+    fla's naive layer (``naive_kda_gate``) against the runtime at TP ``tp``, the same bounds
+    and argmax check."""
+    pytest.importorskip("einops")
+    if fh.fla_dir() is None:
+        pytest.skip("fla-core 0.6.0 is not installed")
+    sd, trace = _fla_run(fh.KIMI_LINEAR_HEADS, hidden, None)
+    y, z = host_decode(sd, trace, tp, lower_bound=None)
+    report = fh.compare(trace, sd, y, z, tp, lower_bound=None)
+    print(f"Kimi-Linear TP {tp}, hidden {hidden}: {report}")
+    assert report["heads"] == 32 and z.shape[1] == hidden
+    assert report["inputs"] <= 1, report
+    assert report["y"] <= 1 and report["z"] <= 1, report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report

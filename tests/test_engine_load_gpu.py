@@ -1,6 +1,8 @@
 """GPU test: fla's own ``KimiDeltaAttention`` (flash-linear-attention 0.6.0, its Triton
 kernels) as the oracle of ``engine.load`` + ``DecodeLayer`` at TP 1, 2 and 4 (loopback:
-every rank on this GPU).
+every rank on this GPU), and of a Kimi-Linear-shaped layer (fla's softplus gate,
+``lower_bound=None``; 32 heads, ``fh.KIMI_LINEAR_HIDDEN``; loaded from its state_dict under
+Kimi-Linear's names) at TP 1, 2, 4 and 8.
 
 fla's layer (hidden 2048, 16 heads, lower-bound gate -5, conv biases; random weights under
 its key names, ``tests/_harness_fla.py``) prefills a 64-token prompt in chunk mode (fla
@@ -12,7 +14,8 @@ module, take fla's prefill state (fla's layer keeps it V-first, [value row, key]
 runtime) and conv windows (``admit_prefill``), and decode the same 16 tokens from the
 recorded projections. ``_harness_fla.compare``: fla's recurrence inputs one bf16 rounding
 apart from ours, the outputs within ``y_bound`` / ``z_bound`` (derived from both paths'
-rounding points), the greedy argmax of a random 4096-word head equal on every token.
+rounding points), the greedy argmax of a random 4096-word head equal on every token
+whose margin decides it (``fh.TIE_SIGMAS``: near-ties counted, at most a quarter).
 
 fla's GEMMs run with cuBLAS's reduced-precision (bf16) split-K reduction off, so that its
 ``f_proj`` and ``o_proj`` round once, as the bounds assume (the runtime's cuBLAS producer
@@ -29,7 +32,7 @@ import pytest
 import torch
 from shared_gpu import poll_budget_ns
 
-from engine import admit_prefill, all_reduces, load_rank, step_inputs
+from engine import KIMI_LINEAR_NAMES, admit_prefill, all_reduces, load_rank, step_inputs
 
 pytestmark = pytest.mark.gpu
 BUDGET_NS = poll_budget_ns(
@@ -53,29 +56,38 @@ def _fla_layer_class():
 
 
 @functools.cache
-def _fla_run():
-    """fla's layer on this GPU from the harness's weights, and its ``Trace``."""
+def _fla_run(heads=fh.HEADS, hidden=fh.HIDDEN, lower_bound=fh.LOWER_BOUND):
+    """fla's layer on this GPU from the harness's weights (``lower_bound`` None: the
+    softplus gate), and its ``Trace``."""
     _fla_layer_class()
-    return fh.gpu_fla(fh.state_dict(), fh.hidden_states())
+    weights = fh.state_dict(heads=heads, hidden=hidden, softplus=lower_bound is None)
+    return fh.gpu_fla(weights, fh.hidden_states(hidden=hidden), lower_bound=lower_bound)
 
 
-def runtime_decode(module, trace: fh.Trace, tp: int):
+def runtime_decode(module, trace: fh.Trace, tp: int, kimi_linear=False):
     """The trace's decode tokens through ``DecodeLayer`` ranks loaded from ``module`` on a
     loopback backend of ``tp`` ranks, one stream (TP 1: ``step``; else every rank's KDA and
     producer, then every consumer; a zero prefix, so the prefix left is the o-projection).
-    Outputs poisoned before each step; every rank's prefix bitwise equal. Returns (y [N, D],
-    z [N, HID])."""
+    ``kimi_linear``: loaded from the module's state_dict under Kimi-Linear's names (the
+    softplus gate named by ``gate_form``). Outputs poisoned before each step; every rank's
+    prefix bitwise equal. Returns (y [N, D], z [N, HID])."""
     from tpcomm.backends import make_backend
 
+    hidden, heads = module.o_proj.weight.shape[0], module.A_log.numel()
+    source, kw = module, {}
+    if kimi_linear:
+        prefix = "model.layers.0.self_attn."
+        source = fh.kimi_linear_names(module.state_dict(), prefix)
+        kw = dict(names=KIMI_LINEAR_NAMES, prefix=prefix, gate_form="softplus", eps=fh.NORM_EPS)
     backend = make_backend("loopback", world=tp)
     try:
         dev = backend.device
-        comms = all_reduces(backend, [1], fh.HIDDEN, 0, eps=1e-6, out_eps=1e-6, budget_ns=BUDGET_NS)
+        comms = all_reduces(backend, [1], hidden, 0, eps=1e-6, out_eps=1e-6, budget_ns=BUDGET_NS)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        ones = torch.ones(fh.HIDDEN, dtype=torch.bfloat16, device=dev)
+        ones = torch.ones(hidden, dtype=torch.bfloat16, device=dev)
         layers = []
         for r in range(tp):
-            rank = load_rank(module, rank=r, tp=tp, pages=2, window=4, device=dev)
+            rank = load_rank(source, rank=r, tp=tp, pages=2, window=4, device=dev, **kw)
             admit_prefill(rank.shard, 1, trace.recurrent_state, trace.windows, rank=r, tp=tp)
             layers.append(
                 rank.decode_layer(
@@ -83,10 +95,10 @@ def runtime_decode(module, trace: fh.Trace, tp: int):
                 )
             )
         bf = dict(dtype=torch.bfloat16, device=dev)
-        per = fh.HEADS // tp * 128
+        per = heads // tp * 128
         attns = [torch.empty(1, per, **bf) for _ in range(tp)]
-        prefixes = [torch.empty(1, fh.HIDDEN, **bf) for _ in range(tp)]
-        outputs = [torch.empty(1, fh.HIDDEN, **bf) for _ in range(tp)]
+        prefixes = [torch.empty(1, hidden, **bf) for _ in range(tp)]
+        outputs = [torch.empty(1, hidden, **bf) for _ in range(tp)]
         slots = torch.ones(1, dtype=torch.int32, device=dev)
         ys, zs = [], []
         for t in range(trace.q.shape[0]):
@@ -133,4 +145,22 @@ def test_decode_matches_fla_layer(tp):
     assert not torch.isnan(y).any() and not torch.isnan(z).any()
     assert report["inputs"] <= 1, report
     assert report["y"] <= 1 and report["z"] <= 1, report
-    assert report["argmax_equal"], report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report
+
+
+@pytest.mark.parametrize("hidden", [fh.KIMI_LINEAR_HIDDEN])  # 2304 where the o-proj takes it
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_kimi_linear_layer_matches_fla_layer(tp, hidden):
+    """A Kimi-Linear-shaped fla layer (softplus gate, 32 heads, random weights, fla's
+    initial dt_bias) prefills and decodes; ``DecodeLayer`` ranks loaded from its state_dict
+    under Kimi-Linear's names decode the same tokens at TP ``tp``: the checks of
+    ``test_decode_matches_fla_layer`` (the bound allows fla's approximate softplus)."""
+    layer, trace = _fla_run(fh.KIMI_LINEAR_HEADS, hidden, None)
+    y, z = runtime_decode(layer, trace, tp, kimi_linear=True)
+    report = fh.compare(trace.cpu(), layer.state_dict(), y, z, tp, lower_bound=None, triton=True)
+    print(f"Kimi-Linear TP {tp}, hidden {hidden}: {report}")
+    assert report["heads"] == 32 and z.shape[1] == hidden
+    assert not torch.isnan(y).any() and not torch.isnan(z).any()
+    assert report["inputs"] <= 1, report
+    assert report["y"] <= 1 and report["z"] <= 1, report
+    assert report["argmax_equal"] and report["ties"] <= fh.DECODE // 4, report

@@ -185,6 +185,7 @@ def check_fold(layer, slots, accepted, what):
         lower_bound=layer.lower_bound,
         slots=slots[keep],
         accepted=None if accepted is None else accepted[keep],
+        gate_form=layer.gate_form,
     )
     layer.fold(slots, accepted)
     torch.cuda.synchronize()
@@ -203,6 +204,8 @@ FOLD_CASES = [  # heads, R, accepted, lower_bound
     (3, 4, True, -2.0),
     (12, 8, True, -5.0),
     (6, 16, False, -8.0),
+    (6, 8, True, None),  # the softplus gate: KdaFold's fp64 softplus, bitwise the reference's
+    (3, 4, False, None),
 ]
 
 
@@ -211,6 +214,9 @@ def test_fold_kernel_is_the_reference_bitwise(case):
     heads, size, with_accepted, lower_bound = case
     layer = make_layer("replay", heads=heads, pages=12, ring_size=size, device=DEV)
     layer.lower_bound = lower_bound
+    layer.gate_form = "softplus" if lower_bound is None else "lower-bound"
+    if lower_bound is None:  # some raw gates past softplus's threshold, some far below
+        kt.extreme_dt_bias(layer.shard, seed=heads)
     random_ring(layer, 5, size)
     slots = i32(2, 0, 3, 7, -1, 9, 11, device=DEV)
     accepted = i32(1, 5, 2, 0, 1, 9, 3, device=DEV) if with_accepted else None

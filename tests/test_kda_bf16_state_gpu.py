@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kda_bf16_gpu import check_bf16_pages, to_bf16
-from test_kda_kernels_gpu import POISON, SCALARS, check_output
+from test_kda_kernels_gpu import POISON, SCALARS, check_output, gate
 from test_kda_recover_gpu import LOWER_BOUNDS, commit_pages, poison_past_accepted, recorded_step
 from test_kda_replay_gpu import copy_ring, run
 
@@ -30,9 +30,9 @@ def test_bf16_recover_matches_reference(H, B, T, pdl):
     before, want, pre = layer.state.clone(), layer.state.clone(), layer.state.float()
     args = (step.slots, *records, layer.a_log, layer.dt_bias, accepted, step.accepted)
     lower_bound = LOWER_BOUNDS[H % len(LOWER_BOUNDS)]
-    ref.recover(want, *args, lower_bound=lower_bound)
-    ref.recover(pre, *args, lower_bound=lower_bound)
-    kda.recover(layer.state, *args, lower_bound=lower_bound, pdl=pdl)
+    ref.recover(want, *args, **gate(lower_bound))
+    ref.recover(pre, *args, **gate(lower_bound))
+    kda.recover(layer.state, *args, **gate(lower_bound), pdl=pdl)
     torch.cuda.synchronize()
     written = commit_pages(step.slots, step.accepted.cpu(), accepted.cpu())
     assert written, "nothing committed"

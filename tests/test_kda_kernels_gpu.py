@@ -1,11 +1,13 @@
-"""GPU tests of kda.decode (KdaWide, KdaStream, KdaSplit) against kda.reference.decode.
+"""GPU tests of kda.decode (KdaWide, KdaStream, KdaPipe, KdaSplit) against kda.reference.decode.
 
 Outputs are poisoned before each launch; outputs must be within 1 bf16 ulp in the
 SPEC's sense (one ulp of ``o`` more only where the reference's fp32 ``o`` lies within its
 dot's error bound of a bf16 midpoint), state pages within 1e-5 of the page's max |ref|,
 conv pages bitwise equal to the reference's, state pages not written by the step bitwise
 unchanged. ``lower_bound``, ``scale`` and ``eps`` vary (``SCALARS``, by seed) on layers with
-small-rms rows; the conv window is T + 2 + seed % 3 wide. PDL runs right after an
+small-rms rows, and so does the gate's form: ``lower_bound`` None is the softplus gate
+(Kimi-Linear's), whose layers get dt_bias values past softplus's threshold and far below
+(``kt.extreme_dt_bias``). The conv window is T + 2 + seed % 3 wide. PDL runs right after an
 early-releasing predecessor kernel (``tests/pdl_predecessor.py``) that writes the step's
 inputs late. Each case prints its fraction of outputs at exactly 0 ulp (``-s``).
 """
@@ -27,8 +29,20 @@ POISON = float("nan")
 NEAR_FACTOR = 16
 NEAR_ULPS = 4
 # (lower_bound, scale, eps): the model's, and values a constant in a kernel cannot match;
-# eps = 2e-3 dominates mean(o^2) of the small-rms rows (``small_rows``).
-SCALARS = [(kl.LOWER_BOUND, kl.SCALE, kl.EPS), (-2.0, 0.3, 2e-3), (-8.0, 0.05, 5e-4)]
+# eps = 2e-3 dominates mean(o^2) of the small-rms rows (``small_rows``); lower_bound None:
+# the softplus gate (``gate``).
+SCALARS = [
+    (kl.LOWER_BOUND, kl.SCALE, kl.EPS),
+    (-2.0, 0.3, 2e-3),
+    (-8.0, 0.05, 5e-4),
+    (None, 0.2, 1e-3),
+]
+
+
+def gate(lower_bound):
+    """The KDA entries' gate keywords of a ``SCALARS`` bound: None is the softplus gate."""
+    form = "softplus" if lower_bound is None else "lower-bound"
+    return dict(lower_bound=lower_bound, gate_form=form)
 
 
 def bf16_ulp(ref):
@@ -135,7 +149,7 @@ def call_kernel(layer, step, kernel, records=None, gate_mode=3, pdl=False, clust
     kda.decode(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=lower_bound, scale=scale, eps=eps,
+        layer.f_b, **gate(lower_bound), scale=scale, eps=eps,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, records=records,
         kernel=kernel, cluster=cluster, pdl=pdl, out=out,
         **({} if gate_mode is None else {"gate_mode": gate_mode}),
@@ -149,7 +163,7 @@ def reference(layer, step, records=None, scalars=SCALARS[0], raw_gate=None):
     o32 = torch.zeros(step.x.shape[0], layer.heads * 128, device=step.x.device)
     o_abs = torch.zeros_like(o32)
     lower_bound, scale, eps = scalars
-    out = kt.run_reference(layer, step, records=records, lower_bound=lower_bound, scale=scale,
+    out = kt.run_reference(layer, step, records=records, **gate(lower_bound), scale=scale,
                            eps=eps, o_fp32=o32, o_abs=o_abs, raw_gate=raw_gate)  # fmt: skip
     return out, (o32, o_abs)
 
@@ -201,7 +215,8 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
              scalars=None):  # fmt: skip
     """One step, kernel against reference. The conv window is ``T + 2 + seed % 3`` wide (so
     positions past T + 1 exist and must stay untouched); ``scalars`` defaults to
-    ``SCALARS[seed % 3]``; requests 1, 4, ... have small-rms rows."""
+    ``SCALARS[seed % 4]`` (4: the softplus gate, with extreme dt_bias values); requests 1,
+    4, ... have small-rms rows."""
     device = "cuda"
     pages = 1 + B * T + 4
     scalars = SCALARS[seed % len(SCALARS)] if scalars is None else scalars
@@ -209,6 +224,8 @@ def run_case(H, B, T, *, dim_first, bias, record, padding, kernel, gate_mode=0,
                           bias=bias, conv_dtype=conv_dtype, seed=seed, device=device)  # fmt: skip
     step = kt.make_step(B, T, H, pages=pages, padding=padding, seed=seed + 1, device=device)
     small_rows(layer, step)
+    if scalars[0] is None:
+        kt.extreme_dt_bias(layer, seed)
     if gate_mode in (0, 1):  # the seed orders on unquantised inputs: test_kda_gate_gpu.py
         quantize_gate_inputs(layer, step)
     if holes and T > 1:
@@ -289,7 +306,8 @@ EVERY_KERNEL_IDS = ["wide", "stream", "pipe", "split2", "split4", "split8"]
                                            int(c[5])) for i, c in enumerate(CASES)],
 )  # fmt: skip
 def test_decode_matches_reference(kernel, seed, case):
-    """The case's index is its seed: window T + 2 + seed % 3, scalars SCALARS[seed % 3]."""
+    """The case's index is its seed: window T + 2 + seed % 3, scalars SCALARS[seed % 4]
+    (seeds 3, 7, ...: the softplus gate)."""
     H, B, T, dim_first, bias, record, padding, gate_mode, conv_dtype, holes = case
     record = record and kernel != "pipe"  # KdaPipe has no record mode: the step alone
     run_case(H, B, T, dim_first=dim_first, bias=bias, record=record, padding=padding,

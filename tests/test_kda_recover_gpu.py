@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kda_kernels_gpu import POISON, check_state, make_records
+from test_kda_kernels_gpu import POISON, check_state, gate, make_records
 
 from kda import layer as kl
 from kda import synthetic as kt
 
 pytestmark = pytest.mark.gpu
-LOWER_BOUNDS = (kl.LOWER_BOUND, -2.0, -8.0)
+LOWER_BOUNDS = (kl.LOWER_BOUND, -2.0, -8.0, None)  # None: the softplus gate
 
 
 def recorded_step(H, B, T, *, padding=(), seed=0, extra_columns=0, holes=False):
@@ -73,8 +73,8 @@ def run_recover(H, B, T, accepted, *, padding=(), seed=0, extra_columns=0, holes
     ref_state = layer.state.clone()
     args = (step.slots, *records, layer.a_log, layer.dt_bias, accepted, step.accepted)
     lower_bound = LOWER_BOUNDS[seed % len(LOWER_BOUNDS)]  # a constant in the kernel fails
-    reference.recover(ref_state, *args, lower_bound=lower_bound)
-    kda.recover(layer.state, *args, lower_bound=lower_bound)
+    reference.recover(ref_state, *args, **gate(lower_bound))
+    kda.recover(layer.state, *args, **gate(lower_bound))
     torch.cuda.synchronize()
     written = commit_pages(step.slots, step.accepted.cpu(), accepted.cpu())
     check_state(layer.state, ref_state, before, written)

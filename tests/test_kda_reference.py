@@ -19,7 +19,8 @@ def _f32(v):
 def naive_step(layer, step, lower_bound, scale, eps, records=False):
     """Per (request, head, token) float64 loop of the SPEC's step, written from the SPEC:
     fp32 roundings where the SPEC names an fp32 operation (the conv FMAs, the SiLU, the raw
-    gate's sum), bf16 where it rounds to bf16, float64 elsewhere. Returns (output, state,
+    gate's sum), bf16 where it rounds to bf16, float64 elsewhere; ``lower_bound`` None: the
+    softplus gate ``exp(-exp(a_log) softplus(raw + dt_bias))``. Returns (output, state,
     conv_state, o, sum |S q|) as new tensors; ``o`` the float64 value before its bf16
     rounding."""
     state = layer.state.double().clone()
@@ -73,10 +74,12 @@ def naive_step(layer, step, lower_bound, scale, eps, records=False):
                 fa = step.f_a[row].double()
                 raw = torch.tensor([bf(_f32(float(fa @ layer.f_b[h * 128 + c].double())))
                                     for c in range(128)], dtype=torch.float64)  # fmt: skip
-                g = math.exp(float(layer.a_log[h])) * (
-                    raw + layer.dt_bias[h * 128 : h * 128 + 128].double()
-                )
-                decay = torch.exp(lower_bound * torch.sigmoid(g))
+                x = raw + layer.dt_bias[h * 128 : h * 128 + 128].double()
+                a = math.exp(float(layer.a_log[h]))
+                if lower_bound is None:  # torch's softplus: beta 1, x above 20
+                    decay = torch.exp(-a * torch.nn.functional.softplus(x))
+                else:
+                    decay = torch.exp(lower_bound * torch.sigmoid(a * x))
                 q, k, v = qkv[0, t], qkv[1, t], qkv[2, t]
                 qn = q / math.sqrt(float(q @ q) + 1e-6) * scale
                 kn = k / math.sqrt(float(k @ k) + 1e-6)
@@ -112,6 +115,9 @@ FLOAT64_CASES = [  # T, conv dim-first, bias, conv dtype, (lower_bound, scale, e
     (1, True, True, torch.bfloat16, (-5.0, 128**-0.5, 1e-6)),
     (2, False, False, torch.float32, (-2.0, 0.3, 2e-3)),
     (3, True, False, torch.float32, (-8.0, 0.05, 5e-4)),
+    # lower_bound None: the softplus gate, some of its inputs past softplus's threshold
+    (1, False, True, torch.bfloat16, (None, 128**-0.5, 1e-6)),
+    (3, True, True, torch.float32, (None, 0.3, 2e-3)),
 ]
 
 
@@ -128,12 +134,16 @@ def test_against_float64_loop(T, dim_first, bias, conv_dtype, scalars):
     layer = kt.make_layer(
         H, pages, conv_dim_first=dim_first, bias=bias, conv_dtype=conv_dtype, seed=1
     )
+    gate_form = "softplus" if lower_bound is None else "lower-bound"
+    if gate_form == "softplus":
+        kt.extreme_dt_bias(layer, seed=T)
     step = kt.make_step(B, T, H, pages=pages, padding=(1,), seed=2)
     for t in range(T):  # request 2's pages: o ~ 1e-4, mean(o^2) below eps
         layer.state[int(step.slots.view(B, -1)[2, t])] *= 2.0**-10
     ref_out, ref_state, ref_conv, o64, o_abs = naive_step(layer, step, lower_bound, scale, eps)
     got_layer = layer.clone()
-    out = kt.run_reference(got_layer, step, lower_bound=lower_bound, scale=scale, eps=eps)
+    scalars = dict(lower_bound=lower_bound, scale=scale, eps=eps, gate_form=gate_form)
+    out = kt.run_reference(got_layer, step, **scalars)
     g, r = out.float().view(B * T, H, 128), ref_out.float().view(B * T, H, 128)
     o = o64.view(B * T, H, 128)
     ulp_o = torch.exp2(torch.floor(torch.log2(o.abs().clamp_min(2.0**-126))) - 7)
@@ -190,17 +200,18 @@ def test_verify_equals_single_token_steps(T):
         )
 
 
-@pytest.mark.parametrize("T", [2, 5])
-def test_record_and_recover_equal_direct_verify(T):
+@pytest.mark.parametrize("T, gate_form", [(2, "lower-bound"), (5, "lower-bound"), (4, "softplus")])
+def test_record_and_recover_equal_direct_verify(T, gate_form):
     B, H = 4, 2
     layer, step = _inputs(T, B, H, padding=(2,))
-    lb = -2.0  # not the model's -5: a recover that hard-codes it differs
+    # not the model's -5: a recover that hard-codes it differs (softplus: no bound)
+    gate = dict(gate_form=gate_form, lower_bound=-2.0 if gate_form == "lower-bound" else None)
     direct = layer.clone()
-    out_d = kt.run_reference(direct, step, lower_bound=lb)
+    out_d = kt.run_reference(direct, step, **gate)
     recorded = layer.clone()
     v_rec = torch.full((B, H, T, 128), float("nan"))
     kg_rec = torch.full((B, H, T, 256), float("nan"), dtype=torch.bfloat16)
-    out_r = kt.run_reference(recorded, step, records=(v_rec, kg_rec), lower_bound=lb)
+    out_r = kt.run_reference(recorded, step, records=(v_rec, kg_rec), **gate)
     assert torch.equal(out_r, out_d)
     assert torch.equal(recorded.state, layer.state)  # record mode writes no state
     assert torch.equal(recorded.conv_state, direct.conv_state)  # conv written in record mode
@@ -208,7 +219,7 @@ def test_record_and_recover_equal_direct_verify(T):
     n = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
     R.recover(
         recorded.state, step.slots, v_rec, kg_rec, layer.a_log, layer.dt_bias, n, step.accepted,
-        lower_bound=lb,
+        **gate,
     )  # fmt: skip
     touched = set()
     for b in range(B):

@@ -59,27 +59,37 @@ def check_states(state, want, pages):
         assert err <= 1e-5 * scale, f"page {p}: {err:.3g} vs max {scale:.3g}"
 
 
+def gate(lower_bound):
+    """The entries' gate keywords: ``lower_bound`` None is the softplus gate."""
+    return dict(
+        lower_bound=lower_bound, gate_form="softplus" if lower_bound is None else "lower-bound"
+    )
+
+
 def call(fn, layer, state, conv, step, **kw):
     return fn(
         step.x, layer.conv_weight, layer.conv_bias, conv, step.f_a, step.beta, layer.a_log,
         layer.dt_bias, step.slots, state, step.gate, layer.norm_weight, layer.f_b,
-        lower_bound=kw.pop("lower_bound", kl.LOWER_BOUND), scale=kl.SCALE, eps=kl.EPS,
+        **gate(kw.pop("lower_bound", kl.LOWER_BOUND)), scale=kl.SCALE, eps=kl.EPS,
         accepted=step.accepted, conv_dim_first=layer.conv_dim_first, **kw,
     )  # fmt: skip
 
 
 def materialized(layer, state, ring, lower_bound=kl.LOWER_BOUND, **kw):
     out, copy = state.clone(), Ring(*(t.clone() for t in ring))
-    ref.materialize(out, copy, layer.a_log, layer.dt_bias, lower_bound=lower_bound, **kw)
+    ref.materialize(out, copy, layer.a_log, layer.dt_bias, **gate(lower_bound), **kw)
     return out
 
 
-@pytest.mark.parametrize("size, lower_bound", [(4, -5.0), (16, -1.5)])
+@pytest.mark.parametrize("size, lower_bound", [(4, -5.0), (16, -1.5), (8, None)])
 def test_decode_matches_per_step(size, lower_bound):
     """T = 1 for 64 steps: padding rows, requests leaving and joining (a fresh slot: zero
-    page, empty ring, zero conv page), ring wrap-arounds."""
+    page, empty ring, zero conv page), ring wrap-arounds. ``lower_bound`` None: the
+    softplus gate, some raw gates past its threshold."""
     B, pages = 3, 7
     layer = kt.make_layer(H, pages, window=3, seed=size)
+    if lower_bound is None:
+        kt.extreme_dt_bias(layer, seed=size)
     state, conv = layer.state.clone(), layer.conv_state.clone()  # the replay path's pools
     ring = make_ring(state, size)
     g = torch.Generator().manual_seed(size)

@@ -26,6 +26,7 @@ from test_kda_kernels_gpu import (
     SCALARS,
     bf16_ulp,
     check_output,
+    gate,
     o_error_bound,
     quantize_gate_inputs,
     replay_after_predecessor,
@@ -44,7 +45,7 @@ def run(fn, layer, step, ring, scalars, **kw):
     return fn(
         step.x, layer.conv_weight, layer.conv_bias, layer.conv_state, step.f_a, step.beta,
         layer.a_log, layer.dt_bias, step.slots, layer.state, step.gate, layer.norm_weight,
-        layer.f_b, lower_bound=lower_bound, scale=scale, eps=eps, accepted=step.accepted,
+        layer.f_b, **gate(lower_bound), scale=scale, eps=eps, accepted=step.accepted,
         conv_dim_first=layer.conv_dim_first, ring=ring, **kw,
     )  # fmt: skip
 
@@ -131,6 +132,9 @@ CASES = [
     (6, 8, 1, True, True, 3, True, 1),
     (12, 16, 1, False, False, 3, False, 2),
     (3, 4, 4, False, True, 3, True, 0),
+    # the softplus gate (SCALARS[3]), past its threshold on some channels
+    (6, 4, 1, True, True, 3, False, 3),
+    (3, 8, 4, False, True, 3, True, 3),
 ]
 
 
@@ -172,6 +176,8 @@ def test_replay_matches_reference(case):
     pages = 1 + B * T + 3
     layer = kt.make_layer(H, pages, window=T + 2 + which, conv_dim_first=dim_first, bias=bias,
                           seed=size + T, device="cuda")  # fmt: skip
+    if scalars[0] is None:  # the softplus gate: some raw gates past its threshold
+        kt.extreme_dt_bias(layer, seed=size)
     ring = make_ring(layer.state, size)
     g = torch.Generator().manual_seed(size + T)
     table = 1 + torch.arange(B * T, dtype=torch.int32).view(B, T)
@@ -369,13 +375,14 @@ def check_close_outputs(got, want, o32):
     return (err != 0).float().mean().item()
 
 
-@pytest.mark.parametrize("size, dim_first", [(8, True), (4, False)])
-def test_replay_tracks_per_step_kernel(size, dim_first):
+@pytest.mark.parametrize("size, dim_first, which", [(8, True, 0), (4, False, 0), (4, True, 3)])
+def test_replay_tracks_per_step_kernel(size, dim_first, which):
     """300 free-running steps of the replay kernel beside kda.decode (KdaWide) on the same
     inputs; every 50 steps the replay pools are materialised (``kda.reference.materialize``
-    on a copy) and compared with the per-step state."""
+    on a copy) and compared with the per-step state. ``which``: the ``SCALARS`` (3: the
+    softplus gate)."""
     H, B, pages = 3, 4, 6
-    scalars = SCALARS[0]
+    scalars = SCALARS[which]
     per_step = kt.make_layer(H, pages, window=3, conv_dim_first=dim_first, seed=11, device="cuda")
     layer = per_step.clone()
     ring = make_ring(layer.state, size)
@@ -388,11 +395,11 @@ def test_replay_tracks_per_step_kernel(size, dim_first):
         lower_bound, scale, eps = scalars
         # The per-step reference's fp32 o on the per-step pools before the step.
         probe, o32 = per_step.clone(), torch.zeros(B, H * 128, device="cuda")
-        kt.run_reference(probe, step, lower_bound=lower_bound, scale=scale, eps=eps, o_fp32=o32)
+        kt.run_reference(probe, step, **gate(lower_bound), scale=scale, eps=eps, o_fp32=o32)
         kda.decode(
             step.x, per_step.conv_weight, per_step.conv_bias, per_step.conv_state, step.f_a,
             step.beta, per_step.a_log, per_step.dt_bias, step.slots, per_step.state, step.gate,
-            per_step.norm_weight, per_step.f_b, lower_bound=lower_bound, scale=scale, eps=eps,
+            per_step.norm_weight, per_step.f_b, **gate(lower_bound), scale=scale, eps=eps,
             conv_dim_first=dim_first, kernel="wide", gate_mode=3, out=want,
         )  # fmt: skip
         got = torch.full_like(want, POISON)
@@ -402,7 +409,7 @@ def test_replay_tracks_per_step_kernel(size, dim_first):
         if n % 50 == 49:
             state = layer.state.clone()
             ref.materialize(state, copy_ring(ring), layer.a_log, layer.dt_bias,
-                            lower_bound=lower_bound)  # fmt: skip
+                            **gate(lower_bound))  # fmt: skip
             for p in range(1, B + 1):
                 top = per_step.state[p].abs().max().item()
                 err = (state[p] - per_step.state[p]).abs().max().item()

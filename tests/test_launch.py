@@ -234,3 +234,45 @@ def test_moe_problems_names_the_failing_part():
     assert "copies" not in got and "[0, 0, 0], [8, 0, 1]" in got and "quota 3" in got, got
     waiters.poison(bk)
     assert (xmoe.view(torch.int16) == POISON_BITS).all() and torch.isnan(moe_in).all()
+
+
+@pytest.mark.parametrize("kda_state", ["per-step", "replay"])
+def test_job_layer_takes_the_gate(kda_state):
+    """``Config(gate="softplus")``: the ranks' and the unsharded layer's KDA steps are the
+    reference's with the softplus gate (not the lower-bound one), a recorded verify step's
+    recover and replay's ring included, and the ranks' outputs are the unsharded layer's."""
+    import torch
+
+    from kda import layer as kl
+    from kda import synthetic as kt
+    from launch.layer import Config, Model, Schedule, Unsharded
+
+    cfg = Config(tp=2, heads=4, hidden=1024, requests=2, tokens=2, blocks=0, steps=3,
+                 kda_state=kda_state, gate="softplus")  # fmt: skip
+    model, schedule = Model(cfg), Schedule(cfg)
+    unsharded, ranks = Unsharded(model), [model.shard(r) for r in range(cfg.tp)]
+    lower = model.fresh_layer()
+    for _ in range(3):
+        plan = schedule.next()
+        step, _, _ = model.step_inputs(plan)
+        want, _ = unsharded.attention(plan, step)
+        got = torch.cat([r.attention(plan, step) for r in ranks], dim=1)
+        assert torch.equal(got, want)
+        other = kt.run_reference(lower, step, **kl.gate_scalars("lower-bound"))
+        assert not torch.equal(other, want), "the lower-bound gate's outputs"
+    with pytest.raises(ValueError, match="gate must be one of"):
+        Config(tp=2, heads=4, hidden=1024, requests=2, tokens=2, blocks=0, steps=1,
+               gate="relu").validate()  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kda_state", ["per-step", "replay"])
+def test_torchrun_softplus_gate(tmp_path, kda_state):
+    """--gate softplus (Kimi-Linear's decay), TP 2: every check of the job, the report's
+    configuration says the gate."""
+    out = tmp_path / "softplus.json"
+    p, lines = torchrun(2, "--heads", "4", *SMALL, "--gate", "softplus",
+                        "--kda-state", kda_state, "--json", str(out))  # fmt: skip
+    report = read_report(out, p, lines)
+    assert report["config"]["gate"] == "softplus" and "gate softplus" in p.stdout
+    assert report["checks"]["kda outputs == unsharded (bitwise)"]["of"] == 4

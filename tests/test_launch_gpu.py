@@ -99,6 +99,24 @@ def test_loopback_replay(tmp_path, tokens, ring, launches):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kda_state", ["per-step", "replay"])
+def test_loopback_softplus_gate(tmp_path, kda_state):
+    """--gate softplus (Kimi-Linear's decay) through the ranks' DecodeLayers: every check
+    against the unsharded softplus reference (per-step: recorded verify steps recovered;
+    replay: rings folded, then materialised)."""
+    out = tmp_path / "softplus.json"
+    p, lines = run_decode(
+        "--backend", "loopback", "--tp", "2", "--heads", "4", "--hidden", "1024",
+        "--requests", "2", "--tokens", "3", "--blocks", "2", "--steps", "7", "--ring", "4",
+        "--gate", "softplus", "--kda-state", kda_state, "--json", str(out),
+    )  # fmt: skip
+    report = assert_ok(p, lines, out)
+    assert report["config"]["gate"] == "softplus" and "gate softplus" in p.stdout
+    assert report["checks"]["kda outputs vs unsharded (1 ulp + o's flip)"]["of"] == 7
+    print(p.stdout)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("launches", ["per-rank", "both"])
 def test_loopback_tp16(tmp_path, launches):
     out = tmp_path / "tp16.json"

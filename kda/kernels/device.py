@@ -15,9 +15,14 @@ Numerics (the reference's rounding points; only fp32 reduction order differs):
   quotient lies within ``SILU_MARGIN`` fp32 ulps of a bf16 rounding midpoint (where the
   fast exp's 2-ulp error could flip the bf16 bit) is it recomputed with ``exp`` evaluated
   in fp64 and rounded once to fp32, as the reference does (a rare, divergent branch);
-- decay ``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))`` and the sigmoids
-  with the fast fp32 ``exp`` (within a few fp32 ulps of the reference: state and outputs
-  are compared with tolerances, and the recover kernel uses the same function);
+- decay ``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))`` (or, the kernels'
+  compile-time ``gate_form`` "softplus", ``exp(-exp(a_log) * softplus(raw_g + dt_bias))``,
+  softplus ``x`` above 20 else ``log1p(exp(x))``: libdevice's ``log1pf``, within 1-2 ulp,
+  so no ``1 + exp(x)`` cancels) and the sigmoids with the fast fp32 ``exp`` (within a few
+  fp32 ulps of the reference: state and outputs are compared with tolerances, and the
+  recover kernel uses the same function). The decay's absolute error stays a few fp32
+  ulps in either form: a relative error e of the log-decay ``g <= 0`` moves ``exp(g)`` by
+  ``exp(g) |g| e <= e / 2.7``; ``raw_g`` and ``raw_g + dt_bias`` are the reference's bits;
 - ``rsqrt(s)`` as ``1 / sqrt(s)`` (both correctly rounded);
 - recurrence products with ``fma2`` / ``mul2`` on pairs of keys: Blackwell's packed
   ``fma.rn.f32x2`` / ``mul.rn.f32x2`` when ``packed`` (sm_100a), else two scalar
@@ -51,7 +56,21 @@ from tpcomm.cuteutil import (
 )
 
 from ..dispatch import CTAS_PER_SM, GATE_ERROR, GATE_FLOOR, GATE_MODES, has_packed_fma  # noqa: F401  (re-exported to the kernels)
-from ..validate import HEAD_DIM  # noqa: F401  (re-exported to the kernels)
+from ..validate import GATE_FORMS, HEAD_DIM  # noqa: F401  (HEAD_DIM: re-exported)
+from .scalar import (  # noqa: F401  (the scalar math, re-exported to the kernels)
+    SILU_MARGIN,
+    SOFTPLUS_THRESHOLD,
+    add_rn,
+    decay,
+    exp_f32,
+    exp_f32_exact,
+    f32_bits,
+    rsqrt_f32,
+    sigmoid,
+    silu_bf16,
+    softplus,
+    to_bf16_f32,
+)
 
 THREADS = 256  # 8 warps per item
 LANES = 4  # threads per state row
@@ -64,6 +83,14 @@ ACCUMULATORS = 4  # pairs of partial dot-product sums per row
 # widened to fp32 when loaded (exact) and rounded to nearest-even once when stored
 # (``cvt.rn.bf16x2.f32``); four keys of a row are 16 bytes of an fp32 page, 8 of a bf16 one.
 STATE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def softplus_gate(gate_form: str) -> bool:
+    """Whether a kernel's ``gate_form`` (``kda.validate.GATE_FORMS``) is the softplus gate
+    (``decay``'s trace-time switch); ValueError naming ``gate_form`` else."""
+    if gate_form not in GATE_FORMS:
+        raise ValueError(f"gate_form must be one of {GATE_FORMS}; got {gate_form!r}")
+    return gate_form == "softplus"
 
 
 def state_bytes(state_dtype: str) -> int:
@@ -230,66 +257,6 @@ def apply_record(h, d4, k4, v, packed: bool):
         h[2 * p], h[2 * p + 1] = pair[0], pair[1]
 
 
-def to_bf16_f32(value):
-    """Round an fp32 value to bf16 (nearest even) and back."""
-    return Float32(BFloat16(value))
-
-
-SILU_MARGIN = 16  # fp32 ulps around a bf16 midpoint where the SiLU takes the exact path
-
-
-def exp_f32(value):
-    """Fast fp32 ``exp`` (CUDA's ``expf``: within 2 ulp)."""
-    return cute.math.exp(Float32(value))
-
-
-def exp_f32_exact(value):
-    """``exp`` rounded once to fp32 from an fp64 evaluation: the reference's ``_exp``."""
-    return Float32(cute.math.exp(Float64(value)))
-
-
-def f32_bits(value):
-    """The 32 bits of an fp32 value as Int32 (no memory access)."""
-    return cute.arch.inline_ptx(
-        "mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[Float32(value)]
-    )
-
-
-def add_rn(a, b):
-    """``a + b`` as ``add.rn.f32``: never contracted into an FMA with the product that
-    feeds it (the reference rounds the product first, e.g. ``1 + exp(-x)``)."""
-    return cute.arch.inline_ptx(
-        "add.rn.f32 {$w0}, {$r0}, {$r1};",
-        write_only_types=[Float32],
-        read_only_args=[Float32(a), Float32(b)],
-    )
-
-
-def sigmoid(value):
-    """``1 / (1 + exp(-x))``."""
-    return Float32(1.0) / add_rn(Float32(1.0), exp_f32(-value))
-
-
-@cute.jit
-def silu_bf16(value: Float32) -> Float32:
-    """The convolution's SiLU ``x / (1 + exp(-x))``, rounded to bf16 (returned as fp32),
-    bit for bit the reference's (fp64-evaluated exp): the fast quotient is within a few
-    ulps of the exact one, so its bf16 rounding can only differ when it lies within
-    ``SILU_MARGIN`` ulps of a midpoint (low 16 bits near 0x8000); then recompute exactly."""
-    x = Float32(value)
-    y = x / add_rn(Float32(1.0), exp_f32(-x))
-    low = f32_bits(y) & Int32(0xFFFF)
-    near = (low - Int32(0x8000) <= Int32(SILU_MARGIN)) & (Int32(0x8000) - low <= Int32(SILU_MARGIN))
-    if near:
-        y = x / add_rn(Float32(1.0), exp_f32_exact(-x))
-    return to_bf16_f32(y)
-
-
-def rsqrt_f32(value):
-    """``1 / sqrt(x)`` with both operations correctly rounded."""
-    return Float32(1.0) / cute.math.sqrt(value)
-
-
 @cute.jit
 def normalize_rows(rows: cute.Tensor, sums: cute.Tensor, count, n: cutlass.Constexpr):
     """``rows[i] *= rsqrt(sum rows[i]^2 + 1e-6)`` in place for the ``n`` rows of a head's
@@ -307,14 +274,25 @@ def normalize_rows(rows: cute.Tensor, sums: cute.Tensor, count, n: cutlass.Const
 
 
 @cute.jit
-def stage_records(op, head, count, n: cutlass.Constexpr, rows, kg, v=None, keys_past=True):
+def stage_records(
+    op,
+    head,
+    count,
+    n: cutlass.Constexpr,
+    rows,
+    kg,
+    v=None,
+    keys_past=True,
+    softplus_gate: cutlass.Constexpr = False,
+):
     """Records j < ``n`` of a head decoded into shared (KdaRecover's tokens, KdaReplay's
     ring entries): k as fp32 into ``s_k[j, channel]`` (threads 0-127, per-warp sums of
     k^2 into ``sums[j, warp]``), the decay of the bf16 raw gate into ``s_decay`` and
     v_new (``v(j, channel)``; None: in place already) into ``s_v`` (threads 128-255); the
     neutral record (decay 1, v_new +0) past ``count``. ``rows``: (s_k, s_decay, s_v,
     sums); ``kg(j, column)``: column ``column`` of record j's k | raw gate (bf16);
-    ``keys_past``: k read past ``count`` too (else +0 there)."""
+    ``keys_past``: k read past ``count`` too (else +0 there); ``softplus_gate``: the
+    decay's form (``decay``)."""
     tid, _, _ = cute.arch.thread_idx()
     lane, warp, channel, section = thread_layout(tid)
     s_k, s_decay, s_v, sums = rows
@@ -336,17 +314,12 @@ def stage_records(op, head, count, n: cutlass.Constexpr, rows, kg, v=None, keys_
         for j in cutlass.range_constexpr(n):
             if j < count:
                 raw_g = Float32(kg(j, HEAD_DIM + channel))
-                s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound)
+                s_decay[j, channel] = decay(a, raw_g, dt, op.lower_bound, softplus_gate)
                 if cutlass.const_expr(v is not None):
                     s_v[j, channel] = Float32(v(j, channel))
             else:
                 s_decay[j, channel] = Float32(1.0)
                 s_v[j, channel] = Float32(0.0)
-
-
-def decay(a_log, raw_g, dt, lower_bound):
-    """``exp(lower_bound * sigmoid(exp(a_log) * (raw_g + dt_bias)))``."""
-    return exp_f32(lower_bound * sigmoid(exp_f32(a_log) * (raw_g + dt)))
 
 
 def tree_sum(values):
@@ -495,6 +468,7 @@ class GateTile(NamedTuple):
     # ``rows(t, feature)``: the lane's words of f_a row t and of the head's f_b row
     # ``feature`` (batched rounds only; None: from global memory; KdaPipe: shared copies)
     rows: object = None
+    softplus_gate: bool = False  # the decay's form (``decay``)
 
 
 @cute.jit
@@ -522,7 +496,7 @@ def settle_each(op, lane, flags, where: GateTile):
     """``settle_gate`` lane by lane (lowest first), a lane's flagged accumulators in turn:
     each value's f_a and f_b rows loaded and summed alone; the owner reloads a_log and its
     dt_bias (no registers held across the loop)."""
-    s_gate, first, tile, request, head, tokens, record, _, _ = where
+    s_gate, first, tile, request, head, tokens, record = where[:7]
     stride = HEAD_DIM * 2  # bytes per f_a / f_b row
     lanes = (flags[0] | flags[1]) | (flags[2] | flags[3])
     while lanes != 0:
@@ -539,7 +513,7 @@ def settle_each(op, lane, flags, where: GateTile):
                     dt = Float32(op.dt_bias[head * HEAD_DIM + feature])
                     a = Float32(op.a_log[head])
                     column = first + source // 4 + 8 * (e // 2)
-                    s_gate[t, column] = decay(a, raw_g, dt, op.lower_bound)
+                    s_gate[t, column] = decay(a, raw_g, dt, op.lower_bound, where.softplus_gate)
                     if cutlass.const_expr(record):
                         op.kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
         lanes = lanes & (lanes - 1)
@@ -551,7 +525,7 @@ def settle_rounds(op, flags, a, dt, where: GateTile):
     row loads of a round are issued together, the butterflies interleaved, lane ``l``
     computes the decay of the round's value ``l % batch`` (dt_bias shuffled from the
     owner), the owner writes it."""
-    s_gate, first, tile, request, head, tokens, record, batch, shared_rows = where
+    s_gate, first, tile, request, head, tokens, record, batch, shared_rows = where[:9]
     lane = cute.arch.lane_idx()
     w0, w1, w2, w3 = flags
     rows_a = Int64(op.f_a.iterator.toint()) + Int64(request * tokens) * (HEAD_DIM * 2)
@@ -585,7 +559,8 @@ def settle_rounds(op, flags, a, dt, where: GateTile):
             e, source = select_i32(mine == k, es[k], e), select_i32(mine == k, sources[k], source)
         dt_low = cute.arch.shuffle_sync(dt[0], offset=source)
         dt_high = cute.arch.shuffle_sync(dt[1], offset=source)
-        value = decay(a, raw_g, cutlass.select_(e >= 2, dt_high, dt_low), op.lower_bound)
+        dt_e = cutlass.select_(e >= 2, dt_high, dt_low)
+        value = decay(a, raw_g, dt_e, op.lower_bound, where.softplus_gate)
         for k in cutlass.range_constexpr(batch):
             value_k = cute.arch.shuffle_sync(value, offset=k)
             if found[k] & (lane == sources[k]):

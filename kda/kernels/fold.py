@@ -11,10 +11,11 @@ One CTA per (head, listed slot) in ``kda.kernels.device``'s thread layout. Per i
   decode kernels' fast ones, which are a few fp32 ulps away): ``k^ = k * rsqrt(sum k^2 +
   1e-6)`` with the sum of the (exact) squares in fp64 rounded to fp32, the fp32 add, and
   ``1 / sqrt`` in fp64 rounded to fp32; the decay ``exp(lower_bound * sigmoid(exp(a_log) *
-  (raw_g + dt_bias)))`` with each ``exp`` and the sigmoid evaluated in fp64 and rounded
-  once to fp32, the products and the sum in fp32. An fp64 result that a different order
-  or library could change rounds to the same fp32 value but for a vanishing fraction of
-  inputs (one in ~2^28);
+  (raw_g + dt_bias)))`` (or ``exp(-exp(a_log) * softplus(raw_g + dt_bias))``, the
+  ``gate_form`` "softplus") with each ``exp``, the sigmoid and the softplus evaluated in
+  fp64 and rounded once to fp32, the products and the sum in fp32 (``scalar.decay_exact``).
+  An fp64 result that a different order or library could change rounds to the same fp32
+  value but for a vanishing fraction of inputs (one in ~2^28);
 - KdaReplay's ``fold_page`` applies the R staged entries (neutral past ``n``: decay 1,
   ``k^ = -0.0``, ``v_new = +0``, exact) to the page where it lies, ``S * d_j`` then
   ``fma(k^_j, v_j, .)`` per key, and writes it back;
@@ -39,27 +40,26 @@ from ..operands import FoldKernelOperands
 from . import device as dev
 from .device import HEAD_DIM, THREADS
 from .replay import KdaReplay
-
-
-def sigmoid_exact(value):
-    """``1 / (1 + exp(-x))`` evaluated in fp64 and rounded once to fp32 (the reference's
-    ``_sigmoid``)."""
-    return Float32(Float64(1.0) / (Float64(1.0) + cute.math.exp(-Float64(value))))
-
-
-def decay_exact(a, raw_g, dt, lower_bound):
-    """The reference's ``_decay``: ``a = exp(a_log)`` (exactly rounded), ``a * (raw_g + dt)``
-    in fp32, the fp64 sigmoid, ``lower_bound * .`` in fp32, the exactly rounded ``exp``."""
-    return dev.exp_f32_exact(lower_bound * sigmoid_exact(a * (raw_g + dt)))
+from .scalar import decay_exact
 
 
 class KdaFold(KdaReplay):
     """``heads`` H, ring ``size`` R (2..16); ``has_accepted``: ``accepted`` commits pending
     entries (else they are dropped); ``arch``: the target; ``state_dtype``: "fp32" or
-    "bf16" pages."""
+    "bf16" pages; ``gate_form``: the decay's form (compiled in)."""
 
-    def __init__(self, heads, size, has_accepted=False, *, arch="sm_90a", state_dtype="fp32"):
-        super().__init__(heads, size, 1, arch=arch, pdl=False, state_dtype=state_dtype)
+    def __init__(
+        self,
+        heads,
+        size,
+        has_accepted=False,
+        *,
+        arch="sm_90a",
+        state_dtype="fp32",
+        gate_form="lower-bound",
+    ):
+        options = dict(arch=arch, pdl=False, state_dtype=state_dtype, gate_form=gate_form)
+        super().__init__(heads, size, 1, **options)
         self.has_accepted = bool(has_accepted)
 
     @cute.jit
@@ -93,7 +93,7 @@ class KdaFold(KdaReplay):
             for j in cutlass.range_constexpr(self.size):
                 if j < held:
                     raw_g = Float32(r_raw[j, HEAD_DIM + channel])
-                    r_d[j, channel] = decay_exact(a, raw_g, dt, op.lower_bound)
+                    r_d[j, channel] = decay_exact(a, raw_g, dt, op.lower_bound, self.softplus_gate)
                 else:
                     r_d[j, channel] = Float32(1.0)
                     r_v[j, channel] = Float32(0.0)

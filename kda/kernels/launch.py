@@ -10,7 +10,7 @@ replay, recover and fold kernels (their ``state_dtype``, in the compile-cache ke
 moves pages as words, whatever their dtype. Each launcher checks its operands again, values
 included unless the stream is capturing a CUDA graph (``validate="full"`` adds the non-finite
 scan and is refused while capturing), raises ``ValueError`` before any launch, compiles a
-kernel once per (kernel, configuration, dtypes, arch) and launches it on
+kernel once per (kernel, configuration, gate form, dtypes, arch) and launches it on
 ``torch.cuda.current_stream()``. The CuTe DSL is imported on the first launch only.
 """
 
@@ -24,6 +24,7 @@ from ..state import check_copy, check_fold
 from ..validate import (
     capturing,
     check_decode,
+    check_gate_form,
     check_kernel_state,
     check_options,
     check_out,
@@ -128,6 +129,12 @@ def _run(key, build, operands, device, arch) -> None:
     compiled(operands, stream)
 
 
+def _bound(op) -> float:
+    """The kernels' ``lower_bound`` scalar of a checked step or recover call (softplus: 0.0,
+    unread: its form is compiled in)."""
+    return check_gate_form(op.gate_form, op.lower_bound)
+
+
 def _arch(device) -> str:
     return dispatch.arch_of(torch.cuda.get_device_capability(device))
 
@@ -176,12 +183,13 @@ def launch_decode(op: DecodeOperands, out, *, kernel, cluster, gate_mode, pdl, v
         pdl,
         arch,
         state_dtype,
+        op.gate_form,
     )
-    scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
+    scalars = dict(lower_bound=_bound(op), scale=op.scale, eps=op.eps)
     operands = _cute_operands(KernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
 
     def build():
-        common = dict(arch=arch, pdl=pdl, state_dtype=state_dtype)
+        common = dict(arch=arch, pdl=pdl, state_dtype=state_dtype, gate_form=op.gate_form)
         if choice.kernel == "split":
             from .split import KdaSplit
 
@@ -268,15 +276,15 @@ def launch_replay(
     _check_aligned(tensors, STEP_ALIGNED)
     has_bias, dim_first = op.conv_bias is not None, bool(op.conv_dim_first)
     config = (choice.kernel, H, size, T, gate_mode, has_bias, dim_first, bool(pdl), arch)
-    config += (state_dtype,)
-    scalars = dict(lower_bound=op.lower_bound, scale=op.scale, eps=op.eps)
+    config += (state_dtype, op.gate_form)
+    scalars = dict(lower_bound=_bound(op), scale=op.scale, eps=op.eps)
     operands = _cute_operands(ReplayKernelOperands, tensors, scalars, STEP_ALIGNED, dim_first)
 
     def build():
         from .replay import KdaReplay
 
         options = dict(arch=arch, pdl=bool(pdl), state_dtype=state_dtype)
-        return KdaReplay(H, size, T, gate_mode, has_bias, **options)
+        return KdaReplay(H, size, T, gate_mode, has_bias, **options, gate_form=op.gate_form)
 
     _run((config, _dtypes(tensors)), build, operands, device, arch)
 
@@ -293,16 +301,17 @@ def launch_recover(op: RecoverOperands, *, pdl, validate=None) -> None:
     tensors = {name: getattr(op, name) for name in names}
     _check_aligned(tensors, RECOVER_ALIGNED)
     arch = _arch(device)
-    scalars = dict(lower_bound=op.lower_bound)
+    scalars = dict(lower_bound=_bound(op))
     operands = _cute_operands(RecoverKernelOperands, tensors, scalars, RECOVER_ALIGNED)
+    gate_form = op.gate_form
 
     def build():
         from .recover import KdaRecover
 
-        options = dict(arch=arch, pdl=bool(pdl), state_dtype=state_dtype)
+        options = dict(arch=arch, pdl=bool(pdl), state_dtype=state_dtype, gate_form=gate_form)
         return KdaRecover(shape.heads, shape.tokens, **options)
 
-    key = ("recover", shape.heads, shape.tokens, bool(pdl), arch, state_dtype)
+    key = ("recover", shape.heads, shape.tokens, bool(pdl), arch, state_dtype, gate_form)
     _run(key, build, operands, device, arch)
 
 
@@ -339,11 +348,13 @@ def launch_copy(state, conv_state, src, dst, ring, live) -> None:
     _run(("copy", words, counters, arch), build, operands, device, arch)
 
 
-def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound) -> None:
+def launch_fold(
+    state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form="lower-bound"
+) -> None:
     """``kimi::kda_fold``: KdaFold, one CTA per (head, listed slot)."""
     from ..operands import FoldKernelOperands
 
-    args = (state, ring, a_log, dt_bias, slots, accepted, lower_bound)
+    args = (state, ring, a_log, dt_bias, slots, accepted, lower_bound, gate_form)
     size = check_fold(*args, check_values=not capturing(state))
     state_dtype = check_kernel_state(state, "kda.fold")
     device = _on_cuda(state, "kda.fold")
@@ -355,12 +366,14 @@ def launch_fold(state, ring: Ring, a_log, dt_bias, slots, accepted, lower_bound)
     tensors["accepted"] = accepted if has_accepted else _dummy(device, torch.int32)
     _check_aligned(tensors, FOLD_ALIGNED)
     arch, heads = _arch(device), state.shape[1]
-    scalars = dict(lower_bound=lower_bound)
+    scalars = dict(lower_bound=check_gate_form(gate_form, lower_bound))
     operands = _cute_operands(FoldKernelOperands, tensors, scalars, FOLD_ALIGNED)
+    options = dict(arch=arch, state_dtype=state_dtype, gate_form=gate_form)
 
     def build():
         from .fold import KdaFold
 
-        return KdaFold(heads, size, has_accepted, arch=arch, state_dtype=state_dtype)
+        return KdaFold(heads, size, has_accepted, **options)
 
-    _run(("fold", heads, size, has_accepted, arch, state_dtype), build, operands, device, arch)
+    key = ("fold", heads, size, has_accepted, arch, state_dtype, gate_form)
+    _run(key, build, operands, device, arch)

@@ -142,6 +142,7 @@ class KdaPipe(PipePrep, KdaStream):
         pdl=False,
         conv_bytes=4,
         state_dtype="fp32",
+        gate_form="lower-bound",
     ):
         super().__init__(
             heads,
@@ -155,6 +156,7 @@ class KdaPipe(PipePrep, KdaStream):
             arch=arch,
             pdl=pdl,
             state_dtype=state_dtype,
+            gate_form=gate_form,
         )
         self.prep_output = tokens >= PREP_OUTPUT_TOKENS
         self.batch_gate = batches_gate(tokens, self.state_bytes)

@@ -110,7 +110,8 @@ class PipePrep:
             if t < self.tokens:
                 feature = 16 * warp + f
                 dt_f = Float32(dt_row[feature])
-                s_decay[t, feature] = dev.decay(a, dev.to_bf16_f32(value), dt_f, op.lower_bound)
+                raw_g = dev.to_bf16_f32(value)
+                s_decay[t, feature] = dev.decay(a, raw_g, dt_f, op.lower_bound, self.softplus_gate)
         if cutlass.const_expr(self.gate_mode == 3):
             cute.arch.sync_warp()
             where = self.settling(s_decay, 16 * warp, warp, 0, 0, rows)
@@ -190,14 +191,13 @@ class PipePrep:
             j = 2 * quarter + e % 2
             feature = 16 * warp + group + 8 * (e // 2)
             raw_g = dev.to_bf16_f32(acc[e])
-            decays[j, feature] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
+            decays[j, feature] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound, self.softplus_gate)
         size = batch_size(n, count, request, requests, GATE_COLUMNS // self.tokens)
         if cutlass.const_expr(self.gate_mode == 3):
             cute.arch.sync_warp()
             shared = self.shared_rows(fa0, Int32(fb.iterator.toint()))
-            where = dev.GateTile(
-                decays, 16 * warp, warp, 0, 0, size * self.tokens, False, self.settle_batch, shared
-            )
+            where = (decays, 16 * warp, warp, 0, 0, size * self.tokens, False, self.settle_batch)
+            where = dev.GateTile(*where, shared, self.softplus_gate)
             dev.settle_gate(op, acc, bound, a, dt, where)
         cute.arch.barrier(barrier_id=self.prep_barrier, number_of_threads=THREADS)
         if n + size < count:

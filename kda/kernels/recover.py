@@ -35,9 +35,19 @@ from .device import HEAD_DIM, KCHUNKS, LANES, ROWS, THREADS
 class KdaRecover:
     """``heads`` H of the state pool, ``tokens`` T (2..8) recorded per request;
     ``arch``: the target (packed fp32 FMA on sm_100a); ``pdl``: programmatic dependent
-    launch; ``state_dtype``: the pages' dtype, "fp32" or "bf16"."""
+    launch; ``state_dtype``: the pages' dtype, "fp32" or "bf16"; ``gate_form``: the decay's
+    form (``kda.validate.GATE_FORMS``, compiled in)."""
 
-    def __init__(self, heads, tokens, *, arch="sm_90a", pdl=False, state_dtype="fp32"):
+    def __init__(
+        self,
+        heads,
+        tokens,
+        *,
+        arch="sm_90a",
+        pdl=False,
+        state_dtype="fp32",
+        gate_form="lower-bound",
+    ):
         if not 2 <= tokens <= 8:
             raise ValueError(f"tokens must be in 2..8 (a recorded verify step); got {tokens}")
         if heads < 1:
@@ -46,6 +56,7 @@ class KdaRecover:
         self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
         self.state_bytes = dev.state_bytes(state_dtype)
         self.bf16_state = state_dtype == "bf16"
+        self.gate_form, self.softplus_gate = gate_form, dev.softplus_gate(gate_form)
 
     @cute.jit
     def __call__(self, op: RecoverKernelOperands, stream):
@@ -101,6 +112,7 @@ class KdaRecover:
             shared,
             lambda t, c: op.kg_records[request, head, t, c],
             lambda t, c: op.v_records[request, head, t, c],
+            softplus_gate=self.softplus_gate,
         )
 
     @cute.jit

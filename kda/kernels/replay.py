@@ -87,7 +87,7 @@ PAIRS = 2  # pairs of partial sums per row and vector (two vectors: half KdaWide
 class KdaReplay(KdaWide):
     """``heads`` H, ring ``size`` R (2..16), ``tokens`` T (1: decode, slots [B]; 2..8:
     verify, slots [B, >= T] and accepted [B]; T <= R), ``gate_mode`` / ``has_bias`` /
-    ``arch`` / ``pdl`` / ``state_dtype`` as KdaWide's."""
+    ``arch`` / ``pdl`` / ``state_dtype`` / ``gate_form`` as KdaWide's."""
 
     def __init__(
         self,
@@ -100,6 +100,7 @@ class KdaReplay(KdaWide):
         arch="sm_90a",
         pdl=False,
         state_dtype="fp32",
+        gate_form="lower-bound",
     ):
         super().__init__(
             heads,
@@ -111,6 +112,7 @@ class KdaReplay(KdaWide):
             arch=arch,
             pdl=pdl,
             state_dtype=state_dtype,
+            gate_form=gate_form,
         )
         if not MIN_RING <= size <= MAX_RING or tokens > size:
             raise ValueError(f"size must be in {MIN_RING}..{MAX_RING} and >= tokens; got {size}")
@@ -154,9 +156,9 @@ class KdaReplay(KdaWide):
         """The copied entries j < ``held`` decoded in shared (``dev.stage_records``): k as
         fp32 with per-warp sums of k^2, the decay; the neutral entry (k +0, decay 1, v_new
         +0) past ``held``."""
-        dev.stage_records(
-            op, head, held, self.size, ring, lambda j, c: r_raw[j, c], keys_past=False
-        )
+        entry = lambda j, c: r_raw[j, c]  # noqa: E731
+        gate = dict(keys_past=False, softplus_gate=self.softplus_gate)
+        dev.stage_records(op, head, held, self.size, ring, entry, **gate)
 
     def conv_phase_unrecorded(self, *args):
         """KdaWide's conv phase without its k record (trace time): the record is written

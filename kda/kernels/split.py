@@ -54,7 +54,8 @@ class KdaSplit(KdaWide):
     settle_batch = 4  # gate mode 3: four undecided raw gates per round (faster here)
 
     def __init__(self, heads, tokens=1, record=False, gate_mode=3, has_bias=False, cluster=2, **kw):
-        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, **kw)  # arch, pdl
+        # arch, pdl, state_dtype, gate_form
+        super().__init__(heads, tokens, record, gate_mode, has_bias, 0, **kw)
         if cluster not in CLUSTERS:
             raise ValueError(f"cluster must be one of {CLUSTERS}; got {cluster}")
         self.cluster = cluster
@@ -207,7 +208,7 @@ class KdaSplit(KdaWide):
             t = 2 * quarter + e % 2
             raw_g = dev.to_bf16_f32(acc[e])
             local = first + group + 8 * (e // 2)
-            s_gate[t, local] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound)
+            s_gate[t, local] = dev.decay(a, raw_g, dt[e // 2], op.lower_bound, self.softplus_gate)
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if t < self.tokens:
                     feature = 16 * tile + group + 8 * (e // 2)

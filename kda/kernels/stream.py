@@ -174,6 +174,7 @@ class KdaStream(KdaWide):
         arch="sm_90a",
         pdl=False,
         state_dtype="fp32",
+        gate_form="lower-bound",
     ):
         super().__init__(
             heads,
@@ -185,6 +186,7 @@ class KdaStream(KdaWide):
             arch=arch,
             pdl=pdl,
             state_dtype=state_dtype,
+            gate_form=gate_form,
         )
         if window < tokens + 2:
             raise ValueError(f"window W = {window} must be >= T + 2 = {tokens + 2}")

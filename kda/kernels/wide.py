@@ -49,7 +49,8 @@ class KdaWide:
     reference's raw gate); ``ahead``: L2-prefetch the state page
     of the item that many CTAs on (0: off); ``arch``: the target (packed fp32 FMA on sm_100a);
     ``pdl``: launch with programmatic dependent launch; ``state_dtype``: the pages'
-    dtype, "fp32" or "bf16"."""
+    dtype, "fp32" or "bf16"; ``gate_form``: the decay's form (``kda.validate.GATE_FORMS``,
+    compiled in: ``dev.decay``)."""
 
     # gate mode 3: undecided raw gates dev.settle_gate recomputes per round (KdaSplit: 4;
     # here 1, where the batched rounds slowed KdaStream at T = 4)
@@ -67,6 +68,7 @@ class KdaWide:
         arch="sm_90a",
         pdl=False,
         state_dtype="fp32",
+        gate_form="lower-bound",
     ):
         if not 1 <= tokens <= 8:
             raise ValueError(f"KdaWide supports 1-8 tokens per request; got {tokens}")
@@ -83,6 +85,7 @@ class KdaWide:
         self.arch, self.packed, self.pdl = arch, dev.has_packed_fma(arch), pdl
         self.state_bytes = dev.state_bytes(state_dtype)
         self.state_dtype, self.bf16_state = state_dtype, state_dtype == "bf16"
+        self.gate_form, self.softplus_gate = gate_form, dev.softplus_gate(gate_form)
         # words per staged 4-key chunk, bytes per page
         self.chunk_words = self.state_bytes
         self.page_bytes = HEAD_DIM * HEAD_DIM * self.state_bytes
@@ -256,7 +259,7 @@ class KdaWide:
             feature = 16 * warp + group + 8 * (e // 2)
             raw_g = dev.to_bf16_f32(acc[e])
             # s_decay has 8 token rows: columns past T hold unused values.
-            s_decay[t, feature] = dev.decay(a, raw_g, dt[e // 2], lower_bound)
+            s_decay[t, feature] = dev.decay(a, raw_g, dt[e // 2], lower_bound, self.softplus_gate)
             if cutlass.const_expr(self.record):  # noqa: SIM102
                 if t < self.tokens:
                     kg_records[request, head, t, HEAD_DIM + feature] = BFloat16(raw_g)
@@ -273,9 +276,8 @@ class KdaWide:
 
     def settling(self, s_gate, first, tile, request, head, rows=None):
         """Trace-time helper: ``dev.settle_gate``'s ``where`` of a gate tile."""
-        return dev.GateTile(
-            s_gate, first, tile, request, head, self.tokens, self.record, self.settle_batch, rows
-        )
+        where = (s_gate, first, tile, request, head, self.tokens, self.record)
+        return dev.GateTile(*where, self.settle_batch, rows, self.softplus_gate)
 
     @cute.jit
     def per_channel(self, body):
