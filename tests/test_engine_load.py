@@ -192,7 +192,9 @@ def test_softplus_state_dict_and_its_refusals():
                 lower_bound=None, gate_form="softplus", rank=1, tp=2)  # fmt: skip
     assert (got.gate_form, got.lower_bound) == ("softplus", None)
     assert torch.equal(got.shard.a_log, _sd()["A_log"][2:])
-    layer = got.decode_layer({}, norm=None, query=None, out_norm=None)
+    hid = got.w_o.shape[0]
+    gammas = {k: torch.ones(hid, dtype=torch.bfloat16) for k in ("norm", "query", "out_norm")}
+    layer = got.decode_layer({}, **gammas)
     assert (layer.gate_form, layer.lower_bound) == ("softplus", None)
     for kw, match in (
         (dict(gate_form="softplus"), "lower_bound must be None with gate_form='softplus'"),
