@@ -25,7 +25,9 @@ def run(script, *args, torchrun=0, timeout=300):
         launch = ["-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"]
         launch += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
         cmd = [sys.executable, *launch, path, *args]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    # the checkout first, then whatever the caller's path holds (the GPU machine's packages)
+    path_env = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path_env, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     lines = p.stdout.splitlines()
     assert p.returncode == 0 and lines and lines[-1] == "OK", p.stdout[-3000:] + p.stderr[-3000:]
