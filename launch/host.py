@@ -131,8 +131,25 @@ def host_layer(model: Model, me, backend) -> DecodeLayer:
 
 def host_step(layer: DecodeLayer, me, plan, step, prefix, blocks):
     """One step of the job through ``layer``'s parts, timed: the rank's heads of ``step``
-    (``attend``; ``recover`` after a recorded verify step), ``produce``, ``consume``
-    (``prefix`` updated in place). Returns (attn, output, seconds per stage and in all)."""
+    (``host_attend``), ``produce``, ``consume`` (``prefix`` updated in place). Returns
+    (attn, output, seconds per stage and in all)."""
+    parity = plan.index & 1
+    times = []
+    attn = host_attend(layer, me, plan, step, times)
+    t2 = time.perf_counter()
+    layer.produce(attn, parity)
+    t3 = time.perf_counter()
+    output = torch.empty_like(prefix)
+    layer.consume(prefix, blocks, output, parity)
+    t4 = time.perf_counter()
+    t0, t1 = times
+    return attn, output, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
+
+
+def host_attend(layer: DecodeLayer, me, plan, step, times=None):
+    """KDA on rank ``me``'s heads of ``step`` through ``layer``: ``attend``, and ``recover``
+    after a recorded verify step. Returns attn [N, D_local]; ``times`` gets the start and the
+    end of ``attend``."""
     cfg = me.model.cfg
     local = kl.shard_step(step, cfg.heads, me.first, cfg.heads_per_rank)
     records = None
@@ -140,20 +157,15 @@ def host_step(layer: DecodeLayer, me, plan, step, prefix, blocks):
         B, H, T = local.slots.shape[0], layer.heads, plan.tokens
         v_rec = torch.zeros(B, H, T, HEAD_DIM)
         records = (v_rec, torch.zeros(B, H, T, 2 * HEAD_DIM, dtype=torch.bfloat16))
-    parity = plan.index & 1
     t0 = time.perf_counter()
     inputs = (local.x, local.f_a, local.beta, local.gate, local.slots)
     attn = layer.attend(*inputs, accepted=local.accepted, records=records)
     t1 = time.perf_counter()
+    if times is not None:
+        times += [t0, t1]
     if records is not None:
         layer.recover(local.slots, records, plan.committed, plan.accepted)
-    t2 = time.perf_counter()
-    layer.produce(attn, parity)
-    t3 = time.perf_counter()
-    output = torch.empty_like(prefix)
-    layer.consume(prefix, blocks, output, parity)
-    t4 = time.perf_counter()
-    return attn, output, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
+    return attn
 
 
 def gather_ring(ring: Ring) -> Ring | None:

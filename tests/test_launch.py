@@ -245,18 +245,24 @@ def test_job_layer_takes_the_gate(kda_state):
 
     from kda import layer as kl
     from kda import synthetic as kt
+    from launch.host import host_attend, host_layer
     from launch.layer import Config, Model, Schedule, Unsharded
+    from tpcomm.backends import make_backend
 
     cfg = Config(tp=2, heads=4, hidden=1024, requests=2, tokens=2, blocks=0, steps=3,
                  kda_state=kda_state, gate="softplus")  # fmt: skip
     model, schedule = Model(cfg), Schedule(cfg)
     unsharded, ranks = Unsharded(model), [model.shard(r) for r in range(cfg.tp)]
+    backend = make_backend("loopback", world=cfg.tp, device="cpu")
+    layers = [host_layer(model, r, backend) for r in ranks]  # the job's DecodeLayers
+    assert all(L.gate_form == "softplus" and L.lower_bound is None for L in layers)
     lower = model.fresh_layer()
     for _ in range(3):
         plan = schedule.next()
         step, _, _ = model.step_inputs(plan)
         want, _ = unsharded.attention(plan, step)
-        got = torch.cat([r.attention(plan, step) for r in ranks], dim=1)
+        got = [host_attend(L, r, plan, step) for L, r in zip(layers, ranks, strict=True)]
+        got = torch.cat(got, dim=1)
         assert torch.equal(got, want)
         other = kt.run_reference(lower, step, **kl.gate_scalars("lower-bound"))
         assert not torch.equal(other, want), "the lower-bound gate's outputs"
