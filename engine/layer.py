@@ -40,6 +40,7 @@ any ``consume``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 
@@ -257,33 +258,10 @@ class DecodeLayer:
                 "commits a verify step's pending ring entries)"
             )
         L = self.shard
-        if self.reference:
-            kref.recover(
-                L.state,
-                slots,
-                records[0],
-                records[1],
-                L.a_log,
-                L.dt_bias,
-                committed,
-                accepted,
-                lower_bound=self.lower_bound,
-                gate_form=self.gate_form,
-            )
-            return
-        kda.recover(
-            L.state,
-            slots,
-            records[0],
-            records[1],
-            L.a_log,
-            L.dt_bias,
-            committed,
-            accepted,
-            lower_bound=self.lower_bound,
-            gate_form=self.gate_form,
-            pdl=self.pdl,
-        )
+        gate = dict(lower_bound=self.lower_bound, gate_form=self.gate_form)
+        # the host backend runs the reference; the GPU the kernel, after the step (PDL)
+        call = kref.recover if self.reference else partial(kda.recover, pdl=self.pdl)
+        call(L.state, slots, *records, L.a_log, L.dt_bias, committed, accepted, **gate)
 
     def materialize(self, slots=None, accepted=None) -> None:
         """Replay mode: fold the rings of ``slots`` ([n] int32 / int64 pages; default every
