@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -87,9 +88,10 @@ def fla_composed(layer, steps, H, B):
 SGLANG_HEADS = (3, 6, 12)
 
 
+@functools.cache
 def sglang_module(peer_dir="/tmp/peer"):
-    """SGLang's fused decode as a tvm-ffi module (``prepare_peer.sh``'s ``kda_peer.so``);
-    ImportError / FileNotFoundError where it is not unpacked."""
+    """SGLang's fused decode as a tvm-ffi module (``prepare_peer.sh``'s ``kda_peer.so``),
+    loaded once; ImportError / FileNotFoundError where it is not unpacked."""
     path = os.path.join(peer_dir, "kda_peer.so")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: unpack .peer/peer.tar.xz into {peer_dir} first")
@@ -116,15 +118,10 @@ def sglang_operands(layer, step, state, conv):
     taps = [weight[p].contiguous() for p in range(3)]  # [4, D] each: 3 cached taps + current
     out = torch.empty(B, D, dtype=torch.bfloat16, device=weight.device)
     norm = layer.norm_weight.float().contiguous()
-    return (step.x, a, step.beta.to(torch.bfloat16), conv, *taps, bias.contiguous()) + (
-        layer.a_log.float().contiguous(),
-        layer.dt_bias.float().contiguous(),
-        step.gate,
-        norm,
-        state,
-        step.slots,
-        out,
-    )
+    a_log, dt_bias = layer.a_log.float().contiguous(), layer.dt_bias.float().contiguous()
+    beta = step.beta.to(torch.bfloat16)
+    inputs = (step.x, a, beta, conv, *taps, bias.contiguous(), a_log, dt_bias, step.gate)
+    return (*inputs, norm, state, step.slots, out)  # run's order; ``out`` last
 
 
 def sglang_fused(module, layer, steps, state, conv):
